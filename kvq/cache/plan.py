@@ -1,0 +1,207 @@
+"""The cache plan: per-layer KV formats, windows, block size, and what fits.
+
+A :class:`CachePlan` is built once from a model's shape and the user's choices
+and answers every capacity question: bytes per block (summed over layers, K and
+V, scales included, all from the format spec), blocks and tokens that fit a
+memory budget, and the high-precision overhead of sink tokens and the recent
+residual window.  The pools and the engine size themselves from it.
+
+Two kinds of block exist (see :mod:`kvq.cache.block_manager`):
+
+* resident blocks, in each layer's quantized format (``bytes_per_block``);
+* high-precision blocks in the model dtype (``hp_bytes_per_block``) for the
+  first ``sink_tokens`` tokens and the tail that still overlaps the residual
+  window (and, for formats sealed per block, the partly filled last block).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvq.cache.block_manager import WindowPolicy, block_state
+from kvq.formats.registry import default_window, resolve_kv
+from kvq.formats.fp8 import check_fp8_numerics
+from kvq.formats.spec import FP8_MAX, KVFormat
+from kvq.models.source import ModelShape
+
+DEFAULT_BLOCK_SIZE = 16
+SKIP_KEYWORDS = ("sliding_window",)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What fits in a memory budget."""
+
+    memory_bytes: int
+    num_blocks: int  # resident blocks, if the whole budget held resident blocks
+    num_tokens: int
+    context_len: int  # for the per-sequence figures below
+    blocks_per_sequence: int  # resident blocks of one sequence at context_len
+    hp_blocks_per_sequence: int  # high-precision blocks of one sequence at context_len
+    bytes_per_sequence: int
+    sequences: int  # sequences of context_len that fit, windows included
+    tokens_at_context: int  # sequences * context_len
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    model: ModelShape
+    layers: tuple[KVFormat, ...]  # one per model layer
+    hp: KVFormat  # the model dtype: sinks, residual window, skipped layers
+    block_size: int
+    sink_tokens: int
+    residual_tokens: int
+    skip_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.layers) == self.model.num_layers, (len(self.layers), self.model.num_layers)
+        m = self.model
+        for fmt in (*self.layers, self.hp):
+            fmt.k.check_shape(m.num_kv_heads, m.head_dim, self.block_size)
+            fmt.v.check_shape(m.num_kv_heads, m.head_dim, self.block_size)
+
+    # -- bytes -----------------------------------------------------------------------------
+    def layer_block_bytes(self, layer: int) -> int:
+        return self.layers[layer].block_bytes(self.model.num_kv_heads, self.model.head_dim, self.block_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One resident block across all layers, K and V, sidecars included."""
+        return sum(self.layer_block_bytes(i) for i in range(self.model.num_layers))
+
+    @property
+    def hp_bytes_per_block(self) -> int:
+        """One high-precision block across all layers."""
+        return self.model.num_layers * self.hp.block_bytes(self.model.num_kv_heads, self.model.head_dim, self.block_size)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_block / self.block_size
+
+    @property
+    def ratio_vs_model_dtype(self) -> float:
+        """How many times more resident tokens fit than with the model dtype."""
+        return self.hp_bytes_per_block / self.bytes_per_block
+
+    # -- windows ---------------------------------------------------------------------------
+    @property
+    def is_quantized(self) -> bool:
+        return any(f.is_quantized for f in self.layers)
+
+    @property
+    def window_policy(self) -> WindowPolicy:
+        return WindowPolicy(
+            block_size=self.block_size,
+            sink_blocks=math.ceil(self.sink_tokens / self.block_size),
+            residual_tokens=self.residual_tokens,
+            write_direct=all(f.write_direct for f in self.layers),
+        )
+
+    def blocks_for(self, num_tokens: int) -> tuple[int, int]:
+        """(resident, high-precision) blocks one sequence of ``num_tokens`` holds."""
+        policy = self.window_policy
+        n_blocks = math.ceil(num_tokens / self.block_size)
+        hp = sum(block_state(i, num_tokens, policy) == "hp" for i in range(n_blocks))
+        return n_blocks - hp, hp
+
+    # -- capacity --------------------------------------------------------------------------
+    def capacity(self, memory_bytes: int, context_len: int | None = None) -> Capacity:
+        if memory_bytes < 1:
+            raise ValueError(f"memory budget must be positive, got {memory_bytes}")
+        L = context_len or self.model.max_position_embeddings
+        if L < 1:
+            raise ValueError(f"context length must be >= 1, got {L}")
+        num_blocks = memory_bytes // self.bytes_per_block
+        q, hp = self.blocks_for(L)
+        per_seq = q * self.bytes_per_block + hp * self.hp_bytes_per_block
+        seqs = memory_bytes // per_seq
+        return Capacity(
+            memory_bytes=memory_bytes,
+            num_blocks=num_blocks,
+            num_tokens=num_blocks * self.block_size,
+            context_len=L,
+            blocks_per_sequence=q,
+            hp_blocks_per_sequence=hp,
+            bytes_per_sequence=per_seq,
+            sequences=seqs,
+            tokens_at_context=seqs * L,
+        )
+
+    def check_numerics(self, device="cpu") -> None:
+        """Start-up check of every FP8 encoding the plan stores (seed 001)."""
+        for storage in sorted({t.storage for f in self.layers for t in (f.k, f.v)}):
+            if storage in FP8_MAX:
+                check_fp8_numerics(storage, device)
+
+    def layer_names(self) -> list[str]:
+        return [f.name for f in self.layers]
+
+
+def _skip_set(model: ModelShape, skip_layers) -> tuple[int, ...]:
+    out: set[int] = set()
+    for item in skip_layers or ():
+        s = str(item).strip().lower()
+        if s in SKIP_KEYWORDS:
+            out.update(model.sliding_window_layers)
+            continue
+        try:
+            idx = int(s)
+        except ValueError:
+            raise ValueError(
+                f"--kv-cache-dtype-skip-layers: {item!r} is neither a layer index (0..{model.num_layers - 1}) "
+                f"nor one of {', '.join(SKIP_KEYWORDS)}"
+            ) from None
+        if not 0 <= idx < model.num_layers:
+            raise ValueError(f"--kv-cache-dtype-skip-layers: layer {idx} out of range 0..{model.num_layers - 1}")
+        out.add(idx)
+    return tuple(sorted(out))
+
+
+def make_plan(
+    model: ModelShape,
+    kv_cache_dtype: str = "auto",
+    *,
+    k: str | None = None,
+    v: str | None = None,
+    block_size: int | None = None,
+    skip_layers=(),
+    sink_tokens: int | None = None,
+    residual_tokens: int | None = None,
+    group_size: int | None = None,
+) -> CachePlan:
+    """Build a plan; every bad choice raises ValueError naming what is valid."""
+    fmt = resolve_kv(kv_cache_dtype, k, v, model_dtype=model.dtype, group_size=group_size)
+    hp = resolve_kv(model.dtype, model_dtype=model.dtype)
+    skips = _skip_set(model, skip_layers)
+    layers = tuple(hp if i in skips else fmt for i in range(model.num_layers))
+    min_bs = math.lcm(*(f.min_block_size() for f in layers))
+    if block_size is None:
+        block_size = math.lcm(DEFAULT_BLOCK_SIZE, min_bs)
+    elif block_size < 1 or block_size % min_bs:
+        raise ValueError(
+            f"block size {block_size} does not fit {fmt.name}: it must be a positive multiple of {min_bs} "
+            f"(KIVI K is quantized over whole groups of tokens inside one block)"
+        )
+    d_sink, d_res = default_window(fmt)
+    sink_tokens = d_sink if sink_tokens is None else int(sink_tokens)
+    residual_tokens = d_res if residual_tokens is None else int(residual_tokens)
+    if sink_tokens < 0 or residual_tokens < 0:
+        raise ValueError(f"sink and residual tokens must be >= 0 (got {sink_tokens}, {residual_tokens})")
+    if not any(f.is_quantized for f in layers):
+        sink_tokens = residual_tokens = 0  # everything is already high precision
+    return CachePlan(model, layers, hp, block_size, sink_tokens, residual_tokens, skips)
+
+
+def bare_model(num_layers: int, num_kv_heads: int, head_dim: int, *, num_attention_heads: int | None = None,
+               max_position_embeddings: int = 8192, dtype: str = "bfloat16") -> ModelShape:
+    """A model shape from numbers alone, to plan for models not on disk."""
+    return ModelShape(
+        name=f"{num_layers}x{num_kv_heads}x{head_dim}",
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_attention_heads=num_attention_heads or num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+    )

@@ -1,0 +1,209 @@
+"""The ``kvq`` command line.
+
+Every subcommand reports bad input as ``kvq: error: ...`` naming the valid
+choices, and exits with code 2 (argparse's convention for usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from kvq.cache.plan import CachePlan, bare_model, make_plan
+from kvq.formats.registry import entries, resolve_kv
+from kvq.models.source import DEFAULT_MODEL, model_shape
+from kvq.units import format_bytes, parse_bytes
+
+
+class UsageError(ValueError):
+    """Bad command-line input (exit code 2)."""
+
+
+# -- shared option groups -----------------------------------------------------------------------
+def add_model_args(p: argparse.ArgumentParser, *, bare: bool = True) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or an HF "
+                   "model folder (default: default)")
+    if bare:
+        g.add_argument("--num-layers", type=int, help="plan for a model not on disk: number of layers")
+        g.add_argument("--num-kv-heads", type=int, help="... number of KV heads")
+        g.add_argument("--head-dim", type=int, help="... head dimension")
+        g.add_argument("--max-model-len", type=int, default=None, help="context length for per-sequence figures")
+        g.add_argument("--dtype", default="bfloat16", help="... model dtype (bfloat16, float16, float32)")
+
+
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache format")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache format for K and V (see `kvq formats`; default: auto = model dtype)")
+    g.add_argument("--kv-cache-dtype-k", default=None, help="format for K only (overrides --kv-cache-dtype)")
+    g.add_argument("--kv-cache-dtype-v", default=None, help="format for V only (overrides --kv-cache-dtype)")
+    g.add_argument("--kv-cache-dtype-skip-layers", nargs="+", default=(), metavar="LAYER",
+                   help="layer indices, or 'sliding_window', kept in the model dtype")
+    g.add_argument("--kv-sink-tokens", type=int, default=None,
+                   help="first N tokens kept in high precision (default: 4 for KIVI, else 0)")
+    g.add_argument("--kv-residual-tokens", type=int, default=None,
+                   help="recent window kept in high precision (default: 128 for KIVI, else 0)")
+    g.add_argument("--kivi-group-size", type=int, default=None, help="KIVI group size (default 32)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per cache block (default 16, or a multiple of the KIVI group)")
+
+
+def shape_from_args(args: argparse.Namespace):
+    bare = [args.num_layers, args.num_kv_heads, args.head_dim]
+    if any(x is not None for x in bare):
+        if args.model is not None:
+            raise UsageError("give either --model or --num-layers/--num-kv-heads/--head-dim, not both")
+        if any(x is None for x in bare):
+            raise UsageError("a bare config needs all of --num-layers, --num-kv-heads and --head-dim")
+        return bare_model(args.num_layers, args.num_kv_heads, args.head_dim,
+                          max_position_embeddings=args.max_model_len or 8192, dtype=args.dtype)
+    return model_shape(args.model or DEFAULT_MODEL)
+
+
+def plan_from_args(args: argparse.Namespace, shape=None) -> CachePlan:
+    return make_plan(
+        shape if shape is not None else shape_from_args(args),
+        args.kv_cache_dtype,
+        k=args.kv_cache_dtype_k,
+        v=args.kv_cache_dtype_v,
+        block_size=args.block_size,
+        skip_layers=args.kv_cache_dtype_skip_layers,
+        sink_tokens=args.kv_sink_tokens,
+        residual_tokens=args.kv_residual_tokens,
+        group_size=args.kivi_group_size,
+    )
+
+
+# -- kvq formats ---------------------------------------------------------------------------------
+def cmd_formats(args: argparse.Namespace) -> int:
+    shape = shape_from_args(args) if (args.model or args.num_layers) else None
+    rows = []
+    for e in entries():
+        fmt = resolve_kv(e.name, model_dtype=shape.dtype if shape else "bfloat16")
+        row = {
+            "name": e.name,
+            "aliases": list(e.aliases),
+            "summary": e.summary,
+            "bits": {"k": fmt.k.bits, "v": fmt.v.bits},
+            "scale": {"k": fmt.k.describe_scale(), "v": fmt.v.describe_scale()},
+            "default_sink_tokens": e.default_sink_tokens,
+            "default_residual_tokens": e.default_residual_tokens,
+            "reference_only": fmt.k.reference_only,
+        }
+        if shape is not None:
+            plan = make_plan(shape, e.name, residual_tokens=0, sink_tokens=0)
+            row["model"] = shape.name
+            row["bytes_per_token"] = plan.bytes_per_token
+            row["bits_per_value"] = 8 * plan.bytes_per_token / (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim)
+            row["ratio_vs_model_dtype"] = plan.ratio_vs_model_dtype
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    head = f"{'format':<20} {'aliases':<26} {'bits k/v':<9} "
+    head += f"{'B/token':>9} {'x model':>8}  " if shape else ""
+    print(head + "scale (K; V)")
+    for r in rows:
+        line = f"{r['name']:<20} {','.join(r['aliases']) or '-':<26} {r['bits']['k']}/{r['bits']['v']:<7} "
+        if shape:
+            line += f"{r['bytes_per_token']:>9.1f} {r['ratio_vs_model_dtype']:>7.2f}x  "
+        scale = r["scale"]["k"] if r["scale"]["k"] == r["scale"]["v"] else f"{r['scale']['k']}; {r['scale']['v']}"
+        print(line + scale + ("  [reference only]" if r["reference_only"] else ""))
+    if shape:
+        print(f"\nbytes per token across all {shape.num_layers} layers of {shape.name}, K+V, scales included, "
+              f"without sink/residual windows (`kvq plan` counts those)")
+    return 0
+
+
+# -- kvq plan ------------------------------------------------------------------------------------
+def plan_record(plan: CachePlan, memory: int, context_len: int | None) -> dict:
+    cap = plan.capacity(memory, context_len)
+    m = plan.model
+    layer0 = next((f for f in plan.layers if f.is_quantized), plan.layers[0])
+    return {
+        "model": m.name,
+        "model_shape": asdict(m),
+        "kv_cache_dtype": layer0.requested or layer0.name,
+        "k_format": layer0.k.name,
+        "v_format": layer0.v.name,
+        "layers": plan.layer_names(),
+        "skip_layers": list(plan.skip_layers),
+        "block_size": plan.block_size,
+        "sink_tokens": plan.sink_tokens,
+        "residual_tokens": plan.residual_tokens,
+        "planes": {
+            role: [asdict(p) for p in getattr(layer0, role).planes(m.num_kv_heads, m.head_dim, plan.block_size)]
+            for role in ("k", "v")
+        },
+        "bytes_per_block": plan.bytes_per_block,
+        "hp_bytes_per_block": plan.hp_bytes_per_block,
+        "bytes_per_token": plan.bytes_per_token,
+        "ratio_vs_model_dtype": plan.ratio_vs_model_dtype,
+        "capacity": asdict(cap),
+    }
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    plan.check_numerics()
+    rec = plan_record(plan, parse_bytes(args.memory), args.context_len)
+    if args.json:
+        print(json.dumps(rec, indent=2))
+        return 0
+    cap = rec["capacity"]
+    print(f"model            {rec['model']}  ({plan.model.num_layers} layers, {plan.model.num_kv_heads} KV heads, "
+          f"head_dim {plan.model.head_dim}, {plan.model.dtype})")
+    print(f"KV format        K {rec['k_format']}, V {rec['v_format']}"
+          + (f"; layers {rec['skip_layers']} kept in {plan.hp.name}" if rec["skip_layers"] else ""))
+    print(f"block size       {plan.block_size} tokens")
+    print(f"bytes per block  {rec['bytes_per_block']}  (model dtype: {rec['hp_bytes_per_block']}, "
+          f"{rec['ratio_vs_model_dtype']:.3f}x the tokens)")
+    print(f"bytes per token  {rec['bytes_per_token']:.1f}")
+    print(f"memory           {format_bytes(cap['memory_bytes'])}: {cap['num_blocks']} blocks, {cap['num_tokens']} tokens")
+    if plan.sink_tokens or plan.residual_tokens:
+        print(f"windows          {plan.sink_tokens} sink + {plan.residual_tokens} recent tokens in {plan.hp.name}")
+    print(f"at context {cap['context_len']:<6}{cap['sequences']} sequences ({cap['tokens_at_context']} tokens; "
+          f"{cap['blocks_per_sequence']} resident + {cap['hp_blocks_per_sequence']} high-precision blocks each)")
+    return 0
+
+
+# -- entry point -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvq", description="kvq: an LLM inference engine core with a quantized, "
+                                "paged KV cache.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    f = sub.add_parser("formats", help="list the KV cache formats", description="List every KV cache format, "
+                       "its aliases, bits and scale granularity; with a model, its bytes per token.")
+    add_model_args(f)
+    f.add_argument("--json", action="store_true", help="print JSON")
+    f.set_defaults(func=cmd_formats)
+
+    pl = sub.add_parser("plan", help="bytes per block and capacity of a KV format for a model",
+                        description="Bytes per cache block (all layers, K+V, scales included), and the blocks, "
+                        "tokens and sequences that fit a memory budget.")
+    add_model_args(pl)
+    add_kv_args(pl)
+    pl.add_argument("--memory", default="8GiB", help="memory budget for the KV cache (default 8GiB)")
+    pl.add_argument("--context-len", type=int, default=None,
+                    help="context length for per-sequence figures (default: the model's maximum)")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.set_defaults(func=cmd_plan)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:  # bad user input: named, exit code 2
+        print(f"kvq: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The kvq command line: exit codes, JSON output, the default model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvq.cli import main
+from kvq.models.source import model_shape, resolve_model
+
+BARE = ["--num-layers", "36", "--num-kv-heads", "2", "--head-dim", "128", "--block-size", "16"]
+
+
+def _plan_json(capsys, *args):
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("fmt,expected", [("fp8", 294912), ("fp16", 589824), ("int8", 299520)])
+def test_plan_bare_config_reproduces_seed_002(capsys, fmt, expected):
+    rec = _plan_json(capsys, *BARE, "--kv-cache-dtype", fmt)
+    assert rec["bytes_per_block"] == expected
+    assert rec["capacity"]["num_blocks"] == (8 << 30) // expected
+
+
+def test_plan_unknown_format_exits_2_naming_valid_ones(capsys):
+    assert main(["plan", *BARE, "--kv-cache-dtype", "fp8_e4m4"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8_e4m4" in err and "fp8_e4m3" in err and "int4_kivi" in err
+
+
+def test_console_script_exit_code():
+    r = subprocess.run([sys.executable, "-m", "kvq.cli", "plan", *BARE, "--kv-cache-dtype", "nope"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "valid formats" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvq.cli", "plan", "--no-such-flag"], capture_output=True, text=True)
+    assert r.returncode == 2
+
+
+def test_plan_other_errors_exit_2(capsys):
+    assert main(["plan", *BARE, "--kv-cache-dtype", "int4_kivi"]) == 2  # block 16 < group 32
+    assert "multiple of 32" in capsys.readouterr().err
+    assert main(["plan", "--num-layers", "4", "--kv-cache-dtype", "fp8"]) == 2
+    assert main(["plan", *BARE, "--memory", "lots"]) == 2
+    assert main(["plan", "--model", "/no/such/model", "--kv-cache-dtype", "fp8"]) == 2
+    assert "never downloads" in capsys.readouterr().err
+
+
+def test_plan_split_k_v_and_skip_layers(capsys):
+    rec = _plan_json(capsys, *BARE, "--kv-cache-dtype-k", "fp8", "--kv-cache-dtype-v", "int8",
+                     "--kv-cache-dtype-skip-layers", "0", "1")
+    assert (rec["k_format"], rec["v_format"]) == ("fp8_e4m3", "int8")
+    assert rec["skip_layers"] == [0, 1]
+    assert rec["bytes_per_block"] == 34 * (294912 + 299520) // 72 + 2 * 589824 // 36
+
+
+def test_formats_lists_every_format(capsys):
+    assert main(["formats", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    names = [r["name"] for r in rows]
+    assert "fp8_per_block" in names and "int2_kivi" in names and "fp8_e4m3fnuz" in names
+    assert main(["formats", *BARE[:6]]) == 0
+    out = capsys.readouterr().out
+    assert "18432.0" in out  # fp8 on the Qwen2.5-3B shape: 36 layers * (K+V) * 2 heads * 128 bytes
+
+
+def test_default_model_shape():
+    src = resolve_model("default")
+    assert src.gguf_file and src.path.is_file()
+    m = model_shape("default")
+    assert (m.num_layers, m.num_kv_heads, m.head_dim, m.num_attention_heads) == (30, 3, 64, 9)
+    assert m.max_position_embeddings == 8192 and m.dtype == "bfloat16"
+
+
+def test_plan_default_model(capsys):
+    rec = _plan_json(capsys, "--kv-cache-dtype", "int4_kivi", "--memory", "1GiB")
+    assert rec["model"] == "default" and rec["block_size"] == 32
+    assert rec["bytes_per_block"] == 30 * 2 * (3 * 32 * 32 + 2 * 2 * 3 * 64)
+    assert rec["capacity"]["hp_blocks_per_sequence"] == 5
