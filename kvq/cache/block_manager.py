@@ -1,0 +1,471 @@
+"""Per-sequence block tables over two pools: quantized ("q") and high precision ("hp").
+
+Logical block ``i`` of a sequence covers tokens ``[i*bs, (i+1)*bs)``. Most blocks
+live in the compact quantized pool; the first ``sink_blocks`` blocks and the
+tail that still overlaps the recent ``residual_tokens`` window live in the hp
+pool (:func:`block_state` is the one rule). When a block leaves the window it
+is *sealed*: a q block is allocated, the engine quantizes the hp block into it,
+the hp block is released::
+
+    n = 23, bs = 4, sink_blocks = 1, residual_tokens = 8, write_direct = False
+    block  0    1    2    3    4    5
+    pool   hp   q    q    hp   hp   hp      (block 3 ends at 16 > n - 8 = 15)
+           sink            residual window + partial tail
+
+Lazy sealing. A call to :meth:`BlockManager.append_slots` first settles the
+blocks that existed before it, at the length ``n_old`` the sequence had before
+the call (all their tokens were written by earlier steps), then adds blocks for
+the new tokens in the pool ``block_state(i, n_new)``. A block that holds some
+of this call's tokens therefore keeps its pool until the next call, so its hp
+copy is complete when it is sealed. The table follows ``block_state(i, n_old)``
+for blocks that start before ``n_old`` and ``block_state(i, n_new)`` for the
+others. Sizing: in decode (one token per call) a sequence holds at most one hp
+block more than the rule at its length gives; after a multi-token call, blocks
+that were hp before it stay hp until the next call. Blocks born in q (prompt blocks outside the window,
+whole new blocks of a chunk) are written directly in the quantized format by
+the forward pass that computes them: for formats without per-token writes
+(``write_direct=False``) the engine must compute such a block in one forward
+pass (block-aligned prefill chunks).
+
+Ordering contract for the returned ops (:class:`SealOp`, :class:`CopyOp`):
+the manager updates tables and refcounts at once, so a source block may
+already be back in its pool and handed out again by a later call of the same
+step (for any sequence). The engine must therefore execute every op returned
+in a scheduling step, in order, before the forward pass of that step writes
+any KV (including into the slots reserved by the call that returned the op).
+Ops only read KV written by earlier steps.
+
+Prefix caching: full blocks are registered under chained content hashes once
+their tokens are *computed*: ``num_computed`` advances on :meth:`mark_computed`
+and, implicitly, to ``n_old`` on every :meth:`append_slots`. Registering only
+computed blocks keeps another sequence from hitting a block that a chunked
+prefill has reserved but not yet written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvq.cache.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
+
+Pool = Literal["q", "hp"]
+POOLS: tuple[Pool, Pool] = ("q", "hp")
+SeqId = Hashable  # int or str in practice
+
+
+@dataclass(frozen=True)
+class WindowPolicy:
+    """Which logical blocks stay in high precision (see :func:`block_state`)."""
+
+    block_size: int
+    sink_blocks: int = 0
+    residual_tokens: int = 0
+    write_direct: bool = True  # the q format can take single tokens (per-token scales)
+
+    def __post_init__(self) -> None:
+        for name, lo in (("block_size", 1), ("sink_blocks", 0), ("residual_tokens", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"WindowPolicy.{name} must be an int >= {lo}, got {v!r}")
+
+
+def block_state(i: int, n: int, policy: WindowPolicy) -> Pool:
+    """Pool of logical block ``i`` in a sequence of ``n`` cached tokens.
+
+    Sealed ("q") iff ``i >= sink_blocks`` and either the block ends at least
+    ``residual_tokens`` before ``n`` or the format writes directly with no
+    residual window. Monotone: as ``n`` grows a block only goes hp -> q.
+    """
+    if i < policy.sink_blocks:
+        return "hp"
+    if policy.write_direct and policy.residual_tokens == 0:
+        return "q"
+    return "q" if (i + 1) * policy.block_size <= n - policy.residual_tokens else "hp"
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    pool: Pool
+    block_id: int
+
+
+@dataclass(frozen=True)
+class SealOp:
+    """Quantize hp block ``src_hp_block`` into q block ``dst_q_block`` (already in the table)."""
+
+    seq_id: SeqId
+    logical_index: int
+    src_hp_block: int
+    dst_q_block: int
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    """Copy ``src`` to ``dst`` (same pool) before writing into ``dst`` (copy-on-write)."""
+
+    src: BlockRef
+    dst: BlockRef
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Tokens of a prompt whose KV came from the prefix cache (whole blocks, < len(prompt))."""
+
+    num_cached_tokens: int
+
+
+Op = SealOp | CopyOp
+
+
+class _Seq:
+    """Mutable per-sequence state; private to the manager."""
+
+    __slots__ = ("hashes", "num_computed", "num_registered", "num_settled", "seal_from", "table", "tokens")
+
+    def __init__(self, tokens: list[int], table: list[BlockRef], num_computed: int, hashes: list[int], sink: int):
+        self.tokens = tokens  # ids of all tokens with reserved slots
+        self.table = table  # one BlockRef per logical block
+        self.num_computed = num_computed  # tokens whose KV is written (prefix-cacheable)
+        self.num_settled = 0  # length before the last append call (see module docstring)
+        self.num_registered = len(hashes)  # leading full blocks already offered to the prefix index
+        self.hashes = hashes  # chained hashes of leading full blocks (a cache)
+        self.seal_from = sink  # blocks [sink, seal_from) are known to be q
+
+    def clone(self) -> _Seq:
+        s = _Seq(list(self.tokens), list(self.table), self.num_computed, list(self.hashes), 0)
+        s.num_settled, s.num_registered, s.seal_from = self.num_settled, self.num_registered, self.seal_from
+        return s
+
+
+class BlockManager:
+    """Block tables for sequences, over a q pool and an hp pool.
+
+    Every method that can run out of blocks checks first and raises
+    :class:`NoFreeBlocksError` with the manager unchanged. Unknown sequence ids
+    raise ``KeyError``; bad arguments raise ``ValueError``.
+    """
+
+    def __init__(self, num_q_blocks: int, num_hp_blocks: int, policy: WindowPolicy, enable_prefix_caching: bool = True):
+        if not isinstance(policy, WindowPolicy):
+            raise TypeError(f"policy must be a WindowPolicy, got {type(policy).__name__}")
+        self.policy = policy
+        self.block_size = policy.block_size
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._alloc = {
+            "q": BlockAllocator(num_q_blocks, policy.block_size, enable_prefix_caching, name="q"),
+            "hp": BlockAllocator(num_hp_blocks, policy.block_size, enable_prefix_caching, name="hp"),
+        }
+        self._seqs: dict[SeqId, _Seq] = {}
+
+    # -- queries ----------------------------------------------------------------------------
+    def _seq(self, seq_id: SeqId) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence id {seq_id!r} (not allocated, or already freed)") from None
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def allocator(self, pool: Pool) -> BlockAllocator:
+        """The pool's allocator, for counters and stats; do not mutate it directly."""
+        if pool not in self._alloc:
+            raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
+        return self._alloc[pool]
+
+    def num_free_blocks(self, pool: Pool) -> int:
+        return self.allocator(pool).num_free
+
+    def block_table(self, seq_id: SeqId) -> list[BlockRef]:
+        return list(self._seq(seq_id).table)
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        return len(self._seq(seq_id).tokens)
+
+    def num_computed(self, seq_id: SeqId) -> int:
+        return self._seq(seq_id).num_computed
+
+    def token_ids(self, seq_id: SeqId) -> tuple[int, ...]:
+        return tuple(self._seq(seq_id).tokens)
+
+    def slots(self, seq_id: SeqId, start: int, end: int) -> list[tuple[str, int, int]]:
+        """``(pool, block_id, offset)`` for each token position in ``[start, end)``."""
+        seq = self._seq(seq_id)
+        if not 0 <= start <= end <= len(seq.tokens):
+            raise ValueError(f"slot range [{start}, {end}) outside sequence {seq_id!r} of {len(seq.tokens)} tokens")
+        bs, table = self.block_size, seq.table
+        return [(table[pos // bs].pool, table[pos // bs].block_id, pos % bs) for pos in range(start, end)]
+
+    # -- hashing helpers --------------------------------------------------------------------
+    def _block_tokens(self, tokens: Sequence[int], i: int) -> Sequence[int]:
+        return tokens[i * self.block_size:(i + 1) * self.block_size]
+
+    def _hashes_upto(self, seq: _Seq, upto: int) -> list[int]:
+        """Hashes of full blocks ``[len(seq.hashes), upto)``, not stored (planning must not mutate)."""
+        extra: list[int] = []
+        parent = seq.hashes[-1] if seq.hashes else None
+        for i in range(len(seq.hashes), upto):
+            parent = hash_block_tokens(parent, self._block_tokens(seq.tokens, i))
+            extra.append(parent)
+        return extra
+
+    def _register_computed(self, seq: _Seq) -> None:
+        """Offer full, computed blocks to their pool's prefix index."""
+        if not self.enable_prefix_caching:
+            return
+        upto = seq.num_computed // self.block_size
+        if seq.num_registered >= upto:
+            return
+        seq.hashes.extend(self._hashes_upto(seq, upto))
+        for i in range(seq.num_registered, upto):
+            ref = seq.table[i]
+            self._alloc[ref.pool].register(ref.block_id, seq.hashes[i], self._block_tokens(seq.tokens, i))
+        seq.num_registered = upto
+
+    # -- prompts ----------------------------------------------------------------------------
+    def _plan_prompt(self, token_ids: Sequence[int], use_cache: bool = True):
+        """(hits, hashes, miss, feasible) for a prompt, without mutating anything."""
+        L, bs = len(token_ids), self.block_size
+        hits: list[int] = []
+        hashes: list[int] = []
+        miss = None  # (pool, hash, tokens) of the first lookup that misses
+        taken_free = {"q": 0, "hp": 0}  # cached-free hits stop being allocatable
+        if self.enable_prefix_caching and use_cache:
+            parent = None
+            for i in range((L - 1) // bs):  # the last token is always computed
+                toks = token_ids[i * bs:(i + 1) * bs]
+                h = hash_block_tokens(parent, toks)
+                pool = block_state(i, L, self.policy)
+                bid = self._alloc[pool].probe(h, toks)
+                if bid is None:
+                    miss = (pool, h, toks)
+                    break
+                hits.append(bid)
+                hashes.append(h)
+                taken_free[pool] += self._alloc[pool].refcount(bid) == 0
+                parent = h
+        need = {"q": 0, "hp": 0}
+        for i in range(len(hits), -(-L // bs)):
+            need[block_state(i, L, self.policy)] += 1
+        ok = all(need[p] <= self._alloc[p].num_free - taken_free[p] for p in POOLS)
+        return hits, hashes, miss, ok
+
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
+        """Whether :meth:`allocate_prompt` of ``num_tokens`` tokens would succeed now.
+
+        With ``token_ids`` the prefix cache is taken into account.
+        """
+        if token_ids is None:
+            if num_tokens < 1:
+                raise ValueError(f"a prompt needs at least one token, got {num_tokens}")
+            return self._plan_prompt([0] * num_tokens, use_cache=False)[3]
+        if len(token_ids) != num_tokens or num_tokens < 1:
+            raise ValueError(f"num_tokens={num_tokens} with {len(token_ids)} token ids; a prompt needs >= 1")
+        return self._plan_prompt(token_ids)[3]
+
+    def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int]) -> PrefixHit:
+        """Reserve blocks for a whole prompt, reusing cached full blocks of its prefix.
+
+        Block ``i`` is taken from pool ``block_state(i, len(prompt))``; a cached
+        block is reused only from that pool, hits stop at the first miss and
+        never cover the last token. The engine computes tokens
+        ``[num_cached_tokens, len(prompt))``; ``num_computed`` starts at
+        ``num_cached_tokens`` (call :meth:`mark_computed` after the prefill).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence id {seq_id!r} already has blocks")
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("a prompt needs at least one token")
+        hits, hashes, miss, ok = self._plan_prompt(token_ids)
+        L, bs = len(token_ids), self.block_size
+        if not ok:
+            raise NoFreeBlocksError(
+                f"prompt of {L} tokens for {seq_id!r} does not fit: "
+                f"q free {self.num_free_blocks('q')}, hp free {self.num_free_blocks('hp')}"
+            )
+        table: list[BlockRef] = []
+        for i, want in enumerate(hits):  # take hits before allocating, so none is evicted
+            pool = block_state(i, L, self.policy)
+            got = self._alloc[pool].lookup(hashes[i], self._block_tokens(token_ids, i))
+            assert got == want, (pool, got, want)
+            table.append(BlockRef(pool, got))
+        if miss is not None:
+            assert self._alloc[miss[0]].lookup(miss[1], miss[2]) is None  # counts the miss
+        for i in range(len(hits), -(-L // bs)):
+            pool = block_state(i, L, self.policy)
+            table.append(BlockRef(pool, self._alloc[pool].allocate()))
+        self._seqs[seq_id] = _Seq(token_ids, table, len(hits) * bs, hashes, self.policy.sink_blocks)
+        return PrefixHit(len(hits) * bs)
+
+    # -- appends ----------------------------------------------------------------------------
+    def _seal_candidates(self, seq: _Seq, n: int) -> tuple[list[int], int]:
+        """Logical blocks that are hp in the table but q at length ``n``; and the new seal_from."""
+        p = self.policy
+        if p.write_direct and p.residual_tokens == 0:
+            return [], seq.seal_from
+        hi = min(max(n - p.residual_tokens, 0) // p.block_size, len(seq.table))
+        return [i for i in range(seq.seal_from, hi) if seq.table[i].pool == "hp"], max(seq.seal_from, hi)
+
+    def _plan_append(self, seq: _Seq, k: int):
+        """(seals, dedup, seal_from, feasible) for appending ``k`` tokens, without mutating anything."""
+        n_old, bs = len(seq.tokens), self.block_size
+        q, hp = self._alloc["q"], self._alloc["hp"]
+        seals, seal_from = self._seal_candidates(seq, n_old)
+        hashes = self._hashes_upto(seq, seals[-1] + 1) if seals and self.enable_prefix_caching else []
+        need, free_hp, taken_q = {"q": 0, "hp": 0}, 0, 0
+        dedup: dict[int, int] = {}  # logical index -> q block already holding its content
+        for i in seals:
+            if self.enable_prefix_caching:
+                h = seq.hashes[i] if i < len(seq.hashes) else hashes[i - len(seq.hashes)]
+                bid = q.probe(h, self._block_tokens(seq.tokens, i))
+                if bid is not None:
+                    dedup[i] = bid
+                    taken_q += q.refcount(bid) == 0
+            need["q"] += i not in dedup
+            free_hp += hp.refcount(seq.table[i].block_id) == 1
+        if k and n_old % bs:
+            tail = seq.table[n_old // bs]
+            need[tail.pool] += self._alloc[tail.pool].refcount(tail.block_id) > 1  # copy-on-write
+        for i in range(len(seq.table), -(-(n_old + k) // bs)):
+            need[block_state(i, n_old + k, self.policy)] += 1
+        ok = need["q"] <= q.num_free - taken_q and need["hp"] <= hp.num_free + free_hp
+        return seals, dedup, seal_from, ok
+
+    def can_append_slots(self, seq_id: SeqId, num_new_tokens: int) -> bool:
+        """Whether :meth:`append_slots` of ``num_new_tokens`` tokens would succeed now."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        return self._plan_append(self._seq(seq_id), num_new_tokens)[3]
+
+    def append_slots(self, seq_id: SeqId, new_token_ids: Sequence[int]) -> list[Op]:
+        """Extend a sequence by ``new_token_ids`` and return the data movement to do first.
+
+        Declares every earlier token computed (registering full blocks for
+        prefix reuse), seals blocks that left the window at the old length,
+        copies a shared partial tail on write, and allocates blocks for the
+        new tokens. See the module docstring for the ordering contract.
+        """
+        seq = self._seq(seq_id)
+        new_token_ids = list(new_token_ids)
+        n_old, bs, k = len(seq.tokens), self.block_size, len(new_token_ids)
+        seals, dedup, seal_from, ok = self._plan_append(seq, k)
+        if not ok:
+            raise NoFreeBlocksError(
+                f"cannot append {k} tokens to {seq_id!r}: "
+                f"q free {self.num_free_blocks('q')}, hp free {self.num_free_blocks('hp')}"
+            )
+        q, hp = self._alloc["q"], self._alloc["hp"]
+        seq.num_computed = n_old
+        self._register_computed(seq)  # covers every sealed block: they end <= n_old
+        ops: list[Op] = []
+        for i, want in dedup.items():  # revive cached q blocks before any allocation can evict them
+            got = q.lookup(seq.hashes[i], self._block_tokens(seq.tokens, i))
+            assert got == want, (i, got, want)
+        for i in seals:
+            src = seq.table[i].block_id
+            if i in dedup:
+                dst = dedup[i]  # same content already quantized: no data movement
+            else:
+                dst = q.allocate()
+                if self.enable_prefix_caching:
+                    q.register(dst, seq.hashes[i], self._block_tokens(seq.tokens, i))
+                ops.append(SealOp(seq_id, i, src, dst))
+            seq.table[i] = BlockRef("q", dst)
+            hp.free(src)
+        seq.seal_from = seal_from
+        if k and n_old % bs:
+            j = n_old // bs
+            tail = seq.table[j]
+            pool = self._alloc[tail.pool]
+            if pool.refcount(tail.block_id) > 1:
+                new = BlockRef(tail.pool, pool.allocate())
+                ops.append(CopyOp(tail, new))
+                pool.free(tail.block_id)
+                seq.table[j] = new
+        n_new = n_old + k
+        for i in range(len(seq.table), -(-n_new // bs)):
+            pool = block_state(i, n_new, self.policy)
+            seq.table.append(BlockRef(pool, self._alloc[pool].allocate()))
+        seq.tokens.extend(new_token_ids)
+        seq.num_settled = n_old
+        return ops
+
+    def mark_computed(self, seq_id: SeqId, num_computed: int) -> None:
+        """Declare the KV of the first ``num_computed`` tokens written (monotone; never lowers it).
+
+        Full blocks below it become prefix-cacheable. Call it after a prefill
+        forward (or before :meth:`free`) so a finished prompt's blocks are cached.
+        """
+        seq = self._seq(seq_id)
+        if not 0 <= num_computed <= len(seq.tokens):
+            raise ValueError(f"num_computed={num_computed} outside [0, {len(seq.tokens)}] for {seq_id!r}")
+        seq.num_computed = max(seq.num_computed, num_computed)
+        self._register_computed(seq)
+
+    # -- fork / free ------------------------------------------------------------------------
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Give ``child_id`` the parent's tokens and blocks, shared (copy-on-write on the tail)."""
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"sequence id {child_id!r} already has blocks")
+        for ref in parent.table:
+            self._alloc[ref.pool].incref(ref.block_id)
+        self._seqs[child_id] = parent.clone()
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release a sequence's blocks; computed, registered full blocks stay cached.
+
+        Blocks are released tail first, so the LRU evicts a prefix's tail
+        before its head.
+        """
+        seq = self._seq(seq_id)
+        self._register_computed(seq)
+        for ref in reversed(seq.table):
+            self._alloc[ref.pool].free(ref.block_id)
+        del self._seqs[seq_id]
+
+    # -- checks -----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant.
+
+        Both pools are internally consistent; every block's refcount equals the
+        number of table entries that reference it; each table has one entry per
+        logical block, in the pool :func:`block_state` dictates (at
+        ``num_settled`` for blocks starting before it, else at the length); a
+        block holding a hash holds exactly that sequence's tokens and hash.
+        """
+        for a in self._alloc.values():
+            a.check_integrity()
+        refs = {"q": [0] * self._alloc["q"].num_blocks, "hp": [0] * self._alloc["hp"].num_blocks}
+        bs = self.block_size
+        for sid, seq in self._seqs.items():
+            n = len(seq.tokens)
+            if len(seq.table) != -(-n // bs):
+                raise AssertionError(f"seq {sid!r}: {len(seq.table)} blocks for {n} tokens")
+            if not (0 <= seq.num_settled <= n and 0 <= seq.num_computed <= n):
+                raise AssertionError(f"seq {sid!r}: num_settled/num_computed outside [0, {n}]")
+            if any(r.pool != "q" for r in seq.table[self.policy.sink_blocks:seq.seal_from]):
+                raise AssertionError(f"seq {sid!r}: an hp block below seal_from={seq.seal_from}")
+            for i, ref in enumerate(seq.table):
+                refs[ref.pool][ref.block_id] += 1
+                at = seq.num_settled if i * bs < seq.num_settled else n
+                if ref.pool != block_state(i, at, self.policy):
+                    raise AssertionError(f"seq {sid!r}: block {i} is in {ref.pool}, rule says "
+                                         f"{block_state(i, at, self.policy)} at n={at}")
+                stored = self._alloc[ref.pool].block_tokens(ref.block_id)
+                if stored is not None and stored != tuple(self._block_tokens(seq.tokens, i)):
+                    raise AssertionError(f"seq {sid!r}: block {i} ({ref}) holds other tokens")
+                if stored is not None and i < len(seq.hashes) and \
+                        self._alloc[ref.pool].block_hash(ref.block_id) != seq.hashes[i]:
+                    raise AssertionError(f"seq {sid!r}: block {i} ({ref}) holds another hash")
+        for pool, counts in refs.items():
+            for bid, c in enumerate(counts):
+                rc = self._alloc[pool].refcount(bid)
+                if rc != c:
+                    raise AssertionError(f"{pool} block {bid}: refcount {rc} but {c} table references")
