@@ -12,6 +12,8 @@ token on its own any T works, and KIVI K needs T to be a multiple of its group.
 
 Rounding rules (kernels must match them bit for bit on identical inputs):
 
+* Divisions are IEEE float32 divisions (correctly rounded), never a multiply by
+  a reciprocal.
 * int8: ``scale = absmax / 127`` computed in float32 then stored in the scale
   dtype; codes ``round_half_even(x / stored_scale)`` clamped to [-127, 127].
 * FP8 with a dynamic scale: ``scale = absmax / fp8_max`` (float32);
@@ -60,6 +62,12 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
+def _div(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``x / c``, correctly rounded on every device.  (On CUDA, torch divides by a
+    Python scalar as a multiply by its reciprocal, which is off by an ulp at times.)"""
+    return x / torch.full_like(x, c)
+
+
 def _static(static_scale: torch.Tensor | float | None, H: int, device) -> torch.Tensor:
     """Static scale as a [1, H, 1, 1] float32 tensor (scalar or per head)."""
     if static_scale is None:
@@ -92,7 +100,7 @@ def quantize(fmt: TensorFormat, x: torch.Tensor, static_scale=None) -> Planes:
     if fmt.scale in ("token_head", "block_head"):
         dims = (-1,) if fmt.scale == "token_head" else (-2, -1)
         amax = xf.abs().amax(dim=dims, keepdim=True)
-        scale = (amax / fmt.qmax).to(torch_dtype(fmt.scale_dtype))
+        scale = _div(amax, fmt.qmax).to(torch_dtype(fmt.scale_dtype))
         y = xf / _safe(scale.float())
         if fmt.family == "fp8":
             data = saturating_cast(y, store)
@@ -111,7 +119,7 @@ def quantize(fmt: TensorFormat, x: torch.Tensor, static_scale=None) -> Planes:
             red = 4
         mn, mx = g.amin(dim=red, keepdim=True), g.amax(dim=red, keepdim=True)
         sdt = torch_dtype(fmt.scale_dtype)
-        scale, zero = ((mx - mn) / fmt.qmax).to(sdt), mn.to(sdt)
+        scale, zero = _div(mx - mn, fmt.qmax).to(sdt), mn.to(sdt)
         codes = _int_codes((g - zero.float()) / _safe(scale.float()), 0, fmt.qmax).reshape(N, H, T, D)
         return {"data": pack(codes, fmt.bits), "scale": scale.squeeze(red), "zero": zero.squeeze(red)}
     raise AssertionError(f"no reference quantizer for {fmt}")

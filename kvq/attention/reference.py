@@ -1,0 +1,163 @@
+"""Plain-torch write / seal / paged attention: the definition of correct.
+
+Runs on any device; the Triton kernels have the same signatures and are tested
+against these functions.  Shapes:
+
+    k, v (new)     [T, H, D]          T new tokens, H KV heads
+    slots          [T] int64          signed slot per token (kvq.cache.pool)
+    q              [T, Hq, D]         Hq = H * group (GQA: query head h reads KV head h // group)
+    cu_seqlens_q   [B + 1] int32      query tokens of sequence b: q[cu[b]:cu[b+1]]
+    block_tables   [B, max_blocks]    signed block ids (kvq.cache.pool), -inf padding unused
+    seq_lens       [B] int32          tokens in cache per sequence, the new ones included
+
+The queries of sequence b are its last ``cu[b+1] - cu[b]`` positions; each
+attends causally to every cached token up to and including its own position,
+read from the cache in its stored format (the new tokens were written first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq.cache.pool import LayerKV
+from kvq.formats import fp8
+from kvq.formats.reference import dequantize, quantize, quantize_tokens
+
+
+# -- write ---------------------------------------------------------------------------------------
+def full_block_writes(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[NB, 2] (q block id, index of its first token in the batch) for every q block
+    that ``slots`` fills completely; raises if a q block is only partly written."""
+    s = slots.tolist()
+    out, i = [], 0
+    while i < len(s):
+        if s[i] < 0:
+            i += 1
+            continue
+        block = s[i] // block_size
+        run = s[i : i + block_size]
+        if s[i] % block_size or run != list(range(block * block_size, (block + 1) * block_size)):
+            raise ValueError(
+                f"q block {block} is written partly (tokens {i}..): formats sealed per block need "
+                f"whole, block-aligned blocks in one write"
+            )
+        out.append((block, i))
+        i += block_size
+    return torch.tensor(out, dtype=torch.int64, device=slots.device).reshape(-1, 2)
+
+
+def _write_role(layer: LayerKV, role: str, x: torch.Tensor, slots: torch.Tensor) -> None:
+    bs = layer.block_size
+    fmt = layer.tensor_format(role)
+    hp_mask = slots < 0
+    if bool(hp_mask.any()):
+        hp_slots = -slots[hp_mask] - 1
+        pool = layer.hp(role)  # [N, H, bs, D]
+        pool[hp_slots // bs, :, hp_slots % bs] = x[hp_mask].to(pool.dtype)
+    q_mask = ~hp_mask
+    if not bool(q_mask.any()):
+        return
+    planes = layer.planes(role)
+    if fmt.write_direct:
+        q_slots = slots[q_mask]
+        blocks, offs = q_slots // bs, q_slots % bs
+        tok = quantize_tokens(fmt, x[q_mask], layer.static_scale(role))  # [T, H, ...]
+        for name, val in tok.items():
+            dst = fp8.as_bytes(planes[name])
+            dst[blocks, :, offs] = fp8.as_bytes(val)  # data [T,H,Dp]; scale [T,H] or [T,H,D/G]
+        return
+    writes = full_block_writes(torch.where(q_mask, slots, -1), bs)
+    starts = writes[:, 1]
+    idx = starts[:, None] + torch.arange(bs, device=x.device)[None, :]  # [NB, bs]
+    blocks_x = x[idx].permute(0, 2, 1, 3)  # [NB, H, bs, D]
+    q = quantize(fmt, blocks_x, layer.static_scale(role))
+    for name, val in q.items():
+        fp8.index_copy_(planes[name], 0, writes[:, 0], val)
+
+
+def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, full_blocks=None) -> None:
+    """Store new tokens' K and V: hp slots in the model dtype, q slots quantized.
+
+    Per-token formats quantize each token; formats sealed per block (per-block
+    FP8, KIVI K) accept q slots only as whole, block-aligned blocks (``full_blocks``,
+    the kernels' precomputed list of them, is recomputed and checked here).
+    """
+    assert k.shape == v.shape and k.dim() == 3 and slots.shape == (k.shape[0],), (k.shape, v.shape, slots.shape)
+    _write_role(layer, "k", k, slots)
+    _write_role(layer, "v", v, slots)
+
+
+# -- seal ----------------------------------------------------------------------------------------
+def seal_blocks(layer: LayerKV, src_hp: torch.Tensor, dst_q: torch.Tensor) -> None:
+    """Quantize whole hp blocks ``src_hp[i]`` into q blocks ``dst_q[i]`` (both [S] int64)."""
+    if src_hp.numel() == 0:
+        return
+    for role in ("k", "v"):
+        fmt = layer.tensor_format(role)
+        x = layer.hp(role).index_select(0, src_hp)
+        planes = quantize(fmt, x, layer.static_scale(role))
+        for name, val in planes.items():
+            fp8.index_copy_(layer.planes(role)[name], 0, dst_q, val)
+
+
+# -- read ----------------------------------------------------------------------------------------
+def gather_kv(layer: LayerKV, role: str, table: torch.Tensor, n: int, dtype=torch.float32) -> torch.Tensor:
+    """Dequantized [H, n, D] of one sequence's first ``n`` tokens (``table`` [>= ceil(n/bs)] signed)."""
+    bs = layer.block_size
+    nb = -(-n // bs)
+    ids = table[:nb].long()
+    H, D = layer.num_kv_heads, layer.head_dim
+    out = torch.empty(nb, H, bs, D, dtype=dtype, device=ids.device)
+    is_hp = ids < 0
+    if bool(is_hp.any()):
+        out[is_hp] = layer.hp(role).index_select(0, -ids[is_hp] - 1).to(dtype)
+    if bool((~is_hp).any()):
+        qids = ids[~is_hp]
+        planes = {name: fp8.index_select(t, 0, qids) for name, t in layer.planes(role).items()}
+        out[~is_hp] = dequantize(layer.tensor_format(role), planes, layer.static_scale(role), dtype)
+    return out.permute(1, 0, 2, 3).reshape(H, nb * bs, D)[:, :n]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    layer: LayerKV,
+    cu_seqlens_q: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    max_q_len: int | None = None,
+    has_hp: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over the paged cache (prefill chunks and decode).
+
+    ``max_q_len`` and ``has_hp`` are launch hints of the kernels, unused here."""
+    T, Hq, D = q.shape
+    H = layer.num_kv_heads
+    assert Hq % H == 0, (Hq, H)
+    group = Hq // H
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b in range(len(lens)):
+        qb = q[cu[b] : cu[b + 1]].float()  # [t, Hq, D]
+        t, n = qb.shape[0], lens[b]
+        if t == 0:
+            continue
+        assert t <= n, f"sequence {b}: {t} queries but only {n} cached tokens"
+        kk = gather_kv(layer, "k", block_tables[b], n)  # [H, n, D]
+        vv = gather_kv(layer, "v", block_tables[b], n)
+        kk = kk.repeat_interleave(group, dim=0)  # [Hq, n, D]
+        vv = vv.repeat_interleave(group, dim=0)
+        s = torch.einsum("thd,hnd->htn", qb, kk) * sm_scale  # [Hq, t, n]
+        pos = torch.arange(n - t, n, device=q.device)[:, None]
+        s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > pos, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        out[cu[b] : cu[b + 1]] = torch.einsum("htn,hnd->thd", p, vv).to(q.dtype)
+    return out
+
+
+def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None):
+    """One new token per sequence: q [B, Hq, D] -> [B, Hq, D]."""
+    B = q.shape[0]
+    cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    return paged_attention(q, layer, cu, block_tables, seq_lens, sm_scale)

@@ -1,0 +1,121 @@
+"""Host-side preparation of one step's cache metadata, and its data movement.
+
+The block manager decides (tensor-free); this module turns its decisions into
+the int tensors the kernels take, in one place, and runs the seal/copy ops it
+returned.  Order within a step (block_manager's contract):
+
+    ops = manager.append_slots(...)   # for every sequence in the step
+    apply_ops(pool, kernels, ops)     # seals and copy-on-write, before any write
+    kernels.write_kv(...)             # new tokens' K/V, per layer
+    kernels.paged_attention(...)      # reads the cache, per layer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvq.cache.block_manager import BlockManager, CopyOp, SealOp
+from kvq.cache.pool import KVPool, encode_slots, encode_table
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Tensors of one step, on the pool's device.
+
+    slots          [T] int64     signed slot of each new token (kvq.cache.pool)
+    full_blocks    [NB, 2] int64 q blocks filled whole by this write (block-sealed formats)
+    cu_seqlens_q   [B + 1] int32
+    block_tables   [B, max_blocks] int32, signed
+    seq_lens       [B] int32     tokens in cache after this step
+    max_q_len, max_seq_len, has_hp: host ints/bools for the launch (no device sync)
+    """
+
+    slots: torch.Tensor
+    full_blocks: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    max_q_len: int
+    max_seq_len: int
+    has_hp: bool
+
+
+def _full_blocks(slots: list[int], block_size: int) -> list[tuple[int, int]]:
+    """q blocks whose every slot appears, in order, in this write."""
+    out, i = [], 0
+    while i < len(slots):
+        s = slots[i]
+        if s >= 0 and s % block_size == 0 and i + block_size <= len(slots) and slots[i + block_size - 1] == s + block_size - 1:
+            out.append((s // block_size, i))
+            i += block_size
+        else:
+            i += 1
+    return out
+
+
+def build_metadata(
+    manager: BlockManager, seq_ids: Sequence, num_new: Sequence[int], device: torch.device | str
+) -> StepMetadata:
+    """Metadata for a step in which sequence ``seq_ids[b]`` gets its last ``num_new[b]`` tokens computed."""
+    bs = manager.block_size
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    lens: list[int] = []
+    cu = [0]
+    for sid, k in zip(seq_ids, num_new):
+        n = manager.num_tokens(sid)
+        slots += encode_slots(manager.slots(sid, n - k, n), bs)
+        tables.append(encode_table(manager.block_table(sid)))
+        lens.append(n)
+        cu.append(cu[-1] + k)
+    width = max((len(t) for t in tables), default=0)
+    has_hp = any(e < 0 for t in tables for e in t)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    pin = torch.device(device).type == "cuda"
+
+    def to_dev(x, dtype):
+        t = torch.tensor(x, dtype=dtype)
+        return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+
+    fb = _full_blocks(slots, bs)
+    return StepMetadata(
+        slots=to_dev(slots, torch.int64),
+        full_blocks=to_dev(fb, torch.int64).reshape(-1, 2),
+        cu_seqlens_q=to_dev(cu, torch.int32),
+        block_tables=to_dev(padded, torch.int32).reshape(len(tables), width),
+        seq_lens=to_dev(lens, torch.int32),
+        max_q_len=max(num_new, default=0),
+        max_seq_len=max(lens, default=0),
+        has_hp=has_hp,
+    )
+
+
+def apply_ops(pool: KVPool, kernels, ops: Sequence) -> None:
+    """Run seal and copy-on-write ops in the order the manager returned them.
+
+    Order matters: a seal's hp source is already free in the manager, and a later
+    op of the same step may reuse it as a copy destination.  Consecutive ops of one
+    kind are batched into one launch per layer.
+    """
+    i = 0
+    while i < len(ops):
+        j = i
+        while j < len(ops) and type(ops[j]) is type(ops[i]):
+            j += 1
+        run = ops[i:j]
+        if isinstance(run[0], SealOp):
+            src = torch.tensor([op.src_hp_block for op in run], dtype=torch.int64, device=pool.device)
+            dst = torch.tensor([op.dst_q_block for op in run], dtype=torch.int64, device=pool.device)
+            for layer in pool.layers:
+                kernels.seal_blocks(layer, src, dst)
+        elif isinstance(run[0], CopyOp):
+            for op in run:  # rare (forked sequences); one block at a time keeps pools apart
+                src = torch.tensor([op.src.block_id], dtype=torch.int64, device=pool.device)
+                dst = torch.tensor([op.dst.block_id], dtype=torch.int64, device=pool.device)
+                pool.copy_blocks(op.src.pool, src, dst)
+        else:
+            raise TypeError(f"unknown cache op {run[0]!r}")
+        i = j
