@@ -1,0 +1,229 @@
+"""Paged decode attention in Triton: split-K over the context, GQA, every format.
+
+One program per (sequence, KV head, split).  It loads the query rows of the
+KV head's whole group once (padded to 16 rows for the MMA), walks its share of
+the context a tile of ``BLOCK_N`` tokens at a time, reads each tile through
+:func:`kvq.attention.triton.tiles.load_tile` (stored format, dequantized in
+registers, high-precision blocks in the same pass), and keeps an online
+softmax.  Each split writes its partial output and log-sum-exp; a second
+kernel merges the splits.  Each KV head's bytes are read once per step.
+
+    q        [B, Hq, D]       bf16/fp16
+    tables   [B, max_blocks]  int32, signed (kvq.cache.pool)
+    seq_lens [B]              int32
+    out      [B, Hq, D]       q's dtype
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq.attention.triton.tiles import format_code, load_tile, tile_channel
+from kvq.cache.pool import LayerKV
+
+_LOG2E = 1.4426950408889634
+#: Running under TRITON_INTERPRET=1 (CPU CI): kernels execute in numpy.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, s_qb, s_qh,
+    kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_hb, s_hh, s_ht,
+    table_ptr, s_tb, lens_ptr,
+    po_ptr, plse_ptr, num_splits, tokens_per_split,
+    qk_scale,  # sm_scale * log2(e)
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
+    KIVI_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    n = tl.load(lens_ptr + b)
+    start = sp * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, n)
+
+    g = tl.arange(0, G_PAD)
+    gmask = g < GROUP
+    pos = tl.arange(0, D)
+    q_rows = q_ptr + b.to(tl.int64) * s_qb + (h * GROUP + g)[:, None] * s_qh
+    q = tl.load(q_rows + tile_channel(pos, K_PER, D)[None, :], mask=gmask[:, None], other=0.0).to(DOT)
+
+    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    table = table_ptr + b.to(tl.int64) * s_tb
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        valid = t < end
+        bid = tl.load(table + t // PAGE, mask=valid, other=0)
+        off = t % PAGE
+        k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
+                            bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, KIVI_G, HAS_HP, DOT)
+        s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
+                            bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, KIVI_G, HAS_HP, DOT)
+        pv = (p * v_sc[None, :]).to(DOT)
+        acc = acc * alpha[:, None] + tl.dot(pv, v)
+        m_i = m_new
+
+    # partial results: out [B, Hq, S, D] in V's tile order, lse [B, Hq, S] (log2 domain)
+    row = (b * tl.num_programs(1) * GROUP + h * GROUP + g).to(tl.int64) * num_splits + sp
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(po_ptr + row[:, None] * D + pos[None, :], acc / l_safe[:, None], mask=gmask[:, None])
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    tl.store(plse_ptr + row, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    po_ptr, plse_ptr, o_ptr, s_ob, s_oh, num_splits, Hq,
+    S_PAD: tl.constexpr, D: tl.constexpr, V_PER: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    smask = s < num_splits
+    base = (b * Hq + hq).to(tl.int64) * num_splits
+    lse = tl.load(plse_ptr + base + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(smask, tl.exp2(lse - m), 0.0)
+    pos = tl.arange(0, D)
+    po = tl.load(po_ptr + (base + s)[:, None] * D + pos[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(po * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    chan = tile_channel(pos, V_PER, D)
+    tl.store(o_ptr + b.to(tl.int64) * s_ob + hq * s_oh + chan, out.to(o_ptr.dtype.element_ty))
+
+
+def _plane(planes: dict[str, torch.Tensor], name: str, fallback: torch.Tensor) -> torch.Tensor:
+    return planes.get(name, fallback)
+
+
+def _scale_strides(fmt_code: int, planes: dict[str, torch.Tensor]) -> tuple[int, int, int]:
+    t = planes.get("scale")
+    if t is None:
+        return 0, 0, 0
+    st = list(t.stride()) + [0, 0]
+    return st[0], st[1], st[2] if t.dim() >= 3 else 0
+
+
+def layer_args(layer: LayerKV) -> tuple[list, dict]:
+    """Pointer/stride arguments and constexprs describing a layer's K and V pools."""
+    args, meta = [], {}
+    for role in ("k", "v"):
+        planes, fmt = layer.planes(role), layer.tensor_format(role)
+        data = planes["data"]
+        args += [data, _plane(planes, "scale", data), _plane(planes, "zero", data), layer.hp(role),
+                 layer.static_scale(role)]
+        meta[f"{role}_fmt"] = format_code(fmt)
+        meta[f"{role}_per"] = fmt.values_per_byte
+        meta["kivi_g"] = fmt.group_size or meta.get("kivi_g", 1)
+    strides = []
+    for role in ("k", "v"):
+        planes = layer.planes(role)
+        d = planes["data"].stride()
+        strides += [d[0], d[1], d[2], *_scale_strides(0, planes)]
+    hp = layer.k_hp.stride()
+    strides += [hp[0], hp[1], hp[2]]
+    return args + strides, meta
+
+
+def _dot_dtype(dtype: torch.dtype):
+    if INTERPRET:  # Triton's CPU interpreter computes bf16 tl.dot wrongly; fp32 checks the logic
+        return tl.float32
+    if dtype == torch.bfloat16:
+        return tl.bfloat16
+    if dtype == torch.float16:
+        return tl.float16
+    raise ValueError(f"the Triton kernels take bf16 or fp16 queries, got {dtype}")
+
+
+def launch_defaults(layer: LayerKV) -> tuple[int, int]:
+    """(BLOCK_N, num_stages) by stored width, from the sweep on the H200 recorded in
+    docs/kernels.md: 16-bit pools 64/2, 8-bit pools 128/4, packed sub-byte 64/2."""
+    bits = min(layer.fmt.k.bits, layer.fmt.v.bits)
+    if bits == 8:
+        return 128, 4
+    return 64, 2
+
+
+def choose_splits(batch_heads: int, max_len: int, block_n: int, num_sms: int = 132) -> tuple[int, int]:
+    """(num_splits, tokens_per_split): enough programs to fill the GPU ~2x over,
+    each split a whole number of tiles and no shorter than 4 tiles."""
+    want = max(1, math.ceil(2 * num_sms / max(batch_heads, 1)))
+    tiles = max(1, math.ceil(max_len / block_n))
+    splits = max(1, min(want, tiles // 4 or 1))
+    tps = math.ceil(tiles / splits) * block_n
+    return math.ceil(max_len / tps), tps
+
+
+def paged_decode(
+    q: torch.Tensor,
+    layer: LayerKV,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    max_seq_len: int | None = None,
+    has_hp: bool | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of :func:`kvq.attention.reference.paged_decode`.
+
+    ``max_seq_len`` (host int) sizes the split grid without a device sync; pass
+    it from the scheduler.  ``has_hp=False`` compiles out the high-precision
+    path when no table holds an hp block.
+    """
+    B, Hq, D = q.shape
+    H = layer.num_kv_heads
+    assert Hq % H == 0 and D == layer.head_dim, (Hq, H, D, layer.head_dim)
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    group = Hq // H
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    if has_hp is None:
+        has_hp = layer.k_hp.shape[0] > 0
+    page = layer.block_size
+    auto_n, auto_stages = launch_defaults(layer)
+    block_n = block_n or auto_n
+    num_stages = num_stages or auto_stages
+    if num_splits is None:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        num_splits, tps = choose_splits(B * H, max_seq_len, block_n, num_sms)
+    else:
+        tps = math.ceil(math.ceil(max_seq_len / num_splits) / block_n) * block_n
+        num_splits = max(1, math.ceil(max_seq_len / tps))
+    po = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+    plse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    args, meta = layer_args(layer)
+    _decode_split_kernel[(B, H, num_splits)](
+        q, q.stride(0), q.stride(1), *args,
+        block_tables, block_tables.stride(0), seq_lens, po, plse, num_splits, tps, sm_scale * _LOG2E,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, BLOCK_N=block_n,
+        K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
+        KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=_dot_dtype(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_reduce_kernel[(B, Hq)](
+        po, plse, out, out.stride(0), out.stride(1), num_splits, Hq,
+        S_PAD=max(2, triton.next_power_of_2(num_splits)), D=D, V_PER=meta["v_per"],
+    )
+    return out

@@ -1,0 +1,258 @@
+"""Quantize-on-store in Triton: token writes and block seals, every format.
+
+Twins of :func:`kvq.attention.reference.write_kv` and ``seal_blocks``, bit for
+bit on the same inputs (same fp32 arithmetic, correctly rounded division,
+round-half-to-even codes, saturating FP8 casts).
+
+* ``_write_kernel``: one program per (new token, KV head), K and V together.
+  hp slots store the model dtype; q slots quantize the row (per-token formats;
+  rows of block-sealed formats are skipped here and written by the seal kernel).
+* ``_seal_kernel``: one program per (block, KV head): quantizes a whole
+  ``[bs, D]`` tile, from the hp pool (seal) or from the new tokens themselves
+  (a prefill chunk that fills whole blocks of a block-sealed format).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq.attention.triton.tiles import BLOCK_SCALE, DENSE, FP8_STATIC, KIVI_K, KIVI_V, TOKEN_SCALE, format_code
+from kvq.cache.pool import LayerKV
+
+#: Under TRITON_INTERPRET=1 (CPU CI) some casts are emulated; see _fp8_round.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _rne(y):
+    """Round half to even (torch.round), without libdevice."""
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _safe(s):
+    return tl.where(s == 0.0, 1.0, s)
+
+
+@triton.jit
+def _fp8_round(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """Round fp32 to the FP8 grid (RNE) in fp32 arithmetic.  Used only under the CPU
+    interpreter, whose fp32->fp8 cast gets values that round up to the next power
+    of two wrong; on a GPU the hardware cast does this."""
+    a = tl.abs(y)
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), EMIN)
+    q = tl.exp2(e - MBITS)
+    r = _rne(a / q) * q
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _codes(y, data_ptr, QMAX: tl.constexpr):
+    """Scaled values -> stored values (FP8 saturating cast, or int8 codes)."""
+    if data_ptr.dtype.element_ty.is_fp8():
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        if INTERPRET:
+            if data_ptr.dtype.element_ty == tl.float8e5:
+                y = _fp8_round(y, 2, -14)
+            else:
+                y = _fp8_round(y, 3, -6)
+        return y.to(data_ptr.dtype.element_ty)
+    else:
+        return tl.minimum(tl.maximum(_rne(y), -QMAX), QMAX).to(tl.int8)
+
+
+@triton.jit
+def _pack(codes, R: tl.constexpr, D: tl.constexpr, PER: tl.constexpr):
+    """[R, D] codes (natural channel order) -> [R, D // PER] uint8, planar."""
+    BITS: tl.constexpr = 8 // PER
+    c = tl.reshape(codes.to(tl.int32), (R, PER, D // PER))
+    shift = (tl.arange(0, PER) * BITS)[None, :, None]
+    return tl.sum(c << shift, axis=1).to(tl.uint8)
+
+
+@triton.jit
+def _quant_store(
+    x, data_ptr, scale_ptr, zero_ptr, static_ptr, head,
+    d_row, s_row,  # [R] element offsets of each row's data / scale row (KIVI K: of the block's scale row)
+    R: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, G: tl.constexpr, QMAX: tl.constexpr,
+):
+    """Quantize an [R, D] float32 tile into its planes and store it."""
+    p = tl.arange(0, D)
+    dp = tl.arange(0, D // PER)
+    if FMT == DENSE:
+        tl.store(data_ptr + d_row[:, None] + p[None, :], x.to(data_ptr.dtype.element_ty))
+    elif FMT == FP8_STATIC:
+        s = tl.load(static_ptr + head)
+        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(tl.math.div_rn(x, s + tl.zeros_like(x)), data_ptr, QMAX))
+    elif FMT == TOKEN_SCALE:
+        amax = tl.max(tl.abs(x), axis=1)
+        sc = tl.math.div_rn(amax, QMAX + tl.zeros_like(amax)).to(scale_ptr.dtype.element_ty)
+        tl.store(scale_ptr + s_row, sc)
+        y = tl.math.div_rn(x, _safe(sc.to(tl.float32))[:, None] + tl.zeros_like(x))
+        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX))
+    elif FMT == BLOCK_SCALE:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        sc = tl.math.div_rn(amax, QMAX).to(scale_ptr.dtype.element_ty)
+        tl.store(scale_ptr + tl.min(s_row, axis=0), sc)
+        y = tl.math.div_rn(x, _safe(sc.to(tl.float32)) + tl.zeros_like(x))
+        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX))
+    elif FMT == KIVI_K:  # groups of G rows, one scale/zero per channel
+        g = tl.reshape(x, (R // G, G, D))
+        mn = tl.min(g, axis=1)
+        mx = tl.max(g, axis=1)
+        sc = tl.math.div_rn(mx - mn, QMAX + tl.zeros_like(mn)).to(tl.float16)
+        zr = mn.to(tl.float16)
+        gi = tl.arange(0, R // G)
+        soff = tl.min(s_row, axis=0) + gi[:, None] * D + p[None, :]
+        tl.store(scale_ptr + soff, sc)
+        tl.store(zero_ptr + soff, zr)
+        y = tl.math.div_rn(g - zr.to(tl.float32)[:, None, :], _safe(sc.to(tl.float32))[:, None, :] + tl.zeros_like(g))
+        codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
+        tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER))
+    else:  # KIVI_V: per row, groups of G channels
+        g = tl.reshape(x, (R, D // G, G))
+        mn = tl.min(g, axis=2)
+        mx = tl.max(g, axis=2)
+        sc = tl.math.div_rn(mx - mn, QMAX + tl.zeros_like(mn)).to(tl.float16)
+        zr = mn.to(tl.float16)
+        gi = tl.arange(0, D // G)
+        soff = s_row[:, None] + gi[None, :]
+        tl.store(scale_ptr + soff, sc)
+        tl.store(zero_ptr + soff, zr)
+        y = tl.math.div_rn(g - zr.to(tl.float32)[:, :, None], _safe(sc.to(tl.float32))[:, :, None] + tl.zeros_like(g))
+        codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
+        tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER))
+
+
+@triton.jit
+def _write_kernel(
+    k_ptr, v_ptr, s_xt, s_xh,  # new tokens [T, H, D]
+    slots_ptr,
+    kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_hb, s_hh, s_ht,
+    PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    K_FMT: tl.constexpr, K_PER: tl.constexpr, K_QMAX: tl.constexpr, K_DIRECT: tl.constexpr,
+    V_FMT: tl.constexpr, V_PER: tl.constexpr, V_QMAX: tl.constexpr, V_DIRECT: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + t)
+    p = tl.arange(0, D)
+    xk = tl.load(k_ptr + t * s_xt + h * s_xh + p[None, :]).to(tl.float32)  # [1, D]
+    xv = tl.load(v_ptr + t * s_xt + h * s_xh + p[None, :]).to(tl.float32)
+    zero = tl.zeros((1,), tl.int64)
+    if slot < 0:
+        hs = -slot - 1
+        row = (hs // PAGE) * s_hb + h * s_hh + (hs % PAGE) * s_ht + zero
+        tl.store(khp + row[:, None] + p[None, :], xk.to(khp.dtype.element_ty))
+        tl.store(vhp + row[:, None] + p[None, :], xv.to(vhp.dtype.element_ty))
+    else:
+        blk = slot // PAGE
+        off = slot % PAGE
+        if K_DIRECT:
+            _quant_store(xk, kd, ks, kz, kst, h, blk * s_kdb + h * s_kdh + off * s_kdt + zero,
+                         blk * s_ksb + h * s_ksh + off * s_kst + zero, 1, D, K_FMT, K_PER, G, K_QMAX)
+        if V_DIRECT:
+            _quant_store(xv, vd, vs, vz, vst, h, blk * s_vdb + h * s_vdh + off * s_vdt + zero,
+                         blk * s_vsb + h * s_vsh + off * s_vst + zero, 1, D, V_FMT, V_PER, G, V_QMAX)
+
+
+@triton.jit
+def _seal_kernel(
+    src_ptr, src_off_ptr, s_sh, s_st,  # source tiles: element offset of each block's [H, bs, D] origin
+    dst_ptr,  # [NB] destination q block ids
+    data_ptr, scale_ptr, zero_ptr, static_ptr,
+    s_db, s_dh, s_dt, s_sb, s_shd, s_sst,
+    PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, QMAX: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    base = tl.load(src_off_ptr + i)
+    blk = tl.load(dst_ptr + i).to(tl.int64)
+    r = tl.arange(0, PAGE)
+    p = tl.arange(0, D)
+    x = tl.load(src_ptr + base + h * s_sh + r[:, None].to(tl.int64) * s_st + p[None, :]).to(tl.float32)
+    d_row = blk * s_db + h * s_dh + r.to(tl.int64) * s_dt
+    s_row = blk * s_sb + h * s_shd + r.to(tl.int64) * s_sst
+    _quant_store(x, data_ptr, scale_ptr, zero_ptr, static_ptr, h, d_row, s_row, PAGE, D, FMT, PER, G, QMAX)
+
+
+def _role_args(layer: LayerKV, role: str) -> tuple[list, list, dict]:
+    planes, fmt = layer.planes(role), layer.tensor_format(role)
+    data = planes["data"]
+    ptrs = [data, planes.get("scale", data), planes.get("zero", data), layer.hp(role), layer.static_scale(role)]
+    sc = planes.get("scale")
+    sst = list(sc.stride()) + [0, 0] if sc is not None else [0, 0, 0]
+    if sc is not None and sc.dim() == 2:  # per block: [nb, H]
+        sst[2] = 0
+    strides = [data.stride(0), data.stride(1), data.stride(2), sst[0], sst[1], sst[2]]
+    meta = dict(fmt=format_code(fmt), per=fmt.values_per_byte, qmax=float(fmt.qmax or 0.0),
+                direct=fmt.write_direct, g=fmt.group_size or 1)
+    return ptrs, strides, meta
+
+
+def seal_from(layer: LayerKV, role: str, src: torch.Tensor, src_offsets: torch.Tensor, s_head: int, s_tok: int,
+              dst_q: torch.Tensor) -> None:
+    """Quantize whole blocks whose ``[H, bs, D]`` origins sit at ``src_offsets`` (elements) in ``src``."""
+    if dst_q.numel() == 0:
+        return
+    ptrs, strides, meta = _role_args(layer, role)
+    _seal_kernel[(dst_q.numel(), layer.num_kv_heads)](
+        src, src_offsets, s_head, s_tok, dst_q, ptrs[0], ptrs[1], ptrs[2], ptrs[4], *strides,
+        PAGE=layer.block_size, D=layer.head_dim, G=meta["g"], FMT=meta["fmt"], PER=meta["per"], QMAX=meta["qmax"],
+    )
+
+
+def seal_blocks(layer: LayerKV, src_hp: torch.Tensor, dst_q: torch.Tensor) -> None:
+    """Triton twin of :func:`kvq.attention.reference.seal_blocks`."""
+    if dst_q.numel() == 0:
+        return
+    for role in ("k", "v"):
+        hp = layer.hp(role)
+        offsets = src_hp.to(torch.int64) * hp.stride(0)
+        seal_from(layer, role, hp, offsets, hp.stride(1), hp.stride(2), dst_q)
+
+
+def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             full_blocks: torch.Tensor | None = None) -> None:
+    """Triton twin of :func:`kvq.attention.reference.write_kv`.
+
+    ``full_blocks`` [NB, 2] (q block, first token index) lists the q blocks that
+    this write fills whole; it is needed only for block-sealed formats and is
+    derived from ``slots`` (with a device sync) when not given.
+    """
+    T, H, D = k.shape
+    assert k.stride() == v.stride() and k.stride(2) == 1, "k and v must share a layout with contiguous channels"
+    if T == 0:
+        return
+    kp, ks, km = _role_args(layer, "k")
+    vp, vs, vm = _role_args(layer, "v")
+    hp = layer.k_hp.stride()
+    _write_kernel[(T, H)](
+        k, v, k.stride(0), k.stride(1), slots, *kp, *vp, *ks, *vs, hp[0], hp[1], hp[2],
+        PAGE=layer.block_size, D=D, G=max(km["g"], vm["g"]),
+        K_FMT=km["fmt"], K_PER=km["per"], K_QMAX=km["qmax"], K_DIRECT=km["direct"],
+        V_FMT=vm["fmt"], V_PER=vm["per"], V_QMAX=vm["qmax"], V_DIRECT=vm["direct"],
+    )
+    if km["direct"] and vm["direct"]:
+        return
+    if full_blocks is None:
+        from kvq.attention.reference import full_block_writes
+
+        full_blocks = full_block_writes(torch.where(slots < 0, -1, slots), layer.block_size)
+    if full_blocks.numel() == 0:
+        return
+    dst = full_blocks[:, 0].contiguous()
+    for role, x, meta in (("k", k, km), ("v", v, vm)):
+        if not meta["direct"]:
+            offsets = (full_blocks[:, 1].to(torch.int64) * x.stride(0)).contiguous()
+            seal_from(layer, role, x, offsets, x.stride(1), x.stride(0), dst)

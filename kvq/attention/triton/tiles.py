@@ -1,0 +1,120 @@
+"""Loading a tile of paged K or V in its stored format, dequantized in registers.
+
+Shared by the decode and prefill kernels.  A tile is ``N`` consecutive token
+positions of one sequence and one KV head; each position's signed block id
+(``>= 0``: resident pool, ``< 0``: high-precision pool, see kvq.cache.pool)
+picks where its row comes from.  The loader returns
+
+    raw   [N, D]  in the dot dtype, channels in *tile order* (below)
+    scale [N]     float32, per-token factor to apply after the dot product
+
+so that ``x[n, c] = raw[n, pos(c)] * scale[n]`` for every format: per-token,
+per-block and static scales fold into the scores (K) or the probabilities (V)
+instead of being multiplied into every element; KIVI's per-channel and
+per-group scales and zero points are applied element-wise here.
+
+Tile order: packed sub-byte rows are unpacked by joining the bit planes, which
+puts channel ``(p % PER) * (D // PER) + p // PER`` at position ``p``.  Queries
+are loaded and outputs stored through the same map (:func:`tile_channel`), so
+no data is ever shuffled to restore the natural order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvq.formats.spec import TensorFormat
+
+# Format codes: constexpr globals the kernels branch on at compile time.
+DENSE = tl.constexpr(0)
+FP8_STATIC = tl.constexpr(1)
+TOKEN_SCALE = tl.constexpr(2)
+BLOCK_SCALE = tl.constexpr(3)
+KIVI_K = tl.constexpr(4)
+KIVI_V = tl.constexpr(5)
+
+
+def format_code(fmt: TensorFormat) -> int:
+    """The kernels' code for a tensor format (every stored format has one)."""
+    if fmt.family == "dense":
+        return DENSE.value
+    return {
+        "static": FP8_STATIC,
+        "token_head": TOKEN_SCALE,
+        "block_head": BLOCK_SCALE,
+        "channel_group": KIVI_K,
+        "token_group": KIVI_V,
+    }[fmt.scale].value
+
+
+@triton.jit
+def tile_channel(p, PER: tl.constexpr, D: tl.constexpr):
+    """Natural channel index of tile position ``p``."""
+    if PER == 1:
+        return p
+    else:
+        return (p % PER) * (D // PER) + p // PER
+
+
+@triton.jit
+def _unpack(x, N: tl.constexpr, D: tl.constexpr, PER: tl.constexpr):
+    """[N, D // PER] uint8 -> [N, D] codes (int32) in tile order."""
+    x = x.to(tl.int32)
+    if PER == 2:
+        c = tl.join(x & 15, (x >> 4) & 15)
+    else:  # PER == 4
+        c = tl.join(tl.join(x & 3, (x >> 4) & 3), tl.join((x >> 2) & 3, (x >> 6) & 3))
+    return tl.reshape(c, (N, D))
+
+
+@triton.jit
+def load_tile(
+    data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
+    s_db, s_dh, s_dt,  # data plane strides: block, head, token (channels contiguous)
+    s_sb, s_sh, s_st,  # scale/zero strides: block, head, token (KIVI K: group)
+    s_hb, s_hh, s_ht,  # hp pool strides
+    bid, off, head, valid,  # [N] signed block ids, [N] offsets in block, scalar head, [N] mask
+    N: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
+    HAS_HP: tl.constexpr, DOT: tl.constexpr,
+):
+    # Loads are unmasked: rows past the sequence end, and hp rows in the q pool (and
+    # q rows in the hp pool), read block 0 of that pool instead, which always holds
+    # finite values (zeroed at allocation, then real K/V).  The caller masks their
+    # scores to -inf, so they weigh exactly 0.  Callers pass bid = 0 for rows past the end.
+    is_hp = bid < 0
+    qb = tl.where(is_hp, 0, bid).to(tl.int64)
+    p = tl.arange(0, D)
+    chan = tile_channel(p, PER, D)
+    row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
+    if PER == 1:
+        raw = tl.load(data_ptr + row[:, None] + p[None, :]).to(DOT)
+    else:
+        pb = tl.arange(0, D // PER)
+        raw = _unpack(tl.load(data_ptr + row[:, None] + pb[None, :]), N, D, PER)
+    scale = tl.full((N,), 1.0, tl.float32)
+    if FMT == FP8_STATIC:
+        scale = scale * tl.load(static_ptr + head)
+    elif FMT == TOKEN_SCALE:
+        scale = tl.load(scale_ptr + qb * s_sb + head * s_sh + off * s_st).to(tl.float32)
+    elif FMT == BLOCK_SCALE:
+        scale = tl.load(scale_ptr + qb * s_sb + head * s_sh).to(tl.float32)
+    elif FMT == KIVI_K:
+        srow = qb * s_sb + head * s_sh + (off // GROUP) * s_st
+        sc = tl.load(scale_ptr + srow[:, None] + chan[None, :]).to(tl.float32)
+        zr = tl.load(zero_ptr + srow[:, None] + chan[None, :]).to(tl.float32)
+        raw = (raw.to(tl.float32) * sc + zr).to(DOT)
+    elif FMT == KIVI_V:
+        srow = qb * s_sb + head * s_sh + off * s_st
+        sc = tl.load(scale_ptr + srow[:, None] + (chan // GROUP)[None, :]).to(tl.float32)
+        zr = tl.load(zero_ptr + srow[:, None] + (chan // GROUP)[None, :]).to(tl.float32)
+        raw = (raw.to(tl.float32) * sc + zr).to(DOT)
+    else:
+        raw = raw.to(DOT)
+    if HAS_HP:
+        hb = tl.where(is_hp, -bid - 1, 0).to(tl.int64)
+        hrow = hb * s_hb + head * s_hh + off.to(tl.int64) * s_ht
+        xh = tl.load(hp_ptr + hrow[:, None] + chan[None, :]).to(DOT)
+        raw = tl.where(is_hp[:, None], xh, raw)
+        scale = tl.where(is_hp, 1.0, scale)
+    return raw, scale

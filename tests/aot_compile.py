@@ -1,0 +1,93 @@
+"""Compile every Triton kernel variant for sm_90 without a GPU.
+
+Run as a script (the test runs it in a subprocess, outside the interpreter mode
+the rest of the suite uses): the launchers are called with CPU tensors while
+JITFunction.run is replaced by a recorder; each recorded launch is then
+compiled ahead of time for an H100/H200 target (front end, LLVM, PTX, ptxas).
+This catches code that only the GPU compiler rejects.  Prints one line per
+compiled variant and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+_TYPES = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
+    torch.uint8: "u8", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
+}
+recorded: list[tuple[JITFunction, dict]] = []
+
+
+def _record(self, *args, grid, warmup, **kwargs):
+    bound = dict(zip(self.arg_names, args))
+    bound.update(kwargs)
+    recorded.append((self, bound))
+
+
+def compile_recorded() -> int:
+    seen = set()
+    for fn, bound in recorded:
+        sig, consts = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            val = bound[name]
+            if i in fn.constexprs:
+                sig[name] = "constexpr"
+                consts[(i,)] = val
+            elif isinstance(val, torch.Tensor):
+                sig[name] = "*" + _TYPES[val.dtype]
+            elif isinstance(val, bool):
+                sig[name] = "i1"
+            elif isinstance(val, int):
+                sig[name] = "i64" if abs(val) >= 2**31 else "i32"
+            elif isinstance(val, float):
+                sig[name] = "fp32"
+            else:
+                sig[name] = "constexpr"
+                consts[(i,)] = val
+        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in consts.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        print("compiled", fn.__name__, {n: str(bound[n]) for n in fn.arg_names if fn.arg_names.index(n) in fn.constexprs})
+    return len(seen)
+
+
+def main(formats: list[str]) -> None:
+    JITFunction.run = _record
+    from kvq.attention.triton import kernels
+    from kvq.cache.plan import bare_model, make_plan
+    from kvq.cache.pool import KVPool
+
+    for fmt in formats:
+        for D, group in ((64, 3), (128, 4)):
+            plan = make_plan(bare_model(1, 2, D, num_attention_heads=2 * group), fmt, sink_tokens=16,
+                             residual_tokens=32)
+            layer = KVPool.create(plan, 8, 4).layers[0]
+            bs = plan.block_size
+            k = torch.zeros(2 * bs, 2, D, dtype=torch.bfloat16)
+            slots = torch.arange(2 * bs)
+            kernels.write_kv(layer, k, k, slots, torch.tensor([[0, 0], [1, bs]]))
+            kernels.seal_blocks(layer, torch.tensor([0]), torch.tensor([1]))
+            q = torch.zeros(3, 2 * group, D, dtype=torch.bfloat16)
+            tables = torch.zeros(2, 4, dtype=torch.int32)
+            lens = torch.tensor([40, 3], dtype=torch.int32)
+            kernels.paged_attention(q, layer, torch.tensor([0, 2, 3], dtype=torch.int32), tables, lens, 0.1,
+                                    max_q_len=2, has_hp=True)
+            kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
+    n = compile_recorded()
+    print(f"{n} kernel variants compiled for sm_90")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
