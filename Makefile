@@ -23,3 +23,11 @@ demo: install
 # The test suite (what CI runs).
 test: install-test
 	$(PY) -m pytest -q
+
+# On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
+.PHONY: gpu-test bench-kernels
+gpu-test:
+	bash scripts/gpu.sh test
+
+bench-kernels:
+	bash scripts/gpu.sh bench-kernels

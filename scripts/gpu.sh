@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run a GPU target on the device machine (H200): install the carried wheels in .whl/
+# (pytest, hypothesis, FlashInfer 0.7.0 and its small deps) into /tmp/site, set
+# FlashInfer's environment, then run the target.
+#   bash scripts/gpu.sh test            # kernel tests on CUDA (what `make gpu-test` runs)
+#   bash scripts/gpu.sh bench-kernels   # decode/write benchmark vs FlashInfer and SDPA
+#   bash scripts/gpu.sh probe           # quick decode timing probe
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD"
+fi
+export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfer" FLASHINFER_NO_DOWNLOAD=1 \
+  TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
+target="${1:-test}"; shift || true
+case "$target" in
+  test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py \
+          tests/test_formats_spec.py "$@" ;;
+  bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
+  probe) python3 scripts/probe_decode.py "$@" ;;
+  *) echo "unknown target $target (test, bench-kernels, probe)" >&2; exit 2 ;;
+esac

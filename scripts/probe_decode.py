@@ -1,0 +1,92 @@
+"""Quick decode timing probe on the GPU (not the benchmark: see benchmarks/).
+
+Times kvq's Triton paged decode per format against dense bf16 SDPA at one shape,
+with L2 flushed and CUDA events, to steer kernel work.  Prints one line per case.
+"""
+
+import argparse
+import statistics
+
+import torch
+
+from kvq.attention.triton.decode import paged_decode
+from kvq.attention import reference
+from kvq.cache.plan import bare_model, make_plan
+from kvq.cache.pool import KVPool
+
+
+def bench(fn, iters=30):
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(iters):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--L", type=int, default=4096)
+    ap.add_argument("--formats", default="bfloat16,fp8_e4m3,fp8_per_token_head,int8,int4_kivi")
+    ap.add_argument("--block-n", default="32,64,128")
+    ap.add_argument("--splits", default="0")
+    ap.add_argument("--warps", default="4")
+    ap.add_argument("--stages", default="2")
+    args = ap.parse_args()
+    B, L, H, Hq, D = args.B, args.L, 8, 32, 128
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qq = q.view(B, Hq, 1, D)
+    t = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qq, k, v, enable_gqa=True))
+    dense_bytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+    print(f"sdpa dense bf16 {B}x{L}: {t:.1f} us  {dense_bytes / t / 1e3:.0f} GB/s", flush=True)
+    del k, v
+    for fmt in args.formats.split(","):
+        bs = 32 if "kivi" in fmt else 16
+        plan = make_plan(bare_model(1, H, D, num_attention_heads=Hq), fmt, block_size=bs, sink_tokens=0,
+                         residual_tokens=0)
+        nblk = B * L // bs
+        pool = KVPool.create(plan, nblk, 16, "cuda")
+        layer = pool.layers[0]
+        layer.k_hp.normal_()
+        layer.v_hp.normal_()
+        layer.k_hp[..., 5] += 8
+        from kvq.attention.triton.store import seal_blocks
+
+        ids = torch.arange(nblk, device="cuda")
+        seal_blocks(layer, ids % 16, ids)
+        tables = torch.randperm(nblk, device="cuda").to(torch.int32).view(B, L // bs)
+        lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        kv_bytes = nblk * plan.layers[0].block_bytes(H, D, bs)
+        total = kv_bytes + 2 * q.numel() * 2
+        # correctness on two sequences
+        o_ref = reference.paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5)
+        o = paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5, max_seq_len=L, has_hp=False)
+        err = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+        import itertools
+
+        for bn, sp, nw, ns in itertools.product(*(map(int, a.split(",")) for a in (
+                args.block_n, args.splits, args.warps, args.stages))):
+            kw = dict(max_seq_len=L, has_hp=False, block_n=bn, num_splits=sp or None, num_warps=nw, num_stages=ns)
+            try:
+                t = bench(lambda: paged_decode(q, layer, tables, lens, D ** -0.5, **kw))
+            except Exception as e:  # e.g. out of shared memory for a config
+                print(f"{fmt:20s} bn={bn} splits={sp} w={nw} s={ns}: failed {type(e).__name__}", flush=True)
+                continue
+            print(f"{fmt:20s} bn={bn:3d} splits={sp or 'auto':>4} w={nw} s={ns}: {t:7.1f} us  "
+                  f"{total / t / 1e3:6.0f} GB/s  err {err:.1e}", flush=True)
+        del pool, layer
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
