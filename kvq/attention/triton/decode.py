@@ -153,19 +153,29 @@ def _dot_dtype(dtype: torch.dtype):
     raise ValueError(f"the Triton kernels take bf16 or fp16 queries, got {dtype}")
 
 
-def launch_defaults(layer: LayerKV) -> tuple[int, int]:
-    """(BLOCK_N, num_stages) by stored width, from the sweep on the H200 recorded in
-    docs/kernels.md: 16-bit pools 64/2, 8-bit pools 128/4, packed sub-byte 64/2."""
+def launch_defaults(layer: LayerKV) -> tuple[int, int, bool]:
+    """(BLOCK_N, num_stages, split_always) by stored width, from the H200 sweeps
+    recorded in docs/kernels.md: 16-bit pools 64/2 and split the context only when
+    there are too few (sequence, head) pairs to fill the GPU; 8-bit pools 128/4 and
+    always split to ~8 programs per SM; packed sub-byte 64/2, split like 8-bit."""
     bits = min(layer.fmt.k.bits, layer.fmt.v.bits)
+    if bits == 16:
+        return 64, 2, False
     if bits == 8:
-        return 128, 4
-    return 64, 2
+        return 128, 4, True
+    return 64, 2, True
 
 
-def choose_splits(batch_heads: int, max_len: int, block_n: int, num_sms: int = 132) -> tuple[int, int]:
-    """(num_splits, tokens_per_split): enough programs to fill the GPU ~2x over,
-    each split a whole number of tiles and no shorter than 4 tiles."""
-    want = max(1, math.ceil(2 * num_sms / max(batch_heads, 1)))
+def choose_splits(batch_heads: int, max_len: int, block_n: int, num_sms: int = 132,
+                  split_always: bool = True, programs_per_sm: int = 8) -> tuple[int, int]:
+    """(num_splits, tokens_per_split).  Splitting aims at ``programs_per_sm``
+    programs per SM so the last wave is a small part of the work (always, or only
+    when ``batch_heads < 2 * num_sms``); each split is a whole number of tiles and
+    no shorter than 4 tiles."""
+    if split_always or batch_heads < 2 * num_sms:
+        want = max(1, math.ceil(programs_per_sm * num_sms / max(batch_heads, 1)))
+    else:
+        want = 1
     tiles = max(1, math.ceil(max_len / block_n))
     splits = max(1, min(want, tiles // 4 or 1))
     tps = math.ceil(tiles / splits) * block_n
@@ -201,12 +211,12 @@ def paged_decode(
     if has_hp is None:
         has_hp = layer.k_hp.shape[0] > 0
     page = layer.block_size
-    auto_n, auto_stages = launch_defaults(layer)
+    auto_n, auto_stages, split_always = launch_defaults(layer)
     block_n = block_n or auto_n
     num_stages = num_stages or auto_stages
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits, tps = choose_splits(B * H, max_seq_len, block_n, num_sms)
+        num_splits, tps = choose_splits(B * H, max_seq_len, block_n, num_sms, split_always)
     else:
         tps = math.ceil(math.ceil(max_seq_len / num_splits) / block_n) * block_n
         num_splits = max(1, math.ceil(max_seq_len / tps))

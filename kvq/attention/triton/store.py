@@ -4,7 +4,7 @@ Twins of :func:`kvq.attention.reference.write_kv` and ``seal_blocks``, bit for
 bit on the same inputs (same fp32 arithmetic, correctly rounded division,
 round-half-to-even codes, saturating FP8 casts).
 
-* ``_write_kernel``: one program per (new token, KV head), K and V together.
+* ``_write_kernel``: one program per (16 new tokens, KV head), K and V together.
   hp slots store the model dtype; q slots quantize the row (per-token formats;
   rows of block-sealed formats are skipped here and written by the seal kernel).
 * ``_seal_kernel``: one program per (block, KV head): quantizes a whole
@@ -81,22 +81,25 @@ def _pack(codes, R: tl.constexpr, D: tl.constexpr, PER: tl.constexpr):
 def _quant_store(
     x, data_ptr, scale_ptr, zero_ptr, static_ptr, head,
     d_row, s_row,  # [R] element offsets of each row's data / scale row (KIVI K: of the block's scale row)
+    rmask,  # [R] rows to store (per-row formats; block-scoped formats store whole tiles)
     R: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, G: tl.constexpr, QMAX: tl.constexpr,
 ):
     """Quantize an [R, D] float32 tile into its planes and store it."""
+    m2 = rmask[:, None]
     p = tl.arange(0, D)
     dp = tl.arange(0, D // PER)
     if FMT == DENSE:
-        tl.store(data_ptr + d_row[:, None] + p[None, :], x.to(data_ptr.dtype.element_ty))
+        tl.store(data_ptr + d_row[:, None] + p[None, :], x.to(data_ptr.dtype.element_ty), mask=m2)
     elif FMT == FP8_STATIC:
         s = tl.load(static_ptr + head)
-        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(tl.math.div_rn(x, s + tl.zeros_like(x)), data_ptr, QMAX))
+        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(tl.math.div_rn(x, s + tl.zeros_like(x)), data_ptr, QMAX),
+                 mask=m2)
     elif FMT == TOKEN_SCALE:
         amax = tl.max(tl.abs(x), axis=1)
         sc = tl.math.div_rn(amax, QMAX + tl.zeros_like(amax)).to(scale_ptr.dtype.element_ty)
-        tl.store(scale_ptr + s_row, sc)
+        tl.store(scale_ptr + s_row, sc, mask=rmask)
         y = tl.math.div_rn(x, _safe(sc.to(tl.float32))[:, None] + tl.zeros_like(x))
-        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX))
+        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX), mask=m2)
     elif FMT == BLOCK_SCALE:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         sc = tl.math.div_rn(amax, QMAX).to(scale_ptr.dtype.element_ty)
@@ -124,46 +127,49 @@ def _quant_store(
         zr = mn.to(tl.float16)
         gi = tl.arange(0, D // G)
         soff = s_row[:, None] + gi[None, :]
-        tl.store(scale_ptr + soff, sc)
-        tl.store(zero_ptr + soff, zr)
+        tl.store(scale_ptr + soff, sc, mask=m2)
+        tl.store(zero_ptr + soff, zr, mask=m2)
         y = tl.math.div_rn(g - zr.to(tl.float32)[:, :, None], _safe(sc.to(tl.float32))[:, :, None] + tl.zeros_like(g))
         codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
-        tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER))
+        tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER), mask=m2)
 
 
 @triton.jit
 def _write_kernel(
-    k_ptr, v_ptr, s_xt, s_xh,  # new tokens [T, H, D]
+    k_ptr, v_ptr, s_xt, s_xh, T,  # new tokens [T, H, D]
     slots_ptr,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
     s_hb, s_hh, s_ht,
-    PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, TB: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, K_QMAX: tl.constexpr, K_DIRECT: tl.constexpr,
     V_FMT: tl.constexpr, V_PER: tl.constexpr, V_QMAX: tl.constexpr, V_DIRECT: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """One program per (tile of TB new tokens, KV head); each row goes to its own slot."""
+    t = tl.program_id(0) * TB + tl.arange(0, TB)
     h = tl.program_id(1)
-    slot = tl.load(slots_ptr + t)
+    valid = t < T
+    slot = tl.load(slots_ptr + t, mask=valid, other=0)
     p = tl.arange(0, D)
-    xk = tl.load(k_ptr + t * s_xt + h * s_xh + p[None, :]).to(tl.float32)  # [1, D]
-    xv = tl.load(v_ptr + t * s_xt + h * s_xh + p[None, :]).to(tl.float32)
-    zero = tl.zeros((1,), tl.int64)
-    if slot < 0:
-        hs = -slot - 1
-        row = (hs // PAGE) * s_hb + h * s_hh + (hs % PAGE) * s_ht + zero
-        tl.store(khp + row[:, None] + p[None, :], xk.to(khp.dtype.element_ty))
-        tl.store(vhp + row[:, None] + p[None, :], xv.to(vhp.dtype.element_ty))
-    else:
-        blk = slot // PAGE
-        off = slot % PAGE
-        if K_DIRECT:
-            _quant_store(xk, kd, ks, kz, kst, h, blk * s_kdb + h * s_kdh + off * s_kdt + zero,
-                         blk * s_ksb + h * s_ksh + off * s_kst + zero, 1, D, K_FMT, K_PER, G, K_QMAX)
-        if V_DIRECT:
-            _quant_store(xv, vd, vs, vz, vst, h, blk * s_vdb + h * s_vdh + off * s_vdt + zero,
-                         blk * s_vsb + h * s_vsh + off * s_vst + zero, 1, D, V_FMT, V_PER, G, V_QMAX)
+    src = t.to(tl.int64)[:, None] * s_xt + h * s_xh + p[None, :]
+    xk = tl.load(k_ptr + src, mask=valid[:, None], other=0.0).to(tl.float32)  # [TB, D]
+    xv = tl.load(v_ptr + src, mask=valid[:, None], other=0.0).to(tl.float32)
+    is_hp = valid & (slot < 0)
+    is_q = valid & (slot >= 0)
+    hs = tl.where(slot < 0, -slot - 1, 0)
+    hrow = (hs // PAGE) * s_hb + h * s_hh + (hs % PAGE) * s_ht
+    tl.store(khp + hrow[:, None] + p[None, :], xk.to(khp.dtype.element_ty), mask=is_hp[:, None])
+    tl.store(vhp + hrow[:, None] + p[None, :], xv.to(vhp.dtype.element_ty), mask=is_hp[:, None])
+    qs = tl.where(slot >= 0, slot, 0)
+    blk = qs // PAGE
+    off = qs % PAGE
+    if K_DIRECT:
+        _quant_store(xk, kd, ks, kz, kst, h, blk * s_kdb + h * s_kdh + off * s_kdt,
+                     blk * s_ksb + h * s_ksh + off * s_kst, is_q, TB, D, K_FMT, K_PER, G, K_QMAX)
+    if V_DIRECT:
+        _quant_store(xv, vd, vs, vz, vst, h, blk * s_vdb + h * s_vdh + off * s_vdt,
+                     blk * s_vsb + h * s_vsh + off * s_vst, is_q, TB, D, V_FMT, V_PER, G, V_QMAX)
 
 
 @triton.jit
@@ -183,7 +189,7 @@ def _seal_kernel(
     x = tl.load(src_ptr + base + h * s_sh + r[:, None].to(tl.int64) * s_st + p[None, :]).to(tl.float32)
     d_row = blk * s_db + h * s_dh + r.to(tl.int64) * s_dt
     s_row = blk * s_sb + h * s_shd + r.to(tl.int64) * s_sst
-    _quant_store(x, data_ptr, scale_ptr, zero_ptr, static_ptr, h, d_row, s_row, PAGE, D, FMT, PER, G, QMAX)
+    _quant_store(x, data_ptr, scale_ptr, zero_ptr, static_ptr, h, d_row, s_row, r >= 0, PAGE, D, FMT, PER, G, QMAX)
 
 
 def _role_args(layer: LayerKV, role: str) -> tuple[list, list, dict]:
@@ -237,9 +243,10 @@ def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
     kp, ks, km = _role_args(layer, "k")
     vp, vs, vm = _role_args(layer, "v")
     hp = layer.k_hp.stride()
-    _write_kernel[(T, H)](
-        k, v, k.stride(0), k.stride(1), slots, *kp, *vp, *ks, *vs, hp[0], hp[1], hp[2],
-        PAGE=layer.block_size, D=D, G=max(km["g"], vm["g"]),
+    TB = 16
+    _write_kernel[(triton.cdiv(T, TB), H)](
+        k, v, k.stride(0), k.stride(1), T, slots, *kp, *vp, *ks, *vs, hp[0], hp[1], hp[2],
+        PAGE=layer.block_size, D=D, G=max(km["g"], vm["g"]), TB=TB,
         K_FMT=km["fmt"], K_PER=km["per"], K_QMAX=km["qmax"], K_DIRECT=km["direct"],
         V_FMT=vm["fmt"], V_PER=vm["per"], V_QMAX=vm["qmax"], V_DIRECT=vm["direct"],
     )

@@ -100,9 +100,19 @@ def load_tile(
     elif FMT == BLOCK_SCALE:
         scale = tl.load(scale_ptr + qb * s_sb + head * s_sh).to(tl.float32)
     elif FMT == KIVI_K:
-        srow = qb * s_sb + head * s_sh + (off // GROUP) * s_st
-        sc = tl.load(scale_ptr + srow[:, None] + chan[None, :]).to(tl.float32)
-        zr = tl.load(zero_ptr + srow[:, None] + chan[None, :]).to(tl.float32)
+        if N % GROUP == 0:  # tile rows come in whole groups: load each group's scale row once
+            NG: tl.constexpr = N // GROUP
+            qb_g = tl.max(tl.reshape(qb, (NG, GROUP)), axis=1)
+            off_g = tl.min(tl.reshape(off, (NG, GROUP)), axis=1)
+            srow = qb_g * s_sb + head * s_sh + (off_g // GROUP) * s_st
+            sc = tl.load(scale_ptr + srow[:, None] + chan[None, :]).to(tl.float32)
+            zr = tl.load(zero_ptr + srow[:, None] + chan[None, :]).to(tl.float32)
+            sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (NG, GROUP, D)), (N, D))
+            zr = tl.reshape(tl.broadcast_to(zr[:, None, :], (NG, GROUP, D)), (N, D))
+        else:
+            srow = qb * s_sb + head * s_sh + (off // GROUP) * s_st
+            sc = tl.load(scale_ptr + srow[:, None] + chan[None, :]).to(tl.float32)
+            zr = tl.load(zero_ptr + srow[:, None] + chan[None, :]).to(tl.float32)
         raw = (raw.to(tl.float32) * sc + zr).to(DOT)
     elif FMT == KIVI_V:
         srow = qb * s_sb + head * s_sh + off * s_st
