@@ -16,9 +16,9 @@ install-test: install
 
 # The main job on the embedded default model.
 demo: install
-	kvq formats --model default
-	kvq plan --model default --kv-cache-dtype fp8_e4m3 --memory 1GiB
-	kvq plan --model default --kv-cache-dtype int4_kivi --memory 1GiB
+	$(PY) -m kvq.cli formats --model default
+	$(PY) -m kvq.cli plan --model default --kv-cache-dtype fp8_e4m3 --memory 1GiB
+	$(PY) -m kvq.cli plan --model default --kv-cache-dtype int4_kivi --memory 1GiB
 
 # The test suite (what CI runs).
 test: install-test
