@@ -1,0 +1,61 @@
+"""Loading a model's tokenizer and weights from disk, offline, with progress.
+
+Weights come through transformers' own loaders (safetensors folders, or GGUF
+files that it dequantizes).  The hub is switched off before transformers is
+imported and every call passes ``local_files_only``: a missing file is an
+error, never a download.  A stage bar shows progress; transformers adds its own
+per-tensor bars for GGUF conversion and weight loading.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from kvq.models.source import ModelSource, resolve_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    tokenizer: object
+    model: torch.nn.Module
+
+
+def _kwargs(src: ModelSource) -> dict:
+    kw = {"local_files_only": True}
+    if src.gguf_file:
+        kw["gguf_file"] = src.gguf_file
+    return kw
+
+
+def load_tokenizer(model: str | ModelSource):
+    from transformers import AutoTokenizer
+
+    src = resolve_model(model) if isinstance(model, str) else model
+    return AutoTokenizer.from_pretrained(str(src.folder), **_kwargs(src))
+
+
+def load_hf_model(model: str | ModelSource = "default", dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu", progress: bool = True) -> LoadedModel:
+    """Tokenizer + transformers causal LM for ``model`` ('default', .gguf path, HF folder)."""
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(model) if isinstance(model, str) else model
+    with tqdm(total=3, desc=f"loading {src.name}", disable=not progress, unit="stage") as bar:
+        bar.set_postfix_str("tokenizer")
+        tok = load_tokenizer(src)
+        bar.update()
+        bar.set_postfix_str("weights")
+        lm = AutoModelForCausalLM.from_pretrained(str(src.folder), dtype=dtype, **_kwargs(src))
+        bar.update()
+        bar.set_postfix_str(f"to {device}")
+        lm = lm.to(device).eval()
+        bar.update()
+    return LoadedModel(src, tok, lm)
