@@ -40,6 +40,8 @@ def main():
     ap.add_argument("--splits", default="0")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="2")
+    ap.add_argument("--gpad", default="0", help="query rows padded to (0: auto)")
+
     args = ap.parse_args()
     B, L, H, Hq, D = args.B, args.L, 8, 32, 128
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16)
@@ -70,19 +72,24 @@ def main():
         total = kv_bytes + 2 * q.numel() * 2
         # correctness on two sequences
         o_ref = reference.paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5)
-        o = paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5, max_seq_len=L, has_hp=False)
-        err = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+        errs = []
+        for gp in map(int, args.gpad.split(",")):
+            o = paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5, max_seq_len=L, has_hp=False,
+                             g_pad=gp or None)
+            errs.append(((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item())
+        err = max(errs)
         import itertools
 
-        for bn, sp, nw, ns in itertools.product(*(map(int, a.split(",")) for a in (
-                args.block_n, args.splits, args.warps, args.stages))):
-            kw = dict(max_seq_len=L, has_hp=False, block_n=bn, num_splits=sp or None, num_warps=nw, num_stages=ns)
+        for bn, sp, nw, ns, gp in itertools.product(*(map(int, a.split(",")) for a in (
+                args.block_n, args.splits, args.warps, args.stages, args.gpad))):
+            kw = dict(max_seq_len=L, has_hp=False, block_n=bn, num_splits=sp or None, num_warps=nw, num_stages=ns,
+                      g_pad=gp or None)
             try:
                 t = bench(lambda: paged_decode(q, layer, tables, lens, D ** -0.5, **kw))
             except Exception as e:  # e.g. out of shared memory for a config
                 print(f"{fmt:20s} bn={bn} splits={sp} w={nw} s={ns}: failed {type(e).__name__}", flush=True)
                 continue
-            print(f"{fmt:20s} bn={bn:3d} splits={sp or 'auto':>4} w={nw} s={ns}: {t:7.1f} us  "
+            print(f"{fmt:20s} bn={bn:3d} splits={sp or 'auto':>4} w={nw} s={ns} gpad={gp}: {t:7.1f} us  "
                   f"{total / t / 1e3:6.0f} GB/s  err {err:.1e}", flush=True)
         del pool, layer
         torch.cuda.empty_cache()

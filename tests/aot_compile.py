@@ -85,6 +85,7 @@ def main(formats: list[str]) -> None:
             kernels.paged_attention(q, layer, torch.tensor([0, 2, 3], dtype=torch.int32), tables, lens, 0.1,
                                     max_q_len=2, has_hp=True)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
+            kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=False)
     n = compile_recorded()
     print(f"{n} kernel variants compiled for sm_90")
 

@@ -194,11 +194,13 @@ def paged_decode(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    g_pad: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`kvq.attention.reference.paged_decode`.
 
     ``max_seq_len`` (host int) sizes the split grid without a device sync; pass
-    it from the scheduler.  ``has_hp=False`` compiles out the high-precision
+    it from the scheduler.  ``g_pad`` pads the query group to that many rows
+    (default 16, the smallest MMA; 64 makes Triton use wgmma, measured slower).  ``has_hp=False`` compiles out the high-precision
     path when no table holds an hp block.
     """
     B, Hq, D = q.shape
@@ -227,7 +229,7 @@ def paged_decode(
     _decode_split_kernel[(B, H, num_splits)](
         q, q.stride(0), q.stride(1), *args,
         block_tables, block_tables.stride(0), seq_lens, po, plse, num_splits, tps, sm_scale * _LOG2E,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, PAGE=page, BLOCK_N=block_n,
+        GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=page, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
         KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=_dot_dtype(q.dtype),
         num_warps=num_warps, num_stages=num_stages,

@@ -14,26 +14,14 @@ round-half-to-even codes, saturating FP8 casts).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from kvq.attention.triton.tiles import BLOCK_SCALE, DENSE, FP8_STATIC, KIVI_K, KIVI_V, TOKEN_SCALE, format_code
+from kvq.attention.triton.tiles import (
+    BLOCK_SCALE, DENSE, FP8_STATIC, KIVI_K, KIVI_V, TOKEN_SCALE, _rne, format_code, to_fp8,
+)
 from kvq.cache.pool import LayerKV
-
-#: Under TRITON_INTERPRET=1 (CPU CI) some casts are emulated; see _fp8_round.
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-@triton.jit
-def _rne(y):
-    """Round half to even (torch.round), without libdevice."""
-    r = tl.floor(y + 0.5)
-    tie = (r - y) == 0.5
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(tie & odd, r - 1.0, r)
 
 
 @triton.jit
@@ -42,28 +30,10 @@ def _safe(s):
 
 
 @triton.jit
-def _fp8_round(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
-    """Round fp32 to the FP8 grid (RNE) in fp32 arithmetic.  Used only under the CPU
-    interpreter, whose fp32->fp8 cast gets values that round up to the next power
-    of two wrong; on a GPU the hardware cast does this."""
-    a = tl.abs(y)
-    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), EMIN)
-    q = tl.exp2(e - MBITS)
-    r = _rne(a / q) * q
-    return tl.where(y < 0, -r, r)
-
-
-@triton.jit
 def _codes(y, data_ptr, QMAX: tl.constexpr):
     """Scaled values -> stored values (FP8 saturating cast, or int8 codes)."""
     if data_ptr.dtype.element_ty.is_fp8():
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        if INTERPRET:
-            if data_ptr.dtype.element_ty == tl.float8e5:
-                y = _fp8_round(y, 2, -14)
-            else:
-                y = _fp8_round(y, 3, -6)
-        return y.to(data_ptr.dtype.element_ty)
+        return to_fp8(tl.minimum(tl.maximum(y, -QMAX), QMAX), data_ptr.dtype.element_ty)
     else:
         return tl.minimum(tl.maximum(_rne(y), -QMAX), QMAX).to(tl.int8)
 

@@ -21,10 +21,15 @@ no data is ever shuffled to restore the natural order.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from kvq.formats.spec import TensorFormat
+
+#: Under TRITON_INTERPRET=1 (CPU CI) some casts are emulated; see _fp8_round.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # Format codes: constexpr globals the kernels branch on at compile time.
 DENSE = tl.constexpr(0)
@@ -46,6 +51,38 @@ def format_code(fmt: TensorFormat) -> int:
         "channel_group": KIVI_K,
         "token_group": KIVI_V,
     }[fmt.scale].value
+
+
+@triton.jit
+def _rne(y):
+    """Round half to even (torch.round), without libdevice."""
+    r = tl.floor(y + 0.5)
+    tie = (r - y) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _fp8_round(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """Round fp32 to the FP8 grid (RNE) in fp32 arithmetic.  Used only under the CPU
+    interpreter, whose fp32->fp8 cast gets values that round up to the next power
+    of two wrong; on a GPU the hardware cast does this."""
+    a = tl.abs(y)
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), EMIN)
+    q = tl.exp2(e - MBITS)
+    r = _rne(a / q) * q
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def to_fp8(y, dtype):
+    """Round-to-nearest-even cast of in-range fp32 values to an FP8 dtype."""
+    if INTERPRET:
+        if dtype == tl.float8e5:
+            y = _fp8_round(y, 2, -14)
+        else:
+            y = _fp8_round(y, 3, -6)
+    return y.to(dtype)
 
 
 @triton.jit
