@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="2")
     ap.add_argument("--gpad", default="0", help="query rows padded to (0: auto)")
+    ap.add_argument("--cuda", action="store_true", help="also time the CUDA 8-bit decode (decode8.cu)")
 
     args = ap.parse_args()
     B, L, H, Hq, D = args.B, args.L, 8, 32, 128
@@ -91,6 +92,23 @@ def main():
                 continue
             print(f"{fmt:20s} bn={bn:3d} splits={sp or 'auto':>4} w={nw} s={ns} gpad={gp}: {t:7.1f} us  "
                   f"{total / t / 1e3:6.0f} GB/s  err {err:.1e}", flush=True)
+        if args.cuda:
+            from kvq.attention.cuda import decode8
+
+            why = decode8.unsupported_reason(layer, Hq // H, False)
+            if why:
+                print(f"{fmt:20s} cuda: {why}", flush=True)
+            else:
+                oc = decode8.paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5, max_seq_len=L)
+                cerr = ((oc.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+                t = bench(lambda: decode8.paged_decode(q, layer, tables, lens, D ** -0.5, max_seq_len=L))
+                print(f"{fmt:20s} CUDA decode8: {t:7.1f} us  {total / t / 1e3:6.0f} GB/s  err {cerr:.1e}", flush=True)
+                # odd lengths and a short sequence, against the reference
+                lens2 = torch.tensor([L - 5, 37], dtype=torch.int32, device="cuda")
+                o2r = reference.paged_decode(q[:2], layer, tables[:2], lens2, D ** -0.5)
+                o2 = decode8.paged_decode(q[:2], layer, tables[:2], lens2, D ** -0.5, max_seq_len=L)
+                print(f"{fmt:20s} CUDA decode8 odd lengths err "
+                      f"{((o2.float() - o2r.float()).norm() / o2r.float().norm()).item():.1e}", flush=True)
         del pool, layer
         torch.cuda.empty_cache()
 
