@@ -101,8 +101,11 @@ def main():
             else:
                 oc = decode8.paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5, max_seq_len=L)
                 cerr = ((oc.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
-                t = bench(lambda: decode8.paged_decode(q, layer, tables, lens, D ** -0.5, max_seq_len=L))
-                print(f"{fmt:20s} CUDA decode8: {t:7.1f} us  {total / t / 1e3:6.0f} GB/s  err {cerr:.1e}", flush=True)
+                for mb in (2, 3):
+                    t = bench(lambda: decode8.paged_decode(q, layer, tables, lens, D ** -0.5, max_seq_len=L,
+                                                           min_blocks=mb))
+                    print(f"{fmt:20s} CUDA decode8 min_blocks={mb}: {t:7.1f} us  {total / t / 1e3:6.0f} GB/s  "
+                          f"err {cerr:.1e}", flush=True)
                 # odd lengths and a short sequence, against the reference
                 lens2 = torch.tensor([L - 5, 37], dtype=torch.int32, device="cuda")
                 o2r = reference.paged_decode(q[:2], layer, tables[:2], lens2, D ** -0.5)

@@ -20,6 +20,10 @@
 //     lane (g, c) reads 16 bytes [16g, 16g+16) of tokens 2c, 2c+1, 2c+8, 2c+9.
 // Q is loaded in the QK order and outputs are stored through the PV order.
 
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 2  // CTAs per SM the register allocation must allow (3 spills a little)
+#endif
+
 typedef unsigned int u32;
 typedef unsigned short u16;
 
@@ -85,16 +89,16 @@ __device__ __forceinline__ u32 word(const uint4& v, int i) {
 // ([16g, 16g+16)) for tokens 2c, 2c+1, 2c+8, 2c+9; a 16-token tile never crosses a page.
 struct Tile {
     uint4 k0a, k0b, k1a, k1b, v0, v1, v8, v9;
-    long blk;
-    int poff;
+    float ks[4], vs[4];  // scales of this lane's tokens 2c, 2c+1, 2c+8, 2c+9
 };
 
 __device__ __forceinline__ void load_tile(Tile& T, const unsigned char* kd, const unsigned char* vd,
+                                          const void* ks, const void* vs,
                                           const int* table, int t0, int h, int H, int g, int c) {
     constexpr int D = HEAD_DIM;
-    T.poff = t0 % PAGE;
-    T.blk = table[t0 / PAGE];
-    const long base = ((T.blk * H + h) * PAGE + T.poff) * (long)D;
+    const int poff = t0 % PAGE;
+    const long blk = table[t0 / PAGE];
+    const long base = ((blk * H + h) * PAGE + poff) * (long)D;
     T.k0a = ldg16(kd + base + (long)g * D + 32 * c);
     T.k0b = ldg16(kd + base + (long)g * D + 32 * c + 16);
     T.k1a = ldg16(kd + base + (long)(8 + g) * D + 32 * c);
@@ -103,9 +107,15 @@ __device__ __forceinline__ void load_tile(Tile& T, const unsigned char* kd, cons
     T.v1 = ldg16(vd + base + (long)(2 * c + 1) * D + 16 * g);
     T.v8 = ldg16(vd + base + (long)(2 * c + 8) * D + 16 * g);
     T.v9 = ldg16(vd + base + (long)(2 * c + 9) * D + 16 * g);
+    const int tk[4] = {2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        T.ks[e] = load_scale<K_SCALE>(ks, blk, h, poff + tk[e], H);
+        T.vs[e] = load_scale<V_SCALE>(vs, blk, h, poff + tk[e], H);
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(128) kvq_decode8(
+extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) kvq_decode8(
     const u16* __restrict__ q, long s_qb, long s_qh,            // [B, Hq, D] bf16
     const unsigned char* __restrict__ kd, const unsigned char* __restrict__ vd,  // [NB, H, PAGE, D]
     const void* __restrict__ ks, const void* __restrict__ vs,   // scales (see K_SCALE / V_SCALE)
@@ -150,12 +160,10 @@ extern "C" __global__ void __launch_bounds__(128) kvq_decode8(
     const int* table = tables + (long)b * s_tb;
     Tile cur, nxt;
     int t0 = start + 16 * warp;
-    if (t0 < end) load_tile(cur, kd, vd, table, t0, h, H, g, c);
+    if (t0 < end) load_tile(cur, kd, vd, ks, vs, table, t0, h, H, g, c);
     for (; t0 < end; t0 += 64) {
         // issue the next tile's loads before computing this one (register double buffer)
-        if (t0 + 64 < end) load_tile(nxt, kd, vd, table, t0 + 64, h, H, g, c);
-        const long blk = cur.blk;
-        const int poff = cur.poff;
+        if (t0 + 64 < end) load_tile(nxt, kd, vd, ks, vs, table, t0 + 64, h, H, g, c);
 
         // scores of the two 8-token halves: s[half][0..1] = row g, tokens 2c, 2c+1
         float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -170,12 +178,8 @@ extern "C" __global__ void __launch_bounds__(128) kvq_decode8(
         }
         // per-token scales: this lane's score columns are tokens 2c, 2c+1 (+8)
         const int tk[4] = {2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c};
-        float sc[4], pv_scale[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            sc[e] = load_scale<K_SCALE>(ks, blk, h, poff + tk[e], H);
-            pv_scale[e] = load_scale<V_SCALE>(vs, blk, h, poff + tk[e], H);
-        }
+        const float* sc = cur.ks;
+        const float* pv_scale = cur.vs;
         float sv[4] = {s0[0], s0[1], s1[0], s1[1]};
         float tmax = NEG_INF;
 #pragma unroll

@@ -60,11 +60,11 @@ def unsupported_reason(layer: LayerKV, group: int, has_hp: bool) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(page: int, group: int, k_kind: int, v_kind: int, k_scale: int, v_scale: int):
+def _kernel(page: int, group: int, k_kind: int, v_kind: int, k_scale: int, v_scale: int, min_blocks: int = 2):
     import cupy
 
     opts = ("-std=c++17", "-DHEAD_DIM=128", f"-DPAGE={page}", f"-DGROUP={group}", f"-DK_KIND={k_kind}",
-            f"-DV_KIND={v_kind}", f"-DK_SCALE={k_scale}", f"-DV_SCALE={v_scale}")
+            f"-DV_KIND={v_kind}", f"-DK_SCALE={k_scale}", f"-DV_SCALE={v_scale}", f"-DMIN_BLOCKS={min_blocks}")
     module = cupy.RawModule(code=_SOURCE.read_text(), options=opts, backend="nvrtc")
     return module.get_function("kvq_decode8")
 
@@ -81,7 +81,7 @@ def _dev(t: torch.Tensor):
 
 def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  sm_scale: float, max_seq_len: int | None = None, has_hp: bool | None = None,
-                 num_splits: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, min_blocks: int = 2) -> torch.Tensor:
     """Same contract as :func:`kvq.attention.reference.paged_decode` (bf16 queries)."""
     import cupy
     import numpy as np
@@ -101,13 +101,14 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if num_splits is None:
         # 4 warps of 16-token tiles per CTA: splits are whole multiples of 64 tokens
-        num_splits, tps = choose_splits(B * H, max_seq_len, 64, num_sms // 2 or 1, True)
+        num_splits, tps = choose_splits(B * H, max_seq_len, 64, num_sms * min_blocks // 4 or 1, True)
     else:
         per_split = -(-max_seq_len // num_splits)
         tps = -(-per_split // 64) * 64
         num_splits = max(1, -(-max_seq_len // tps))
     fk, fv = layer.fmt.k, layer.fmt.v
-    kern = _kernel(layer.block_size, group, _KIND[fk.storage], _KIND[fv.storage], _scale_mode(fk), _scale_mode(fv))
+    kern = _kernel(layer.block_size, group, _KIND[fk.storage], _KIND[fv.storage], _scale_mode(fk), _scale_mode(fv),
+                   min_blocks)
     po = torch.empty(B, Hq, 4 * num_splits, D, dtype=torch.float32, device=q.device)
     plse = torch.empty(B, Hq, 4 * num_splits, dtype=torch.float32, device=q.device)
     ks = layer.k.get("scale", layer.k_scale)
