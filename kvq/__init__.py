@@ -1,0 +1,19 @@
+"""kvq: an LLM inference engine core with a quantized, paged KV cache.
+
+``from kvq import LLM, SamplingParams`` gives the engine API; importing it is
+lazy so that ``kvq formats`` / ``kvq plan`` stay light.
+"""
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from kvq.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from kvq.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -170,6 +170,56 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- kvq generate --------------------------------------------------------------------------------
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--attention-backend", default="auto", help="auto, triton or torch (see docs/kernels.md)")
+    g.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    g.add_argument("--dtype", default="auto", help="model compute dtype: auto, bfloat16, float16, float32")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)")
+    g.add_argument("--kv-cache-memory", default=None, help="bytes for the KV pools (default 1GiB on cpu)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory kvq may use")
+    g.add_argument("--load-format", default="auto", help="auto (weights from disk) or dummy (random, real shapes)")
+    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from kvq.engine.llm_engine import EngineConfig
+
+    return EngineConfig(
+        model=args.model or DEFAULT_MODEL, kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
+        kv_cache_dtype_v=args.kv_cache_dtype_v, kv_cache_dtype_skip_layers=tuple(args.kv_cache_dtype_skip_layers),
+        kv_sink_tokens=args.kv_sink_tokens, kv_residual_tokens=args.kv_residual_tokens,
+        kivi_group_size=args.kivi_group_size, block_size=args.block_size, attention_backend=args.attention_backend,
+        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvq.engine.llm import LLM
+    from kvq.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sample_seed, stop=tuple(args.stop or ()))
+    llm = LLM(config=engine_config_from_args(args))
+    info = llm.engine.info
+    print(f"[kvq] {info['model']} on {info['device']} ({info['dtype']}); KV {info['kv_cache_dtype']['k']}/"
+          f"{info['kv_cache_dtype']['v']}, block {info['block_size']}; backend {info['attention_backend']['resolved']} "
+          f"({info['attention_backend']['reason']}); pool {info['kv_pool']['q_blocks']} blocks = "
+          f"{info['kv_pool']['tokens']} tokens", file=sys.stderr, flush=True)
+    prompt = args.prompt
+    if not args.no_chat and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
+        prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
+    for delta in llm.stream(prompt, params):
+        print(delta, end="", flush=True)
+    print()
+    return 0
+
+
 # -- entry point -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvq", description="kvq: an LLM inference engine core with a quantized, "
@@ -192,6 +242,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context length for per-sequence figures (default: the model's maximum)")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(func=cmd_plan)
+
+    gen = sub.add_parser("generate", help="generate text with the paged, quantized KV cache",
+                         description="Generate a completion (streamed) for one prompt, through the model's chat "
+                         "template when it has one.")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", default=None, help="'default', a .gguf file or an HF model folder")
+    add_kv_args(gen)
+    add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--no-chat", action="store_true", help="plain completion, no chat template")
+    gen.set_defaults(func=cmd_generate)
     return p
 
 

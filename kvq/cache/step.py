@@ -57,16 +57,18 @@ def _full_blocks(slots: list[int], block_size: int) -> list[tuple[int, int]]:
 
 
 def build_metadata(
-    manager: BlockManager, seq_ids: Sequence, num_new: Sequence[int], device: torch.device | str
+    manager: BlockManager, seq_ids: Sequence, num_new: Sequence[int], device: torch.device | str,
+    starts: Sequence[int] | None = None,
 ) -> StepMetadata:
-    """Metadata for a step in which sequence ``seq_ids[b]`` gets its last ``num_new[b]`` tokens computed."""
+    """Metadata for a step computing tokens ``[starts[b], starts[b] + num_new[b])`` of each
+    sequence (default: its last ``num_new[b]`` tokens); attention sees the cache up to there."""
     bs = manager.block_size
     slots: list[int] = []
     tables: list[list[int]] = []
     lens: list[int] = []
     cu = [0]
-    for sid, k in zip(seq_ids, num_new):
-        n = manager.num_tokens(sid)
+    for i, (sid, k) in enumerate(zip(seq_ids, num_new)):
+        n = manager.num_tokens(sid) if starts is None else starts[i] + k
         slots += encode_slots(manager.slots(sid, n - k, n), bs)
         tables.append(encode_table(manager.block_table(sid)))
         lens.append(n)

@@ -20,6 +20,12 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: SmolLM2 was trained and released in bfloat16; its GGUF weights are dequantized
 #: to this dtype, and ``auto`` KV means this dtype.
 DEFAULT_MODEL_DTYPE = "bfloat16"
+#: Configs shipped with kvq (no weights): real shapes for ``--load-format dummy``.
+CONFIGS_DIR = Path(__file__).with_name("configs")
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.parent.name for p in CONFIGS_DIR.glob("*/config.json"))
 
 
 @dataclass(frozen=True)
@@ -77,14 +83,17 @@ def resolve_model(model: str) -> ModelSource:
     """``default`` | path to a .gguf file | HF model folder -> ModelSource."""
     if model == DEFAULT_MODEL:
         return default_model_source()
+    if model in shipped_configs():
+        return ModelSource(model, CONFIGS_DIR / model)
     p = Path(os.path.expanduser(model))
     if p.is_file() and p.suffix == ".gguf":
         return ModelSource(str(p), p.parent, p.name)
     if p.is_dir() and (p / "config.json").is_file():
         return ModelSource(str(p), p)
     raise ValueError(
-        f"model {model!r} not found: expected 'default', a path to a .gguf file, or a Hugging Face model "
-        f"folder containing config.json (kvq never downloads weights)"
+        f"model {model!r} not found: expected 'default', a shipped config ({', '.join(shipped_configs())}; "
+        f"no weights, for --load-format dummy), a path to a .gguf file, or a Hugging Face model folder "
+        f"containing config.json (kvq never downloads weights)"
     )
 
 

@@ -1,0 +1,1 @@
+"""The engine: requests, sampling parameters, the scheduler, the sampler and the step loop."""

@@ -1,0 +1,274 @@
+"""The engine loop: requests in, tokens out, over the paged quantized cache.
+
+One :meth:`LLMEngine.step` is::
+
+    sched = scheduler.schedule()                       # tensor-free decisions (+ seal/copy ops)
+    runner.execute(sched)                              # ops, K/V writes, attention, logits
+    tokens = sampler(logits).token_ids.tolist()        # the step's one host sync
+    scheduler.update(sched, tokens)                    # append, stop checks, free blocks
+
+Everything the user chose (KV format, backend, memory) is resolved once at
+start and reported in :attr:`LLMEngine.info` (seed 004: the effective KV dtype,
+the resolved backend, and the pool capacity in blocks and tokens).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvq.attention.backends import select_backend
+from kvq.cache.block_manager import BlockManager
+from kvq.cache.plan import CachePlan, make_plan
+from kvq.cache.pool import KVPool
+from kvq.engine.model_runner import ModelRunner
+from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
+from kvq.engine.sampling_params import SamplingParams
+from kvq.engine.scheduler import Scheduler, SchedulerConfig
+from kvq.engine.sequence import Sequence
+from kvq.models.builder import build_model
+from kvq.models.source import model_shape, resolve_model
+from kvq.units import parse_bytes
+
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_k: str | None = None
+    kv_cache_dtype_v: str | None = None
+    kv_cache_dtype_skip_layers: tuple = ()
+    kv_sink_tokens: int | None = None
+    kv_residual_tokens: int | None = None
+    kivi_group_size: int | None = None
+    block_size: int | None = None
+    attention_backend: str = "auto"
+    device: str = "auto"  # cuda if available, else cpu
+    dtype: str = "auto"  # bfloat16 on cuda, float32 on cpu
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: str | int | None = None  # bytes for the KV pools; default: 1GiB on cpu, from utilization on cuda
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[dict] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict = field(default_factory=dict)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available (valid here: cpu, auto)")
+    return dev
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    return DTYPES[name] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def hp_blocks_needed(plan: CachePlan, max_num_seqs: int, max_batched_tokens: int) -> int:
+    """High-precision blocks for every running sequence's sinks, recent window and tail."""
+    pol = plan.window_policy
+    if not plan.is_quantized or (pol.write_direct and pol.residual_tokens == 0 and pol.sink_blocks == 0):
+        return 0
+    per_seq = pol.sink_blocks + math.ceil(pol.residual_tokens / pol.block_size) + 2
+    return max_num_seqs * per_seq + math.ceil(max_batched_tokens / pol.block_size)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        cfg = config or EngineConfig(**kwargs)
+        self.config = cfg
+        self.device = _resolve_device(cfg.device)
+        self.dtype = _resolve_dtype(cfg.dtype, self.device)
+        src = resolve_model(cfg.model)
+        shape = model_shape(src)
+        self.plan = make_plan(shape, cfg.kv_cache_dtype, k=cfg.kv_cache_dtype_k, v=cfg.kv_cache_dtype_v,
+                              block_size=cfg.block_size, skip_layers=cfg.kv_cache_dtype_skip_layers,
+                              sink_tokens=cfg.kv_sink_tokens, residual_tokens=cfg.kv_residual_tokens,
+                              group_size=cfg.kivi_group_size)
+        backend, self.backend_choice = select_backend(cfg.attention_backend, self.plan, self.device, self.dtype)
+        self.kernels = backend.kernels()
+        self.max_model_len = cfg.max_model_len or shape.max_position_embeddings
+        if self.max_model_len > shape.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"{shape.max_position_embeddings} positions")
+        self.model, self.tokenizer = build_model(src, load_format=cfg.load_format, dtype=self.dtype,
+                                                 device=self.device, seed=cfg.seed, progress=cfg.progress)
+        memory = self._kv_memory()
+        num_hp = hp_blocks_needed(self.plan, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        if num_hp:  # at most a quarter of the memory; admission control keeps within what exists
+            one_seq = hp_blocks_needed(self.plan, 1, self.plan.block_size)
+            num_hp = max(one_seq, min(num_hp, memory // 4 // self.plan.hp_bytes_per_block))
+        num_q = (memory - num_hp * self.plan.hp_bytes_per_block) // self.plan.bytes_per_block
+        if num_q < 1:
+            raise ValueError(f"KV memory {memory} bytes is too small for this plan (needs "
+                             f"{num_hp * self.plan.hp_bytes_per_block + self.plan.bytes_per_block} bytes at least)")
+        self.pool = KVPool.create(self.plan, int(num_q), num_hp, self.device)
+        self.block_manager = BlockManager(int(num_q), num_hp, self.plan.window_policy, cfg.enable_prefix_caching)
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            max_model_len=self.max_model_len, block_size=self.plan.block_size,
+                            block_aligned_chunks=not self.plan.window_policy.write_direct),
+            self.block_manager, eos_token_id=eos)
+        self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.kernels, self.device)
+        self.sampler = Sampler()
+        self.seed_state = SeedState()
+        self._ids = itertools.count()
+        self._prompts: dict[int, str | None] = {}
+        self._texts: dict[int, str] = {}
+        self._logprobs: dict[int, list[dict]] = {}
+        self.info = {
+            "model": src.name,
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_cache_dtype": {"requested": cfg.kv_cache_dtype, "k": self.plan.layers[0].k.name,
+                               "v": self.plan.layers[0].v.name, "per_layer": self.plan.layer_names()},
+            "attention_backend": {"requested": self.backend_choice.requested,
+                                  "resolved": self.backend_choice.resolved, "reason": self.backend_choice.reason},
+            "block_size": self.plan.block_size,
+            "kv_pool": {"q_blocks": int(num_q), "hp_blocks": num_hp, "tokens": int(num_q) * self.plan.block_size,
+                        "bytes": self.pool.nbytes()},
+            "max_model_len": self.max_model_len,
+        }
+
+    def _kv_memory(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_memory is not None:
+            return parse_bytes(cfg.kv_cache_memory)
+        if self.device.type != "cuda":
+            return parse_bytes("1GiB")
+        if not 0 < cfg.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        # activations of the largest step: a few [tokens, intermediate] buffers plus logits, with margin
+        m = self.model.config
+        act = 4 * cfg.max_num_batched_tokens * (m.hidden_size + 2 * m.intermediate_size) * 4
+        act += cfg.max_num_seqs * m.vocab_size * 4 * 2
+        budget = int(total * cfg.gpu_memory_utilization) - used - act
+        if budget <= 0:
+            raise ValueError("no GPU memory left for the KV cache at this gpu_memory_utilization")
+        return budget
+
+    # -- requests -----------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass token ids")
+            return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        return None, ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        text, ids = self.encode(prompt)
+        rid = next(self._ids)
+        self.scheduler.add(Sequence(rid, ids, params))
+        self._prompts[rid] = text
+        self._texts[rid] = ""
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        seqs = {s.seq_id: self.scheduler.get(s.seq_id) for s in sched.scheduled}
+        logits, sample_ids = self.runner.execute(sched, seqs)
+        sampled: dict[int, int] = {}
+        lp_rows = {}
+        if sample_ids:
+            params = [seqs[i].params for i in sample_ids]
+            st = SamplingTensors.from_params(params, self.device, self.seed_state)
+            out = self.sampler(logits, st, [len(seqs[i].output_token_ids) for i in sample_ids])
+            tokens = out.token_ids.tolist()
+            sampled = dict(zip(sample_ids, tokens))
+            if out.logprobs is not None:
+                lp = out.logprobs
+                tops, ids, chosen = lp.top_logprobs.tolist(), lp.top_ids.tolist(), lp.sampled_logprobs.tolist()
+                for row, sid in enumerate(sample_ids):
+                    k = seqs[sid].params.logprobs
+                    if k is not None:
+                        lp_rows[sid] = {"token_id": tokens[row], "logprob": chosen[row],
+                                        "top": list(zip(ids[row][:k], tops[row][:k]))}
+        self.scheduler.update(sched, sampled)
+        outputs = []
+        for sid in sample_ids:
+            seq = seqs[sid]
+            if sid in lp_rows:
+                self._logprobs.setdefault(sid, []).append(lp_rows[sid])
+            self._check_stop_strings(seq)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _check_stop_strings(self, seq: Sequence) -> None:
+        if self.tokenizer is None:
+            return
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if not seq.is_finished:
+            for s in seq.params.stop:
+                idx = text.find(s)
+                if idx >= 0:
+                    text = text[:idx]
+                    self.scheduler.finish(seq.seq_id, "stop", s)
+                    break
+        else:
+            for s in seq.params.stop:  # a stop string completed by the final token
+                idx = text.find(s)
+                if idx >= 0:
+                    text = text[:idx]
+                    break
+        self._texts[seq.seq_id] = text
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        m = {"ttft": seq.ttft(), "tpot": seq.tpot(), "itl": seq.itls(), "num_preemptions": seq.num_preemptions}
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=self._prompts.get(seq.seq_id),
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[CompletionOutput(0, self._texts.get(seq.seq_id, ""), list(seq.output_token_ids),
+                                      seq.finish_reason, seq.stop_reason, self._logprobs.get(seq.seq_id))],
+            finished=seq.is_finished,
+            metrics=m,
+        )

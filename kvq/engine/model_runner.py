@@ -1,0 +1,46 @@
+"""Turns a scheduler decision into one forward pass over the paged cache.
+
+Host-side metadata is built in one place (:func:`kvq.cache.step.build_metadata`)
+and copied to the device once; the seal/copy ops the block manager returned
+run before any K/V of the step is written (its ordering contract).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq.cache.step import apply_ops, build_metadata
+
+
+class ModelRunner:
+    def __init__(self, model, pool, block_manager, kernels, device: torch.device):
+        self.model, self.pool, self.block_manager, self.kernels, self.device = model, pool, block_manager, kernels, device
+
+    def execute(self, sched, seqs: dict) -> tuple[torch.Tensor | None, list[int]]:
+        """Run the step; -> (logits [S, V] of the rows that sample, their sequence ids in order)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_ids, starts, nums, logits_rows, sample_ids = [], [], [], [], []
+        for item in sched.scheduled:
+            seq = seqs[item.seq_id]
+            tokens = seq.all_token_ids[item.start:item.start + item.num_new_tokens]
+            assert len(tokens) == item.num_new_tokens, (item, seq.num_tokens)
+            ids += tokens
+            positions += range(item.start, item.start + item.num_new_tokens)
+            seq_ids.append(item.seq_id)
+            starts.append(item.start)
+            nums.append(item.num_new_tokens)
+            if item.sample:
+                logits_rows.append(len(ids) - 1)
+                sample_ids.append(item.seq_id)
+        apply_ops(self.pool, self.kernels, sched.ops)
+        meta = build_metadata(self.block_manager, seq_ids, nums, self.device, starts=starts)
+        pin = self.device.type == "cuda"
+
+        def dev(x):
+            t = torch.tensor(x, dtype=torch.int64)
+            return t.pin_memory().to(self.device, non_blocking=True) if pin else t
+
+        rows = logits_rows or [len(ids) - 1]
+        logits = self.model(dev(ids), dev(positions), self.pool, meta, self.kernels, dev(rows))
+        return (logits if logits_rows else None), sample_ids

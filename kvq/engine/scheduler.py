@@ -1,0 +1,427 @@
+"""The scheduler: which sequences run each step, how many tokens each, and who is preempted.
+
+A tensor-free state machine over :class:`~kvq.engine.sequence.Sequence` objects
+that drives a :class:`~kvq.cache.block_manager.BlockManager` (it must be the
+manager's only user). One engine step::
+
+    out = scheduler.schedule()          # decides; reserves KV slots; returns ops
+    engine: run out.ops in order, then the forward over out.scheduled
+            (tokens all_token_ids[start:start + num_new_tokens] of each), sample rows with sample=True
+    finished = scheduler.update(out, {seq_id: token})   # an output with work must be updated before the next schedule
+    engine: stop strings -> scheduler.finish(seq_id, "stop", matched)
+
+Policy of :meth:`Scheduler.schedule`, per step, with a token budget of
+``max_num_batched_tokens``:
+
+1. Decodes, oldest arrival first: each DECODE sequence gets one token (the
+   one sampled last step; ``append_slots`` reserves its slot). If the cache
+   cannot take it, the most recently arrived running sequence *newer than the
+   one being served* is preempted by recompute (blocks freed, back to WAITING
+   with ``num_computed_tokens = 0``), repeatedly; with no newer one left the
+   sequence preempts itself. A sequence never displaces an older one.
+2. Partially prefilled sequences (PREFILL), oldest first, get the next chunk
+   of their prompt. A chunk that would be empty (no budget, or no whole block
+   under ``block_aligned_chunks``) stalls the phase and admission (a guard:
+   under this policy a running prefill never gets less budget than its
+   previous chunk, since what is left after a non-final chunk is too little
+   to admit any sequence that would not finish its prompt in that step).
+3. Admission, FCFS, only in a step that preempted nothing and did not stall a
+   prefill: the head of the waiting queue is admitted while ``max_num_seqs``,
+   the budget and ``can_allocate`` allow; ``allocate_prompt`` reserves the
+   whole effective prompt and its prefix hit becomes ``num_computed_tokens``.
+   A head that does not fit blocks everything behind it (no starvation).
+
+Chunks: ``min(remaining, budget)``; one that does not finish the prompt must
+end on a block boundary under ``block_aligned_chunks`` and is not allowed
+without ``chunked_prefill``; the one that reaches the end samples. Admission
+sizes the chunk as if there were no prefix hit (a hit never empties it), so an
+admitted sequence runs in its admission step. Both queues are kept in arrival
+order: a preempted sequence rejoins the waiting queue ahead of later arrivals.
+
+Liveness: :meth:`Scheduler.add` rejects a request that could not fit the
+cache even alone (:func:`peak_blocks`), so the oldest unfinished request can
+always progress and every request finishes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvq.cache.block_manager import BlockManager, Op, WindowPolicy, block_state
+from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Budgets and shapes the scheduler obeys (keyword-only).
+
+    max_num_seqs            running sequences at most (and sequences per step)
+    max_num_batched_tokens  tokens computed per step, prefill chunks and decodes together
+    max_model_len           prompt + output tokens per request at most
+    block_size              tokens per KV block; must equal the block manager's
+    chunked_prefill         split prompts over steps; without it a prompt runs in one step
+    block_aligned_chunks    every prefill chunk but a prompt's last ends on a block boundary
+                            (needed when the KV format writes whole blocks: write_direct=False)
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int
+    block_size: int
+    chunked_prefill: bool = True
+    block_aligned_chunks: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {v!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
+                             f"{self.max_num_seqs}, so that every running sequence can decode each step")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked_prefill a prompt runs in one step: max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len}")
+        if self.chunked_prefill and self.block_aligned_chunks and self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"block-aligned chunks need max_num_batched_tokens >= block_size={self.block_size}, "
+                             f"got {self.max_num_batched_tokens}")
+
+    @classmethod
+    def from_policy(cls, policy: WindowPolicy, **kw) -> SchedulerConfig:
+        """A config whose block size and chunk alignment come from the cache's window policy."""
+        return cls(block_size=policy.block_size, block_aligned_chunks=not policy.write_direct, **kw)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's work in a step: compute KV of positions ``[start, start + num_new_tokens)``."""
+
+    seq_id: int
+    num_new_tokens: int
+    start: int
+    is_prefill: bool
+    sample: bool  # this step yields its next token (decodes; the prefill chunk that ends the prompt)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """A step's decisions. Run ``ops`` in order before the forward writes any KV (block manager contract)."""
+
+    scheduled: tuple[ScheduledSeq, ...] = ()
+    ops: tuple[Op, ...] = ()
+    preempted: tuple[int, ...] = ()
+    num_batched_tokens: int = 0
+
+
+def rule_counts(n: int, policy: WindowPolicy) -> tuple[int, int]:
+    """(q, hp) blocks a sequence of ``n`` cached tokens holds under :func:`block_state` (closed form)."""
+    bs = policy.block_size
+    nb = -(-n // bs)
+    sinks = min(policy.sink_blocks, nb)
+    if policy.write_direct and policy.residual_tokens == 0:
+        return nb - sinks, sinks
+    q = max(0, max(n - policy.residual_tokens, 0) // bs - policy.sink_blocks)  # blocks [sink, w) are sealed
+    return q, nb - q
+
+
+def peak_blocks(first: int, last: int, policy: WindowPolicy) -> tuple[int, int]:
+    """Most (q, hp) blocks one sequence holds while its cached length grows from ``first`` to ``last``.
+
+    Covers prompt allocations at any length in ``[first, last]`` (re-prefill after
+    preemption) and one-token appends from every length in ``[first, last)``: an
+    append settles the old blocks at the old length and may open a block, so it
+    can hold one hp block more than the rule gives (lazy sealing).
+    """
+    assert 1 <= first <= last
+    bs = policy.block_size
+    q_peak = rule_counts(last, policy)[0]  # q blocks only grow with the length
+    # Past sink_blocks * bs + residual_tokens the hp count repeats with period bs: one period suffices.
+    stop = min(last, max(first, policy.sink_blocks * bs + policy.residual_tokens) + bs)
+    hp_peak = 0
+    for n in range(first, stop + 1):
+        hp = rule_counts(n, policy)[1]
+        if n < last and n % bs == 0:  # appending at n opens block n // bs
+            hp += block_state(n // bs, n + 1, policy) == "hp"
+        hp_peak = max(hp_peak, hp)
+    return q_peak, hp_peak
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and preemption by recompute (policy: module docstring).
+
+    ``eos_token_id``: one id or several; a sampled EOS finishes a request with
+    "stop" unless its params say ``ignore_eos``. ``clock`` stamps scheduling and
+    token times when :meth:`update` is not given ``now``.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_id: int | Iterable[int] | None = None, clock: Callable[[], float] = time.monotonic):
+        if config.block_size != block_manager.block_size:
+            raise ValueError(f"config.block_size={config.block_size} differs from the block manager's "
+                             f"{block_manager.block_size}")
+        if not block_manager.policy.write_direct and config.chunked_prefill and not config.block_aligned_chunks:
+            raise ValueError("the cache's format writes whole blocks (write_direct=False): "
+                             "use block_aligned_chunks=True or chunked_prefill=False")
+        if len(block_manager):
+            raise ValueError("the block manager already holds sequences; the scheduler must be its only user")
+        self.config = config
+        self.block_manager = block_manager
+        eos = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self._clock = clock
+        self._seqs: dict[int, Sequence] = {}  # unfinished sequences
+        self._rank: dict[int, int] = {}  # seq_id -> arrival order (add() calls)
+        self._next_rank = 0
+        self._waiting: list[Sequence] = []  # WAITING, in arrival order
+        self._running: list[Sequence] = []  # PREFILL / DECODE, in arrival order
+        self._inflight: SchedulerOutput | None = None  # scheduled work not yet update()d
+        self._inflight_seqs: dict[int, Sequence] = {}
+
+    # -- queries ----------------------------------------------------------------------------
+    def get(self, seq_id: int) -> Sequence:
+        """An unfinished sequence (KeyError for unknown or finished ids)."""
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"no unfinished sequence with id {seq_id!r}") from None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a fresh sequence (WAITING, no outputs). Raises ValueError for a request that can never run."""
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"add() takes a Sequence, got {type(seq).__name__}")
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence id {seq.seq_id!r} is already queued or running")
+        if seq.status is not SeqStatus.WAITING or seq.output_token_ids or seq.num_computed_tokens:
+            raise ValueError(f"add() takes a fresh sequence (WAITING, no outputs), got {seq!r}")
+        p, cfg = seq.num_prompt_tokens, self.config
+        if p == 0:
+            raise ValueError(f"sequence {seq.seq_id!r}: the prompt is empty")
+        if p > cfg.max_model_len:
+            raise ValueError(f"sequence {seq.seq_id!r}: prompt of {p} tokens exceeds max_model_len={cfg.max_model_len}")
+        if p + seq.params.max_tokens > cfg.max_model_len:
+            raise ValueError(f"sequence {seq.seq_id!r}: prompt ({p}) + max_tokens ({seq.params.max_tokens}) "
+                             f"exceeds max_model_len={cfg.max_model_len}")
+        # The last output token is sampled but never cached: at most p + max_tokens - 1 tokens hold KV.
+        q, hp = peak_blocks(p, p + seq.params.max_tokens - 1, self.block_manager.policy)
+        nq, nhp = (self.block_manager.allocator(pool).num_blocks for pool in ("q", "hp"))
+        if q > nq or hp > nhp:
+            raise ValueError(f"sequence {seq.seq_id!r} needs up to {q} q and {hp} hp blocks; "
+                             f"the cache has {nq} q and {nhp} hp blocks")
+        self._seqs[seq.seq_id] = seq
+        self._rank[seq.seq_id] = self._next_rank
+        self._next_rank += 1
+        self._insort(self._waiting, seq)
+
+    def finish(self, seq_id: int, reason: str, stop_reason: int | str | None = None) -> bool:
+        """Finish an unfinished sequence now and free its blocks; False if there is none with that id.
+
+        ``reason`` is one of "stop", "length", "abort". Safe between :meth:`schedule`
+        and :meth:`update` (that update then skips it; the step's ops must still run).
+        """
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"unknown finish reason {reason!r}; valid: {', '.join(FINISH_REASONS)}")
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason, stop_reason)
+        return True
+
+    def abort(self, seq_id: int) -> bool:
+        """Finish with reason "abort" (see :meth:`finish`)."""
+        return self.finish(seq_id, "abort")
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step (policy: module docstring). Empty output when nothing can run."""
+        if self._inflight is not None:
+            raise RuntimeError("schedule() called before update() of the previous output")
+        cfg, bm = self.config, self.block_manager
+        now = self._clock()
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        ops: list[Op] = []
+        preempted: list[int] = []
+
+        def take(seq: Sequence, n: int, is_prefill: bool) -> None:
+            nonlocal budget
+            start = seq.num_computed_tokens
+            scheduled.append(ScheduledSeq(seq.seq_id, n, start, is_prefill, start + n == seq.num_tokens))
+            budget -= n
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+
+        for seq in list(self._running):  # 1. decodes
+            if seq.status is not SeqStatus.DECODE:  # PREFILL, or preempted by an older decode
+                continue
+            assert budget >= 1, "max_num_batched_tokens >= max_num_seqs leaves every decode a token"
+            while not bm.can_append_slots(seq.seq_id, 1):
+                victim = self._running[-1]  # the newest; `seq` itself when no newer one is left
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.DECODE:
+                ops.extend(bm.append_slots(seq.seq_id, [seq.last_token_id]))
+                take(seq, 1, is_prefill=False)
+
+        stalled = False
+        for seq in self._running:  # 2. prompt chunks of running sequences
+            if seq.status is SeqStatus.PREFILL:
+                n = self._chunk(seq.num_computed_tokens, seq.num_tokens, budget)
+                if n == 0:
+                    stalled = True
+                    break
+                take(seq, n, is_prefill=True)
+
+        while not preempted and not stalled and self._waiting and len(self._running) < cfg.max_num_seqs:  # 3.
+            seq = self._waiting[0]
+            tokens = seq.all_token_ids
+            if self._chunk(0, len(tokens), budget) == 0 or not bm.can_allocate(len(tokens), tokens):
+                break
+            hit = bm.allocate_prompt(seq.seq_id, tokens)
+            self._waiting.pop(0)
+            seq.status = SeqStatus.PREFILL
+            seq.num_computed_tokens = hit.num_cached_tokens
+            self._insort(self._running, seq)
+            n = self._chunk(seq.num_computed_tokens, seq.num_tokens, budget)
+            assert n > 0, "a prefix hit only shortens the chunk's remainder"
+            take(seq, n, is_prefill=True)
+
+        out = SchedulerOutput(tuple(scheduled), tuple(ops), tuple(preempted), sum(s.num_new_tokens for s in scheduled))
+        self._check_output(out)
+        if scheduled:
+            self._inflight = out
+            self._inflight_seqs = {s.seq_id: self._seqs[s.seq_id] for s in scheduled}
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int], now: float | None = None) -> list[Sequence]:
+        """Apply a step's results; return the sequences it finished (their blocks are freed).
+
+        ``sampled`` maps each scheduled ``sample=True`` sequence to its new token
+        (other keys are ignored). Finishes on EOS (unless ``ignore_eos``), a stop
+        token id, ``max_tokens`` or ``max_model_len``; stop strings are the
+        engine's (:meth:`finish`). Sequences finished since :meth:`schedule` are skipped.
+        """
+        if not output.scheduled:
+            return []
+        if output is not self._inflight:
+            raise ValueError("update() takes the output of the latest schedule(), once")
+        live = [s for s in output.scheduled if self._inflight_seqs[s.seq_id].is_running]
+        missing = [s.seq_id for s in live if s.sample and s.seq_id not in sampled]
+        if missing:
+            raise ValueError(f"no sampled token for sequences {missing} (scheduled with sample=True)")
+        now = self._clock() if now is None else now
+        seqs, self._inflight, self._inflight_seqs = self._inflight_seqs, None, {}
+        finished: list[Sequence] = []
+        for s in live:
+            seq = seqs[s.seq_id]
+            assert seq.num_computed_tokens == s.start, (seq, s)
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+            if not s.sample:
+                continue
+            assert seq.num_computed_tokens == seq.num_tokens, (seq, s)
+            seq.append_token(int(sampled[s.seq_id]), now)
+            seq.status = SeqStatus.DECODE
+            stop = self._stop_condition(seq)
+            if stop is not None:
+                self._finish(seq, *stop)
+                finished.append(seq)
+        return finished
+
+    # -- internals --------------------------------------------------------------------------
+    def _insort(self, queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=lambda s: self._rank[s.seq_id])
+
+    def _chunk(self, start: int, end: int, budget: int) -> int:
+        """Tokens of ``[start, end)`` to compute this step under ``budget``; 0 if none may run."""
+        n = min(end - start, budget)
+        if n < end - start:  # not the prompt's last chunk
+            if not self.config.chunked_prefill:
+                return 0
+            if self.config.block_aligned_chunks:
+                bs = self.config.block_size
+                n = max(0, (start + n) // bs * bs - start)
+        return max(n, 0)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: drop the KV, keep every token, requeue in arrival order."""
+        self.block_manager.free(seq.seq_id)  # computed full blocks stay in the prefix cache
+        self._running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self._insort(self._waiting, seq)
+
+    def _stop_condition(self, seq: Sequence) -> tuple[str, int | None] | None:
+        """(finish_reason, stop_reason) after a new token, or None to continue; stop tokens win over length."""
+        tok, p = seq.output_token_ids[-1], seq.params
+        if tok in self.eos_token_ids and not p.ignore_eos:
+            return "stop", None
+        if tok in p.stop_token_ids:
+            return "stop", tok
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        if seq.seq_id in self.block_manager:
+            self.block_manager.free(seq.seq_id)
+        (self._running if seq.is_running else self._waiting).remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason  # type: ignore[assignment]
+        seq.stop_reason = stop_reason
+        del self._seqs[seq.seq_id], self._rank[seq.seq_id]
+
+    def _check_output(self, out: SchedulerOutput) -> None:
+        cfg = self.config
+        ids = [s.seq_id for s in out.scheduled]
+        assert len(ids) == len(set(ids)), f"a sequence scheduled twice: {ids}"
+        assert len(ids) <= cfg.max_num_seqs, (len(ids), cfg.max_num_seqs)
+        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens, (out.num_batched_tokens, cfg)
+        assert not set(ids) & set(out.preempted), "a preempted sequence was scheduled"
+        assert all(s.num_new_tokens >= 1 for s in out.scheduled)
+
+    def check_integrity(self) -> None:
+        """Assert the queues, statuses and block manager agree (see the module docstring)."""
+        bm, cfg = self.block_manager, self.config
+        assert len(self._running) <= cfg.max_num_seqs
+        assert set(self._seqs) == {s.seq_id for s in self._waiting} | {s.seq_id for s in self._running}
+        assert len(self._seqs) == len(self._waiting) + len(self._running), "a sequence queued twice"
+        assert len(bm) == len(self._running), "the block manager holds sequences the scheduler does not run"
+        for queue in (self._waiting, self._running):
+            ranks = [self._rank[s.seq_id] for s in queue]
+            assert ranks == sorted(ranks), "queues must stay in arrival order"
+        for seq in self._waiting:
+            assert seq.status is SeqStatus.WAITING and seq.num_computed_tokens == 0, seq
+            assert seq.seq_id not in bm, seq
+        for seq in self._running:
+            sid, n = seq.seq_id, seq.num_tokens
+            assert seq.is_running and sid in bm, seq
+            assert n < cfg.max_model_len and seq.num_output_tokens < seq.params.max_tokens, seq
+            assert bm.num_computed(sid) == seq.num_computed_tokens, (seq, bm.num_computed(sid))
+            inflight = sid in self._inflight_seqs
+            if seq.status is SeqStatus.PREFILL:
+                assert 0 <= seq.num_computed_tokens < n and bm.num_tokens(sid) == n, seq
+            else:
+                assert seq.num_computed_tokens == n - 1, seq
+                assert bm.num_tokens(sid) == (n if inflight else n - 1), (seq, bm.num_tokens(sid))
+            assert list(bm.token_ids(sid)) == seq.all_token_ids[:bm.num_tokens(sid)], seq
+        if self._inflight is not None:
+            self._check_output(self._inflight)

@@ -1,0 +1,125 @@
+"""One request's tokens, progress and timings, as the scheduler sees them.
+
+Life cycle (the scheduler moves it; nothing else should set ``status``)::
+
+    WAITING --admit--> PREFILL --last prompt chunk sampled--> DECODE --stop--> FINISHED
+       ^                  |                                      |
+       +----preempt-------+--------------------------------------+      (abort: any state -> FINISHED)
+
+SWAPPED is reserved for request-level CPU swap; nothing enters it yet.
+
+Token accounting. ``prompt_token_ids`` never changes; sampled tokens go to
+``output_token_ids``. ``num_computed_tokens`` counts the leading tokens of
+``all_token_ids`` whose KV is in the cache. The work left for a running
+sequence is always ``all_token_ids[num_computed_tokens:]``:
+
+* PREFILL: the rest of the effective prompt (``num_computed_tokens < num_tokens``);
+* DECODE: exactly the last sampled token (``num_computed_tokens == num_tokens - 1``).
+
+Preemption by recompute drops the KV (``num_computed_tokens = 0``) and keeps
+every token; on re-admission the *effective prompt* is ``all_token_ids``
+(prompt + outputs so far), whose prefill ends by sampling the next output, so a
+preempted request produces the same tokens it would have without preemption.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Sequence as _Seq
+from typing import Literal
+
+from kvq.engine.sampling_params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # no KV in the cache; queued for (re-)admission
+    PREFILL = "prefill"  # blocks for the effective prompt reserved; prompt partially computed
+    DECODE = "decode"  # prompt computed; one new token per step
+    FINISHED = "finished"  # blocks released; finish_reason says why
+    SWAPPED = "swapped"  # reserved: KV parked in CPU memory (request-level swap)
+
+
+class Sequence:
+    """A request: its tokens, scheduling state and per-token timings.
+
+    Times are whatever clock the caller uses (``time.monotonic`` by default);
+    only differences between them mean anything.
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: _Seq[int], params: SamplingParams | None = None,
+                 arrival_time: float | None = None):
+        self.seq_id = seq_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params if params is not None else SamplingParams()
+        self.status = SeqStatus.WAITING
+        self.num_computed_tokens = 0
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []  # one wall time per output token, when it was appended
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
+        self.num_preemptions = 0
+
+    # -- tokens -----------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs (a new list): the effective prompt after a preemption."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def is_running(self) -> bool:
+        """Holds blocks in the cache: PREFILL or DECODE."""
+        return self.status in (SeqStatus.PREFILL, SeqStatus.DECODE)
+
+    def append_token(self, token_id: int, now: float) -> None:
+        """Record a sampled token and when it arrived."""
+        self.output_token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    # -- timings ----------------------------------------------------------------------------
+    def ttft(self) -> float | None:
+        """Time to first token (from arrival), or None before it."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def itls(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive output tokens."""
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
+
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first, or None with fewer than two tokens."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) >= 2 else None
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+                f"finish={self.finish_reason!r})")

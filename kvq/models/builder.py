@@ -1,0 +1,80 @@
+"""Build a kvq model: real weights through transformers' loaders, or dummy weights.
+
+``load_format="auto"`` loads the checkpoint (GGUF or HF folder, offline) and
+copies its weights into :class:`kvq.models.llama.LlamaForCausalLM`;
+``load_format="dummy"`` builds random weights at the config's real shapes
+directly on the device (for benchmarks: a shipped config such as
+``llama-3-8b`` has no weights at all).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+
+from kvq.models.llama import LlamaConfig, LlamaForCausalLM
+from kvq.models.source import ModelSource, resolve_model
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def _hf_config(src: ModelSource):
+    from transformers import AutoConfig
+
+    kw = {"local_files_only": True}
+    if src.gguf_file:
+        kw["gguf_file"] = src.gguf_file
+    if src.gguf_file is None and (src.folder / "config.json").is_file():
+        data = json.loads((src.folder / "config.json").read_text())
+        data.pop("_comment", None)
+        from transformers import CONFIG_MAPPING
+
+        mt = data.get("model_type", "llama")
+        return CONFIG_MAPPING[mt](**{k: v for k, v in data.items() if k != "model_type"})
+    return AutoConfig.from_pretrained(str(src.folder), **kw)
+
+
+def build_model(model: str | ModelSource = "default", *, load_format: str = "auto", dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", seed: int = 0, progress: bool = True):
+    """-> (LlamaForCausalLM in eval mode on ``device``, tokenizer or None)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
+    src = resolve_model(model) if isinstance(model, str) else model
+    if load_format == "dummy":
+        cfg = LlamaConfig.from_hf(_hf_config(src))
+        torch.manual_seed(seed)
+        with torch.device(device):
+            lm = LlamaForCausalLM(cfg).to(dtype)
+        for p in lm.parameters():  # small random weights at the real shapes, made on the device
+            p.data.normal_(0.0, 0.02)
+        for name, p in lm.named_parameters():
+            if name.endswith("norm.weight"):
+                p.data.fill_(1.0)
+        tok = None
+        try:
+            from kvq.models.loader import load_tokenizer
+
+            tok = load_tokenizer(src) if src.gguf_file or (src.folder / "tokenizer.json").is_file() else None
+        except Exception:  # noqa: BLE001 - a dummy model may have no tokenizer; callers pass token ids
+            tok = None
+        return lm.eval(), tok
+    if not src.gguf_file and not any(src.folder.glob("*.safetensors")) and not any(src.folder.glob("*.bin")):
+        raise ValueError(f"{src.name} has no weights on disk; use --load-format dummy for its shapes")
+    cfg, state, tok = _load_checkpoint(src, progress)
+    lm = LlamaForCausalLM(cfg)
+    lm.load_hf_state_dict(state)
+    return lm.to(device=device, dtype=dtype).eval(), tok
+
+
+@functools.lru_cache(maxsize=1)
+def _load_checkpoint(src: ModelSource, progress: bool):
+    """(config, float32 CPU state dict, tokenizer) of the last checkpoint loaded; engines built
+    one after another on the same model (evaluation of several formats, tests) share it."""
+    from kvq.models.loader import load_hf_model
+
+    loaded = load_hf_model(src, dtype=torch.float32, device="cpu", progress=progress)
+    cfg = LlamaConfig.from_hf(loaded.model.config)
+    state = {k: v.detach() for k, v in loaded.model.state_dict().items()}
+    return cfg, state, loaded.tokenizer

@@ -1,0 +1,222 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) on the paged cache.
+
+Module and parameter names follow Hugging Face transformers, so a loaded HF
+state dict maps one to one.  Attention goes through a backend's kernels
+(:mod:`kvq.attention.backends`): each layer writes its new K/V into the paged
+cache in the cache's format, then attends over the cache as stored.
+
+Shapes inside a step (T = tokens computed this step across all sequences):
+    input_ids, positions  [T]
+    hidden                [T, hidden_size]
+    q                     [T, Hq, D];  k, v [T, Hkv, D]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvq.cache.pool import KVPool
+from kvq.cache.step import StepMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q/k/v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+    sliding_window: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, cfg) -> "LlamaConfig":
+        cfg = getattr(cfg, "text_config", None) or cfg
+        mt = getattr(cfg, "model_type", "llama")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        heads = cfg.num_attention_heads
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        scaling = dict(rope) if rope.get("rope_type", rope.get("type", "default")) not in ("default", None) else None
+        sliding = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(cfg, "attention_bias", mt == "qwen2")),
+            qk_norm=mt == "qwen3",
+            max_position_embeddings=cfg.max_position_embeddings,
+            model_type=mt,
+            sliding_window=sliding,
+        )
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """[D/2] inverse frequencies, with llama3-style scaling when the config asks for it."""
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv.float()
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old = sc.get("original_max_position_embeddings", 8192)
+        lo_wave, hi_wave = old / lo, old / hi
+        wave = 2 * math.pi / inv
+        scaled = torch.where(wave > lo_wave, inv / factor, inv)
+        smooth = (old / wave - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wave <= lo_wave) & (wave >= hi_wave)
+        return torch.where(is_mid, mid, scaled).float()
+    if kind == "linear":
+        return (inv / sc["factor"]).float()
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the HF Llama convention) at arbitrary positions."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [T, H, D]; positions [T]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.Hq, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.Hq * self.D, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=bias)
+        self.o_proj = nn.Linear(self.Hq * self.D, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.scale = self.D ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, pool: KVPool, meta: StepMetadata, kernels):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.Hq, self.D)
+        k = self.k_proj(x).view(T, self.Hkv, self.D)
+        v = self.v_proj(x).view(T, self.Hkv, self.D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions), rope(k, positions)
+        layer = pool.layers[self.index]
+        kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)
+        o = kernels.paged_attention(q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, self.scale,
+                                    max_q_len=meta.max_q_len, has_hp=meta.has_hp)
+        return self.o_proj(o.reshape(T, self.Hq * self.D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, index: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, index)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rope, pool, meta, kernels):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, pool, meta, kernels)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder and its LM head; ``forward`` returns logits of selected tokens only."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, pool: KVPool, meta: StepMetadata, kernels,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T]; logits_indices [B] rows of the step to score -> [B, V] float32."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.model.rotary_emb, pool, meta, kernels)
+        x = self.model.norm(x.index_select(0, logits_indices))
+        return self.lm_head(x).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy an HF Llama-family state dict; every parameter must be covered."""
+        state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (self.config.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")

@@ -1,0 +1,502 @@
+"""Scheduler, Sequence, SamplingParams: unit tests and a stateful test over a simulated engine.
+
+The simulated engine keeps the "KV" of every cache slot (``mem``), runs the step's
+ops in order, writes each scheduled token's KV through the block table, and only
+samples after checking that the sequence reads the KV of exactly its own tokens.
+The fake model's next token is a function of all tokens so far, so a request's
+outputs must not depend on batching, chunking, prefix hits or preemption.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvq.cache.block_manager import BlockManager, CopyOp, SealOp, WindowPolicy, block_state
+from kvq.engine.sampling_params import SamplingParams
+from kvq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, peak_blocks, rule_counts
+from kvq.engine.sequence import SeqStatus, Sequence
+
+VOCAB, EOS = 5, 0
+
+
+def next_token(tokens) -> int:
+    return zlib.crc32(bytes(tokens)) % VOCAB
+
+
+def kv_chain(tokens) -> list[int]:
+    """The 'KV' of position p depends on tokens[:p + 1] (like real attention KV)."""
+    out, h = [], 0
+    for t in tokens:
+        h = zlib.crc32(bytes([t]), h)
+        out.append(h)
+    return out
+
+
+def reference(prompt, params: SamplingParams, max_model_len: int, eos=EOS) -> tuple[list[int], str]:
+    """The outputs of an unbatched, unpreempted run of the fake model."""
+    out: list[int] = []
+    while True:
+        t = next_token(prompt + out)
+        out.append(t)
+        if (t == eos and not params.ignore_eos) or t in params.stop_token_ids:
+            return out, "stop"
+        if len(out) >= params.max_tokens or len(prompt) + len(out) >= max_model_len:
+            return out, "length"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Engine:
+    """A fake engine around a real BlockManager and Scheduler."""
+
+    def __init__(self, policy: WindowPolicy, nq=64, nhp=16, prefix=True, eos=EOS, **cfg):
+        cfg.setdefault("max_model_len", 64)
+        cfg.setdefault("max_num_seqs", 4)
+        cfg.setdefault("block_aligned_chunks", not policy.write_direct)
+        self.policy, self.bs = policy, policy.block_size
+        self.bm = BlockManager(nq, nhp, policy, enable_prefix_caching=prefix)
+        self.cfg = SchedulerConfig(block_size=self.bs, **cfg)
+        self.clock = Clock()
+        self.s = Scheduler(self.cfg, self.bm, eos_token_id=eos, clock=self.clock)
+        self.mem = {"q": [[None] * self.bs for _ in range(nq)], "hp": [[None] * self.bs for _ in range(nhp)]}
+        self.seqs: dict[int, Sequence] = {}
+        self.num_preempted = 0
+
+    def add(self, sid, prompt, **params) -> Sequence:
+        seq = Sequence(sid, prompt, SamplingParams(**params), arrival_time=self.clock.t)
+        self.s.add(seq)
+        self.seqs[sid] = seq
+        return seq
+
+    def execute(self, ops) -> None:
+        for op in ops:
+            if isinstance(op, CopyOp):
+                self.mem[op.dst.pool][op.dst.block_id] = list(self.mem[op.src.pool][op.src.block_id])
+            else:
+                assert isinstance(op, SealOp)
+                i, bs = op.logical_index, self.bs
+                expect = kv_chain(self.seqs[op.seq_id].all_token_ids)[i * bs:(i + 1) * bs]
+                assert self.mem["hp"][op.src_hp_block] == expect, "a seal read an incomplete hp block"
+                self.mem["q"][op.dst_q_block] = list(self.mem["hp"][op.src_hp_block])
+
+    def forward(self, item) -> int | None:
+        seq = self.seqs[item.seq_id]
+        toks, start, end = seq.all_token_ids, item.start, item.start + item.num_new_tokens
+        assert start == seq.num_computed_tokens and end <= len(toks)
+        kv, written = kv_chain(toks), {}
+        for pos, (pool, bid, off) in zip(range(start, end), self.bm.slots(item.seq_id, start, end)):
+            self.mem[pool][bid][off] = kv[pos]
+            written.setdefault((pool, bid), set()).add(off)
+        if not self.policy.write_direct:
+            for (pool, bid), offs in written.items():
+                assert pool == "hp" or len(offs) == self.bs, "a q block of a per-block format written in parts"
+        if self.s.config.block_aligned_chunks and end < len(toks):
+            assert end % self.bs == 0, "a non-final chunk must end on a block boundary"
+        assert item.sample == (end == len(toks))
+        if not item.sample:
+            return None
+        got = [self.mem[p][b][o] for p, b, o in self.bm.slots(item.seq_id, 0, end)]
+        assert got == kv, f"seq {item.seq_id} samples over KV that is not its own"
+        return next_token(toks)
+
+    def step(self, abort_one=None):
+        out = self.s.schedule()
+        cfg = self.s.config
+        ids = [x.seq_id for x in out.scheduled]
+        assert len(ids) == len(set(ids)) and len(ids) <= cfg.max_num_seqs
+        assert out.num_batched_tokens == sum(x.num_new_tokens for x in out.scheduled) <= cfg.max_num_batched_tokens
+        self.num_preempted += len(out.preempted)
+        for sid in out.preempted:
+            assert self.seqs[sid].status is SeqStatus.WAITING and sid not in self.bm
+        self.s.check_integrity()
+        stalled = [q for q in self.seqs.values() if q.status is SeqStatus.PREFILL and q.seq_id not in ids]
+        assert not stalled, f"a running prefill got no chunk: {stalled}"  # the policy's no-stall claim
+        if not out.scheduled:
+            return out, []
+        if abort_one is not None:  # an abort between schedule() and update()
+            assert self.s.abort(ids[abort_one % len(ids)])
+        self.execute(out.ops)
+        sampled = {}
+        for item in out.scheduled:
+            if not self.seqs[item.seq_id].is_finished:
+                tok = self.forward(item)
+                if tok is not None:
+                    sampled[item.seq_id] = tok
+        self.clock.t += 1.0
+        return out, self.s.update(out, sampled)
+
+    def run(self, max_steps=10_000) -> None:
+        for _ in range(max_steps):
+            if not self.s.has_unfinished():
+                return
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    def used_blocks(self) -> int:
+        return sum(self.bm.allocator(p).num_used for p in ("q", "hp"))
+
+
+# -- SamplingParams / Sequence ------------------------------------------------------------------
+def test_sampling_params_normalise():
+    p = SamplingParams(stop="###", stop_token_ids=[3, 4], temperature=0)
+    assert p.stop == ("###",) and p.stop_token_ids == (3, 4) and p.greedy
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b") and not SamplingParams().greedy
+    assert hash(p) == hash(SamplingParams(stop=("###",), stop_token_ids=(3, 4), temperature=0.0))
+
+
+@pytest.mark.parametrize("kw,word", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.1}, "temperature"),
+                                     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
+                                     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                                     ({"n": 2}, "n=2"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-1]}, "stop"),
+                                     ({"seed": 1.5}, "seed"), ({"temperature": float("nan")}, "temperature")])
+def test_sampling_params_rejects(kw, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**kw)
+
+
+def test_sequence_tokens_and_timings():
+    seq = Sequence(7, [1, 2, 3], arrival_time=10.0)
+    assert seq.status is SeqStatus.WAITING and seq.ttft() is None and seq.tpot() is None and seq.itls() == []
+    for t, now in ((4, 12.0), (5, 12.5), (6, 13.5)):
+        seq.append_token(t, now)
+    assert seq.all_token_ids == [1, 2, 3, 4, 5, 6] and seq.prompt_token_ids == [1, 2, 3]
+    assert (seq.num_tokens, seq.num_prompt_tokens, seq.last_token_id) == (6, 3, 6)
+    assert seq.ttft() == 2.0 and seq.itls() == [0.5, 1.0] and seq.tpot() == 0.75
+
+
+# -- configuration and admission ----------------------------------------------------------------
+@pytest.mark.parametrize("kw", [{"max_num_seqs": 0}, {"max_num_batched_tokens": 4, "max_num_seqs": 8},
+                                {"chunked_prefill": False, "max_num_batched_tokens": 32},
+                                {"block_aligned_chunks": True, "block_size": 16, "max_num_batched_tokens": 8,
+                                 "max_num_seqs": 4}])
+def test_config_rejects(kw):
+    kw = {"max_model_len": 64, "block_size": 4, **kw}
+    with pytest.raises(ValueError):
+        SchedulerConfig(**kw)
+
+
+def test_scheduler_checks_its_block_manager():
+    bm = BlockManager(8, 8, WindowPolicy(4, write_direct=False))
+    with pytest.raises(ValueError, match="block_size"):
+        Scheduler(SchedulerConfig(max_model_len=32, block_size=8), bm)
+    with pytest.raises(ValueError, match="block_aligned_chunks"):
+        Scheduler(SchedulerConfig(max_model_len=32, block_size=4), bm)
+    bm.allocate_prompt("x", [1])
+    with pytest.raises(ValueError, match="only user"):
+        Scheduler(SchedulerConfig(max_model_len=32, block_size=4, block_aligned_chunks=True), bm)
+
+
+def test_add_rejects_requests_that_can_never_run():
+    e = Engine(WindowPolicy(4), nq=3, max_model_len=16)
+    for prompt, max_tokens, word in (([], 1, "empty"), ([1] * 17, 1, "max_model_len"),
+                                     ([1] * 10, 7, "max_tokens"), ([1] * 13, 1, "needs up to 4 q")):
+        with pytest.raises(ValueError, match=word):
+            e.add(0, prompt, max_tokens=max_tokens)
+    e.add(0, [1] * 11, max_tokens=2)  # the last output is never cached: 12 tokens hold KV, 3 blocks
+    with pytest.raises(ValueError, match="already"):
+        e.add(0, [1], max_tokens=1)
+    assert e.s.num_waiting == 1
+
+
+def test_fcfs_admission_and_max_num_seqs():
+    e = Engine(WindowPolicy(4), max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(3):
+        e.add(i, [1, 2, 3, i], max_tokens=3, ignore_eos=True)
+    out, _ = e.step()
+    assert [x.seq_id for x in out.scheduled] == [0, 1] and all(x.sample and x.is_prefill for x in out.scheduled)
+    assert (e.s.num_running, e.s.num_waiting) == (2, 1)
+    out, _ = e.step()
+    assert [(x.seq_id, x.is_prefill, x.start) for x in out.scheduled] == [(0, False, 4), (1, False, 4)]
+    e.run()
+    assert all(s.output_token_ids == reference(s.prompt_token_ids, s.params, 64)[0] for s in e.seqs.values())
+    assert e.used_blocks() == 0 and len(e.bm) == 0
+
+
+def test_head_of_line_blocks_later_requests():
+    e = Engine(WindowPolicy(4), nq=6, max_model_len=24, max_num_batched_tokens=64)
+    e.add(0, [1] * 16, max_tokens=4, ignore_eos=True)  # 4 blocks, growing to 5
+    e.add(1, [2] * 12, max_tokens=1)  # 3 blocks: does not fit beside 0
+    e.add(2, [3] * 2, max_tokens=1)  # 1 block: would fit, but must not overtake 1
+    out, _ = e.step()
+    assert [x.seq_id for x in out.scheduled] == [0] and e.s.num_waiting == 2
+    e.run()
+    assert e.seqs[1].first_scheduled_time <= e.seqs[2].first_scheduled_time and e.used_blocks() == 0
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes():
+    e = Engine(WindowPolicy(4), max_num_batched_tokens=8)
+    e.add(0, [1, 2], max_tokens=10, ignore_eos=True)
+    e.step()
+    e.add(1, list(range(20)), max_tokens=1)
+    chunks = []
+    while e.seqs[1].num_output_tokens == 0:
+        out, _ = e.step()
+        chunks += [(x.start, x.num_new_tokens, x.sample) for x in out.scheduled if x.seq_id == 1]
+        assert out.num_batched_tokens <= 8 and out.scheduled[0].seq_id == 0  # the decode goes first
+    assert chunks == [(0, 7, False), (7, 7, False), (14, 6, True)]
+
+
+def test_block_aligned_chunks():
+    e = Engine(WindowPolicy(4, write_direct=False), max_num_batched_tokens=10)
+    assert e.cfg.block_aligned_chunks
+    e.add(0, list(range(23)), max_tokens=2, ignore_eos=True)
+    chunks = []
+    while not e.seqs[0].is_finished:
+        out, _ = e.step()
+        chunks += [(x.start, x.num_new_tokens) for x in out.scheduled]
+    assert chunks == [(0, 8), (8, 8), (16, 7), (23, 1)]
+
+
+def test_no_chunking_waits_for_budget():
+    e = Engine(WindowPolicy(4), max_model_len=16, max_num_batched_tokens=16, chunked_prefill=False)
+    e.add(0, [1] * 10, max_tokens=1)
+    e.add(1, [2] * 10, max_tokens=1)
+    out, _ = e.step()
+    assert [(x.seq_id, x.num_new_tokens) for x in out.scheduled] == [(0, 10)]
+    out, _ = e.step()
+    assert [(x.seq_id, x.num_new_tokens) for x in out.scheduled] == [(1, 10)]
+
+
+def test_prefix_hit_starts_after_cached_blocks():
+    e = Engine(WindowPolicy(4), max_num_batched_tokens=64)
+    e.add(0, list(range(12)), max_tokens=1)
+    e.run()
+    e.add(1, list(range(10)) + [4, 4], max_tokens=1)
+    out, _ = e.step()
+    assert [(x.start, x.num_new_tokens) for x in out.scheduled] == [(8, 4)]
+    assert e.seqs[1].output_token_ids == reference(e.seqs[1].prompt_token_ids, e.seqs[1].params, 64)[0]
+
+
+# -- stopping ---------------------------------------------------------------------------------
+def drive(e: Engine, sid: int, tokens: list[int]) -> None:
+    """Step a lone sequence, sampling the given tokens instead of the fake model's."""
+    for tok in tokens:
+        out = e.s.schedule()
+        e.s.update(out, {sid: tok}, now=e.clock.t)
+
+
+@pytest.mark.parametrize("params,tokens,n_out,reason,stop_reason", [
+    ({}, [3, EOS, 3], 2, "stop", None),
+    ({"ignore_eos": True, "max_tokens": 3}, [3, EOS, 3], 3, "length", None),
+    ({"stop_token_ids": [4]}, [3, 4, 3], 2, "stop", 4),
+    ({"max_tokens": 2}, [3, 3, 3], 2, "length", None),
+    ({"max_tokens": 2, "stop_token_ids": [3]}, [1, 3], 2, "stop", 3),  # a stop token wins over length
+])
+def test_stop_conditions(params, tokens, n_out, reason, stop_reason):
+    e = Engine(WindowPolicy(4))
+    seq = Sequence(0, [1, 2, 3, 4], SamplingParams(**params))
+    e.s.add(seq)
+    drive(e, 0, tokens[:n_out])
+    assert seq.is_finished and (seq.finish_reason, seq.stop_reason) == (reason, stop_reason)
+    assert seq.output_token_ids == tokens[:n_out] and e.used_blocks() == 0 and not e.s.has_unfinished()
+
+
+def test_finish_and_abort_free_blocks():
+    e = Engine(WindowPolicy(4), max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(3):
+        e.add(i, [1] * 9, max_tokens=8, ignore_eos=True)
+    e.step()
+    e.step()
+    assert e.s.abort(2) and e.seqs[2].finish_reason == "abort"  # waiting
+    assert e.s.finish(0, "stop", "###") and (e.seqs[0].finish_reason, e.seqs[0].stop_reason) == ("stop", "###")
+    assert 0 not in e.bm and not e.s.abort(0) and not e.s.finish(99, "abort")
+    with pytest.raises(ValueError, match="valid: stop, length, abort"):
+        e.s.finish(1, "eos")
+    with pytest.raises(KeyError):
+        e.s.get(0)
+    e.step(abort_one=0)  # abort 1 between schedule() and update()
+    assert e.seqs[1].finish_reason == "abort" and e.used_blocks() == 0 and not e.s.has_unfinished()
+    e.s.check_integrity()
+
+
+def test_update_contract():
+    e = Engine(WindowPolicy(4))
+    e.add(0, [1, 2, 3], max_tokens=4)
+    out = e.s.schedule()
+    with pytest.raises(RuntimeError, match="update"):
+        e.s.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        e.s.update(out, {})
+    e.s.check_integrity()
+    e.s.update(out, {0: 1})
+    with pytest.raises(ValueError, match="latest"):
+        e.s.update(out, {0: 1})
+    assert e.s.update(SchedulerOutput(), {}) == []  # an empty output needs no update
+
+
+def test_timings_follow_the_clock():
+    e = Engine(WindowPolicy(4))
+    e.clock.t = 5.0
+    seq = e.add(0, [1, 2], max_tokens=3, ignore_eos=True)
+    e.run()
+    assert seq.first_scheduled_time == 5.0 and seq.token_times == [6.0, 7.0, 8.0]
+    assert seq.ttft() == 1.0 and seq.tpot() == 1.0
+
+
+# -- preemption -------------------------------------------------------------------------------
+def test_preemption_spares_the_served_sequence_and_keeps_outputs():
+    e = Engine(WindowPolicy(2), nq=8, max_model_len=32, max_num_batched_tokens=32)
+    e.add(0, [1, 2, 3, 4], max_tokens=9, ignore_eos=True)  # alone: up to 6 blocks, both: 12
+    e.add(1, [4, 3, 2, 1], max_tokens=9, ignore_eos=True)
+    first = None
+    while e.s.has_unfinished():
+        out, _ = e.step()
+        if out.preempted and first is None:
+            first = out
+    assert first.preempted == (1,) and 0 in [x.seq_id for x in first.scheduled], "the newer one yields"
+    assert e.seqs[1].num_preemptions >= 1 and e.seqs[0].num_preemptions == 0
+    for seq in e.seqs.values():
+        assert (seq.output_token_ids, seq.finish_reason) == reference(seq.prompt_token_ids, seq.params, 32)
+    assert e.used_blocks() == 0
+
+
+def test_newest_decode_preempts_itself_and_resumes_by_recompute():
+    e = Engine(WindowPolicy(1), nq=10, max_model_len=16, max_num_batched_tokens=16)
+    e.add(0, [1, 2, 3], max_tokens=5, ignore_eos=True)
+    e.add(1, [3, 2, 1, 0], max_tokens=5, ignore_eos=True)
+    e.step()  # both prompts: 7 blocks
+    e.step()  # 0 takes block 8, 1 takes block 9
+    out, _ = e.step()  # 0 takes the last block; 1, the newest, finds none and preempts itself
+    assert [x.seq_id for x in out.scheduled] == [0] and out.preempted == (1,)
+    seq = e.seqs[1]
+    assert seq.status is SeqStatus.WAITING and seq.num_computed_tokens == 0 and seq.num_output_tokens == 2
+    e.run()
+    assert seq.output_token_ids == reference(seq.prompt_token_ids, seq.params, 16)[0]
+
+
+def literal_peak(first, last, p) -> tuple[int, int]:
+    """peak_blocks by brute force over block_state: prompts at every length, appends that open a block."""
+    q = hp = 0
+    for n in range(first, last + 1):
+        states = [block_state(i, n, p) for i in range(-(-n // p.block_size))]
+        opens = n < last and n % p.block_size == 0
+        q = max(q, states.count("q"))
+        hp = max(hp, states.count("hp") + (opens and block_state(n // p.block_size, n + 1, p) == "hp"))
+    return q, hp
+
+
+@pytest.mark.parametrize("bs", [1, 3, 8])
+@pytest.mark.parametrize("sink,res,write_direct", [(0, 0, True), (0, 0, False), (1, 5, True), (2, 9, False),
+                                                   (1, 4, True), (0, 7, False)])
+def test_rule_counts_and_peak_match_block_state(bs, sink, res, write_direct):
+    p = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=write_direct)
+    for n in range(1, 60):
+        states = [block_state(i, n, p) for i in range(-(-n // bs))]
+        assert rule_counts(n, p) == (states.count("q"), states.count("hp")), n
+    for first in range(1, 30):
+        for last in range(first, 60, 3):
+            assert peak_blocks(first, last, p) == literal_peak(first, last, p), (first, last)
+
+
+# -- stateful ---------------------------------------------------------------------------------
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random requests (shared prefixes), steps, aborts and stop strings over random policies and tiny pools."""
+
+    @initialize(bs=st.integers(1, 8), sink=st.integers(0, 2), res=st.integers(0, 10), direct=st.booleans(),
+                prefix=st.booleans(), mml=st.integers(8, 48), dq=st.integers(-3, 4), dhp=st.integers(-3, 3),
+                seqs=st.integers(1, 5), extra=st.sampled_from([0, 0, 1, 2, 3, 5, 8, 16]), chunked=st.booleans(),
+                aligned=st.booleans())
+    def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, aligned):
+        policy = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=direct)
+        # Pools around what one long request needs: sometimes too small (rejections), often contended.
+        nb = -(-mml // bs)
+        nq = max(0, nb + dq * max(1, nb // 4))
+        nhp = 0 if direct and res == 0 and sink == 0 else max(0, min(sink, nb) + -(-res // bs) + 2 + dhp)
+        aligned = aligned or not direct
+        budget = max(seqs, bs if chunked and aligned else 1, 1 if chunked else mml) + extra
+        self.e = Engine(policy, nq=nq, nhp=nhp, prefix=prefix, max_model_len=mml, max_num_seqs=seqs,
+                        max_num_batched_tokens=budget, chunked_prefill=chunked, block_aligned_chunks=aligned)
+        self.history: list[list[int]] = [[]]
+        self.next_id = 0
+        self.stopped: set[int] = set()  # finished by the engine (abort, stop string), not by the scheduler
+
+    def fits(self, prompt, max_tokens) -> bool:
+        q, hp = literal_peak(len(prompt), len(prompt) + max_tokens - 1, self.e.policy)
+        return q <= self.e.bm.allocator("q").num_blocks and hp <= self.e.bm.allocator("hp").num_blocks
+
+    @rule(data=st.data(), burst=st.integers(1, 4))
+    def add(self, data, burst):
+        for _ in range(burst):
+            self.add_one(data)
+
+    def add_one(self, data):
+        base = data.draw(st.sampled_from(self.history))
+        prompt = base[:data.draw(st.integers(0, len(base)))] + data.draw(st.lists(st.integers(0, VOCAB - 1),
+                                                                                   min_size=1, max_size=12))
+        max_tokens = data.draw(st.integers(1, max(1, min(16, self.e.cfg.max_model_len - len(prompt)))))
+        kw = {"max_tokens": max_tokens, "ignore_eos": data.draw(st.booleans()),
+              "stop_token_ids": data.draw(st.lists(st.integers(1, VOCAB - 1), max_size=1))}
+        ok = len(prompt) + max_tokens <= self.e.cfg.max_model_len and self.fits(prompt, max_tokens)
+        sid, self.next_id = self.next_id, self.next_id + 1
+        if not ok:
+            with pytest.raises(ValueError):
+                self.e.add(sid, prompt, **kw)
+            event("add: rejected " + ("long" if len(prompt) + max_tokens > self.e.cfg.max_model_len else "pool"))
+            return
+        self.e.add(sid, prompt, **kw)
+        self.history.append(prompt)
+
+    @rule(steps=st.integers(1, 6), abort=st.one_of(st.none(), st.integers(0, 7)))
+    def step(self, steps, abort):
+        for k in range(steps):
+            out, _ = self.e.step(abort_one=abort if k == 0 else None)
+            if abort is not None and k == 0 and out.scheduled:
+                self.stopped.add(out.scheduled[abort % len(out.scheduled)].seq_id)
+            for name in ("preempted", "ops"):
+                if getattr(out, name):
+                    event(f"step: {name}")
+            if any(x.is_prefill and not x.sample for x in out.scheduled):
+                event("step: partial prefill chunk")
+            if len(out.scheduled) > 1:
+                event("step: batch")
+            if self.e.bm.allocator("q").num_hits + self.e.bm.allocator("hp").num_hits:
+                event("prefix hits")
+            self.check()
+
+    @rule(data=st.data(), reason=st.sampled_from(["abort", "stop"]))
+    def finish(self, data, reason):
+        live = sorted(sid for sid, s in self.e.seqs.items() if not s.is_finished)
+        if live:
+            sid = data.draw(st.sampled_from(live))
+            assert self.e.s.finish(sid, reason, "###" if reason == "stop" else None)
+            assert sid not in self.e.bm
+            self.stopped.add(sid)
+
+    @invariant()
+    def check(self):
+        if not hasattr(self, "e"):
+            return
+        self.e.s.check_integrity()
+        self.e.bm.check_integrity()
+        for pool in ("q", "hp"):
+            a = self.e.bm.allocator(pool)
+            assert a.num_free + a.num_used == a.num_blocks
+
+    def teardown(self):
+        if not hasattr(self, "e"):
+            return
+        e = self.e
+        e.run(max_steps=200 + 20 * sum(s.num_tokens + s.params.max_tokens for s in e.seqs.values()))
+        assert e.used_blocks() == 0 and len(e.bm) == 0, "leaked blocks"
+        for sid, seq in e.seqs.items():
+            assert seq.is_finished
+            if sid not in self.stopped:
+                assert (seq.output_token_ids, seq.finish_reason) == \
+                    reference(seq.prompt_token_ids, seq.params, e.cfg.max_model_len), sid
+        event(f"teardown: {'preemptions' if e.num_preempted else 'no preemption'}")
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
