@@ -46,43 +46,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from kvq.cache.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
+from kvq.cache.window import POOLS, Pool, WindowPolicy, block_state  # noqa: F401 (re-exported)
 
-Pool = Literal["q", "hp"]
-POOLS: tuple[Pool, Pool] = ("q", "hp")
 SeqId = Hashable  # int or str in practice
-
-
-@dataclass(frozen=True)
-class WindowPolicy:
-    """Which logical blocks stay in high precision (see :func:`block_state`)."""
-
-    block_size: int
-    sink_blocks: int = 0
-    residual_tokens: int = 0
-    write_direct: bool = True  # the q format can take single tokens (per-token scales)
-
-    def __post_init__(self) -> None:
-        for name, lo in (("block_size", 1), ("sink_blocks", 0), ("residual_tokens", 0)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"WindowPolicy.{name} must be an int >= {lo}, got {v!r}")
-
-
-def block_state(i: int, n: int, policy: WindowPolicy) -> Pool:
-    """Pool of logical block ``i`` in a sequence of ``n`` cached tokens.
-
-    Sealed ("q") iff ``i >= sink_blocks`` and either the block ends at least
-    ``residual_tokens`` before ``n`` or the format writes directly with no
-    residual window. Monotone: as ``n`` grows a block only goes hp -> q.
-    """
-    if i < policy.sink_blocks:
-        return "hp"
-    if policy.write_direct and policy.residual_tokens == 0:
-        return "q"
-    return "q" if (i + 1) * policy.block_size <= n - policy.residual_tokens else "hp"
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvq.cache.block_manager import WindowPolicy, block_state
+from kvq.cache.window import WindowPolicy, rule_counts
 from kvq.formats.registry import default_window, resolve_kv
 from kvq.formats.fp8 import check_fp8_numerics
 from kvq.formats.spec import FP8_MAX, KVFormat
@@ -100,10 +100,7 @@ class CachePlan:
 
     def blocks_for(self, num_tokens: int) -> tuple[int, int]:
         """(resident, high-precision) blocks one sequence of ``num_tokens`` holds."""
-        policy = self.window_policy
-        n_blocks = math.ceil(num_tokens / self.block_size)
-        hp = sum(block_state(i, num_tokens, policy) == "hp" for i in range(n_blocks))
-        return n_blocks - hp, hp
+        return rule_counts(num_tokens, self.window_policy)
 
     # -- capacity --------------------------------------------------------------------------
     def capacity(self, memory_bytes: int, context_len: int | None = None) -> Capacity:

@@ -50,7 +50,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvq.cache.block_manager import BlockManager, Op, WindowPolicy, block_state
+from kvq.cache.block_manager import BlockManager, Op
+from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
 from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
 
 
@@ -114,39 +115,6 @@ class SchedulerOutput:
     ops: tuple[Op, ...] = ()
     preempted: tuple[int, ...] = ()
     num_batched_tokens: int = 0
-
-
-def rule_counts(n: int, policy: WindowPolicy) -> tuple[int, int]:
-    """(q, hp) blocks a sequence of ``n`` cached tokens holds under :func:`block_state` (closed form)."""
-    bs = policy.block_size
-    nb = -(-n // bs)
-    sinks = min(policy.sink_blocks, nb)
-    if policy.write_direct and policy.residual_tokens == 0:
-        return nb - sinks, sinks
-    q = max(0, max(n - policy.residual_tokens, 0) // bs - policy.sink_blocks)  # blocks [sink, w) are sealed
-    return q, nb - q
-
-
-def peak_blocks(first: int, last: int, policy: WindowPolicy) -> tuple[int, int]:
-    """Most (q, hp) blocks one sequence holds while its cached length grows from ``first`` to ``last``.
-
-    Covers prompt allocations at any length in ``[first, last]`` (re-prefill after
-    preemption) and one-token appends from every length in ``[first, last)``: an
-    append settles the old blocks at the old length and may open a block, so it
-    can hold one hp block more than the rule gives (lazy sealing).
-    """
-    assert 1 <= first <= last
-    bs = policy.block_size
-    q_peak = rule_counts(last, policy)[0]  # q blocks only grow with the length
-    # Past sink_blocks * bs + residual_tokens the hp count repeats with period bs: one period suffices.
-    stop = min(last, max(first, policy.sink_blocks * bs + policy.residual_tokens) + bs)
-    hp_peak = 0
-    for n in range(first, stop + 1):
-        hp = rule_counts(n, policy)[1]
-        if n < last and n % bs == 0:  # appending at n opens block n // bs
-            hp += block_state(n // bs, n + 1, policy) == "hp"
-        hp_peak = max(hp_peak, hp)
-    return q_peak, hp_peak
 
 
 class Scheduler:

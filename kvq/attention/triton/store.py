@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton.tiles import (
-    BLOCK_SCALE, DENSE, FP8_STATIC, KIVI_K, KIVI_V, TOKEN_SCALE, _rne, format_code, to_fp8,
+    BLOCK_SCALE, DENSE, FP8_STATIC, KIVI_K, TOKEN_SCALE, _rne, format_code, to_fp8,
 )
 from kvq.cache.pool import LayerKV
 
