@@ -7,6 +7,7 @@ choices, and exits with code 2 (argparse's convention for usage errors).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from dataclasses import asdict
@@ -258,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-chat", action="store_true", help="plain completion, no chat template")
     gen.set_defaults(func=cmd_generate)
+
+    # Subcommands that live with their concept; each module's register(sub) adds its parser
+    # (heavy imports stay inside the command functions).
+    for module in ("kvq.eval.command", "kvq.server.command"):
+        importlib.import_module(module).register(sub)
     return p
 
 

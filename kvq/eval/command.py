@@ -1,0 +1,5 @@
+"""`kvq eval` (being built: issue 5)."""
+
+
+def register(sub) -> None:
+    return None
