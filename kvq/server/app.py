@@ -1,0 +1,277 @@
+"""The FastAPI application: OpenAI-compatible routes over an :class:`AsyncEngine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE
+with ``stream: true``: ``data: {chunk}`` events then ``data: [DONE]``),
+``GET /v1/models``, ``/health``, ``/metrics`` (Prometheus text), ``/status``
+(JSON; ``?check=1`` also runs the allocator and scheduler integrity checks on
+the engine thread and reports leaked blocks).
+
+A client that goes away aborts its engine requests at once: a stream through
+the response's cancellation, a non-streaming request by racing it against the
+connection's ``http.disconnect``.  Status codes: 400 bad input, 404 unknown
+route, 429 overloaded, 503 engine not running, 500 engine failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvq.server.async_engine import AsyncEngine, EngineDeadError, EngineError, OverloadedError, PromptSpec
+from kvq.server.metrics import ServerMetrics
+from kvq.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_choice,
+    chat_delta,
+    completion_choice,
+    error_body,
+    new_id,
+    parse_request,
+    response_head,
+    safe_text_end,
+    usage,
+)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response whose generator is always closed when the response ends, however it ends,
+    so the generator's ``finally`` (which aborts the request) runs at once, not at garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _error(status: int, message: str, type: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, None, code), status_code=status)
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnect(request: Request, coro):
+    """Run ``coro``; if the client disconnects first, cancel it and raise ClientGone."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.ensure_future(coro), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (shutdown)
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    raise ClientGone
+
+
+class _Choices:
+    """Per-choice streaming state: text and token ids already sent."""
+
+    def __init__(self, n: int, stop: tuple[str, ...]):
+        self.stop = stop
+        self.text = [""] * n
+        self.ntok = [0] * n
+
+    def delta(self, index: int, out) -> tuple[str, list[int]]:
+        c = out.outputs[0]
+        end = safe_text_end(c.text, self.stop, out.finished)
+        sent, text = self.text[index], ""
+        if end > len(sent) and c.text.startswith(sent):
+            text = c.text[len(sent):end]
+            self.text[index] = c.text[:end]
+        tokens = c.token_ids[self.ntok[index]:]
+        self.ntok[index] = len(c.token_ids)
+        return text, tokens
+
+
+def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str]) -> FastAPI:
+    """The app; its lifespan starts and stops the engine thread."""
+    if not served_model_names:
+        raise ValueError("at least one served model name is needed")
+    names = list(served_model_names)
+    info = engine.engine.info
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="kvq", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return _error(503, engine.dead_reason or "the engine is not running", "service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": started, "owned_by": "kvq", "root": info["model"],
+             "max_model_len": info["max_model_len"]} for name in names]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status")
+    async def status(check: bool = False):
+        snap = engine.snapshot
+        body = {
+            "alive": engine.alive, "dead_reason": engine.dead_reason, "served_model_names": names,
+            "model": info["model"], "device": info["device"], "dtype": info["dtype"],
+            "requests": {k: snap[k] for k in ("running", "waiting", "swapped", "live_requests")},
+            "max_live_requests": engine.max_live,
+            "kv_cache_dtype": info["kv_cache_dtype"], "attention_backend": info["attention_backend"],
+            "block_size": info["block_size"], "max_model_len": info["max_model_len"],
+            "kv_pool": {**info["kv_pool"], "bytes_per_block": engine.engine.plan.bytes_per_block,
+                        "hp_bytes_per_block": engine.engine.plan.hp_bytes_per_block},
+            "kv_blocks": snap["kv_blocks"], "steps": snap["steps"], "recoveries": snap["recoveries"],
+        }
+        if check:
+            try:
+                body["integrity"] = await engine.check()
+            except EngineDeadError as e:
+                return _error(503, str(e), "service_unavailable")
+        return body
+
+    async def admit(request: Request, kind: type) -> tuple:
+        req = parse_request(kind, await request.body())
+        model = req.model or names[0]
+        if model not in names:
+            raise ApiError(400, f"model {model!r} is not served here; valid: {', '.join(names)}", param="model",
+                           code="model_not_found")
+        if kind is ChatCompletionRequest:
+            messages = [m.template_dict() for m in req.messages]
+            specs = [PromptSpec(req.sampling(req.output_limit(), i), messages=messages) for i in range(req.n)]
+        else:
+            limit = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+            specs = [PromptSpec(req.sampling(limit, i), prompt=p) for p in req.prompts() for i in range(req.n)]
+        return req, model, await engine.submit(specs)
+
+    async def generate(request: Request, kind: type):
+        try:
+            req, model, group = await admit(request, kind)
+        except ApiError as e:
+            metrics.outcome("invalid")
+            return JSONResponse(e.body(), status_code=e.status)
+        except ValueError as e:
+            metrics.outcome("invalid")
+            return _error(400, str(e), "invalid_request_error", "invalid_value")
+        except OverloadedError as e:
+            metrics.outcome("overloaded")
+            return _error(429, str(e), "rate_limit_error", "overloaded")
+        except EngineDeadError as e:
+            metrics.outcome("unavailable")
+            return _error(503, str(e), "service_unavailable")
+        chat = kind is ChatCompletionRequest
+        if req.stream:
+            return SSEResponse(stream(group, req, model, chat), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+        try:
+            body = await _until_disconnect(request, collect(group, req, model, chat))
+        except ClientGone:
+            metrics.outcome("abort")
+            return Response(status_code=499)  # nobody reads it
+        except (EngineError, EngineDeadError) as e:
+            metrics.outcome("error")
+            return _error(500 if isinstance(e, EngineError) else 503, str(e), "server_error")
+        finally:
+            engine.release(group)
+        metrics.outcome("success")
+        return body
+
+    def prompt_tokens(group, n: int) -> int:
+        return sum(len(ids) for ids in group.prompt_token_ids[::n])  # each prompt once, not once per sample
+
+    async def collect(group, req, model: str, chat: bool) -> dict:
+        final = {}
+        async for index, out in engine.outputs(group):
+            if out.finished:
+                final[index] = out.outputs[0]
+        ids = req.return_token_ids
+        choice = chat_choice if chat else completion_choice
+        choices = [choice(i, c.text, c.finish_reason, c.token_ids if ids else None) for i, c in sorted(final.items())]
+        head = response_head(new_id("chatcmpl" if chat else "cmpl"), "chat.completion" if chat else "text_completion",
+                             model)
+        body = {**head, "choices": choices,
+                "usage": usage(prompt_tokens(group, req.n), sum(len(c.token_ids) for c in final.values()))}
+        if ids:
+            body["prompt_token_ids"] = group.prompt_token_ids[::req.n]
+        return body
+
+    async def stream(group, req, model: str, chat: bool) -> AsyncIterator[str]:
+        head = response_head(new_id("chatcmpl" if chat else "cmpl"),
+                             "chat.completion.chunk" if chat else "text_completion", model)
+        state = _Choices(len(group), tuple(group.specs[0].sampling["stop"]))
+        ids, completion_tokens, outcome = req.return_token_ids, 0, "abort"
+        try:
+            if chat:
+                for i in range(len(group)):
+                    yield _sse({**head, "choices": [chat_delta(i, {"role": "assistant", "content": ""}, None,
+                                                               [] if ids else None)]})
+            async for index, out in engine.outputs(group):
+                text, tokens = state.delta(index, out)
+                finish = out.outputs[0].finish_reason if out.finished else None
+                if out.finished:
+                    completion_tokens += len(out.outputs[0].token_ids)
+                if not (text or finish or (ids and tokens)):
+                    continue
+                tok = tokens if ids else None
+                choice = chat_delta(index, {"content": text} if text else {}, finish, tok) if chat \
+                    else completion_choice(index, text, finish, tok)
+                yield _sse({**head, "choices": [choice]})
+            if req.include_usage:
+                yield _sse({**head, "choices": [], "usage": usage(prompt_tokens(group, req.n), completion_tokens)})
+            outcome = "success"
+            yield _sse("[DONE]")
+        except (EngineError, EngineDeadError) as e:
+            outcome = "error"
+            yield _sse(error_body(str(e), "server_error"))
+            yield _sse("[DONE]")
+        finally:
+            metrics.outcome(outcome)
+            engine.release(group)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, ChatCompletionRequest)
+
+    return app

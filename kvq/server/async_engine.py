@@ -1,0 +1,376 @@
+"""The engine on its own thread, fed by an asyncio front end.
+
+``LLMEngine`` is not thread-safe, so exactly one thread (the *engine thread*)
+ever touches it.  Everything else talks to that thread through one command
+queue and hears back through per-request asyncio queues::
+
+    HTTP handler (event loop)                     engine thread
+    -------------------------                     -------------
+    submit(prompts, params) --_Add-------------->  encode, chat template, engine.add_request
+        <- future: engine ids, or the ValueError   (all of a group's prompts, or none of them)
+    async for (index, output) in group  <-------  engine.step() -> call_soon_threadsafe(queue.put_nowait)
+    client gone: abort(group) --_Abort---------->  engine.abort(ids): blocks freed before the next step
+    check() --_Check---------------------------->  block manager + scheduler integrity, leaked blocks
+
+The loop never dies because of one request: bad input is that request's
+ValueError (HTTP 400).  If ``step()`` itself raises, the batch it was running
+is unknown, so every live request fails with :class:`EngineError`, the
+scheduler's in-flight step is discarded and integrity is checked; only when
+that recovery fails is the engine marked dead (HTTP 503 from then on).
+
+Admission is bounded: at most ``max_num_seqs + max_queue_len`` engine requests
+are live at once; one more is :class:`OverloadedError` (HTTP 429) at once,
+rather than a queue that grows without limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvq.engine.llm_engine import LLMEngine, RequestOutput
+from kvq.engine.sampling_params import SamplingParams
+from kvq.server.metrics import EngineEvents
+
+IDLE_WAIT_S = 0.05  # how long the idle engine thread blocks on the command queue
+
+
+class OverloadedError(RuntimeError):
+    """Too many live requests: the client should retry later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped, or failed beyond recovery): HTTP 503."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request (HTTP 500); the engine itself recovered."""
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One engine request: a prompt (text or token ids) or chat messages, and SamplingParams keywords.
+
+    ``sampling["max_tokens"]`` of None means "up to max_model_len" (the chat
+    default); it is resolved on the engine thread once the prompt is tokenized.
+    """
+
+    sampling: dict
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+
+
+@dataclass
+class RequestGroup:
+    """The engine requests of one HTTP request (prompts x n), and where their outputs go."""
+
+    specs: list[PromptSpec]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # (index, RequestOutput | Exception)
+    engine_ids: list[int] = field(default_factory=list)  # set by the engine thread
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)  # indices finished (front-end side)
+    released: bool = False
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+
+@dataclass
+class _Add:
+    group: RequestGroup
+    reply: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    group: RequestGroup
+
+
+@dataclass
+class _Check:
+    reply: concurrent.futures.Future
+
+
+@dataclass
+class _Live:
+    group: RequestGroup
+    index: int
+    arrival: float
+    seen: dict = field(default_factory=lambda: {"tokens": 0, "itl": 0, "preemptions": 0})
+
+
+class AsyncEngine:
+    """Owns an :class:`LLMEngine` on a thread; ``submit``/``stream``/``abort`` from an event loop."""
+
+    def __init__(self, engine: LLMEngine, *, max_queue_len: int = 256, events: EngineEvents | None = None):
+        if max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}")
+        self.engine = engine
+        self.max_live = engine.config.max_num_seqs + max_queue_len
+        self.events = events or EngineEvents(None)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}  # engine request id -> its group (engine thread only)
+        self._num_live = 0  # engine requests admitted and not yet released (event-loop side)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dead_reason: str | None = None
+        self.num_steps = 0
+        self.num_recoveries = 0
+        self.snapshot: dict = self._snapshot()  # replaced (never mutated) by the engine thread
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine thread was already started")
+        self._thread = threading.Thread(target=self._run, name="kvq-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None \
+            and not self._stop.is_set()
+
+    # -- front end (event loop) -----------------------------------------------------------------
+    async def submit(self, specs: list[PromptSpec]) -> RequestGroup:
+        """Admit a group of engine requests; raises OverloadedError, EngineDeadError or ValueError (bad input)."""
+        if not self.alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if len(specs) > self.max_live:
+            raise ValueError(f"this request asks for {len(specs)} sequences (prompts x n); the server admits at "
+                             f"most {self.max_live} at once")
+        if self._num_live + len(specs) > self.max_live:
+            raise OverloadedError(f"server overloaded: {self._num_live} sequences running or queued, limit "
+                                  f"{self.max_live} (--max-num-seqs + --max-queue-len); retry later")
+        group = RequestGroup(specs, asyncio.get_running_loop())
+        self._num_live += len(specs)
+        try:
+            reply: concurrent.futures.Future = concurrent.futures.Future()
+            self._cmds.put(_Add(group, reply))
+            await asyncio.wrap_future(reply)
+        except BaseException:
+            self._num_live -= len(specs)
+            self._cmds.put(_Abort(group))  # a cancelled add may still land: take it back
+            raise
+        return group
+
+    async def outputs(self, group: RequestGroup) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of the group's requests as they come, until all have finished.
+
+        Raises EngineError (or EngineDeadError) if the engine failed under them.
+        """
+        while len(group.done) < len(group):
+            index, item = await group.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                group.done.add(index)
+            yield index, item
+
+    def release(self, group: RequestGroup) -> None:
+        """The front end is done with the group: abort what is unfinished and free its slots (idempotent)."""
+        if group.released:
+            return
+        group.released = True
+        self._num_live -= len(group)
+        if len(group.done) < len(group):
+            self._cmds.put(_Abort(group))
+
+    async def check(self) -> dict:
+        """Integrity of the block manager and scheduler, and used blocks, checked on the engine thread."""
+        if not self.alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(_Check(reply))
+        return await asyncio.wrap_future(reply)
+
+    def check_sync(self, timeout: float = 30.0) -> dict:
+        """:meth:`check` for a thread that is not the event loop (tests)."""
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(_Check(reply))
+        return reply.result(timeout)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._step()
+                self.snapshot = self._snapshot()
+        except BaseException as e:  # noqa: BLE001 - a bug in this loop itself: report it, fail everyone
+            self.dead_reason = f"engine loop crashed: {type(e).__name__}: {e}"
+            traceback.print_exc()
+        finally:
+            reason = self.dead_reason or "the server is shutting down"
+            for live in list(self._live.values()):
+                self._push(live.group, live.index, EngineDeadError(reason))
+            self._live.clear()
+            self._fail_pending(reason)
+            self.snapshot = self._snapshot()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=IDLE_WAIT_S) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            self._add(cmd)
+        elif isinstance(cmd, _Abort):
+            for rid in cmd.group.engine_ids:
+                if rid in self._live:
+                    del self._live[rid]
+                    self.engine.abort(rid)
+                    self.events.finished("abort")
+        elif isinstance(cmd, _Check):
+            if not cmd.reply.set_running_or_notify_cancel():
+                return
+            try:
+                cmd.reply.set_result(self._integrity())
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                cmd.reply.set_exception(e)
+
+    def _add(self, cmd: _Add) -> None:
+        if not cmd.reply.set_running_or_notify_cancel():
+            return
+        group, added = cmd.group, []
+        try:
+            for index, spec in enumerate(group.specs):
+                ids = self._tokenize(spec)
+                sampling = dict(spec.sampling)
+                if sampling.get("max_tokens") is None:
+                    room = self.engine.max_model_len - len(ids)
+                    if room < 1:
+                        raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len="
+                                         f"{self.engine.max_model_len} leaves no room for output")
+                    sampling["max_tokens"] = room
+                rid = self.engine.add_request(ids, SamplingParams(**sampling))
+                added.append(rid)
+                group.prompt_token_ids.append(ids)
+                self._live[rid] = _Live(group, index, time.monotonic())
+        except Exception as e:  # noqa: BLE001 - bad input (any kind): no part of the group stays in the engine
+            for rid in added:
+                self._live.pop(rid, None)
+                self.engine.abort(rid)
+            cmd.reply.set_exception(e if isinstance(e, ValueError) else ValueError(f"{type(e).__name__}: {e}"))
+            return
+        group.engine_ids = added
+        cmd.reply.set_result(added)
+
+    def _tokenize(self, spec: PromptSpec) -> list[int]:
+        if spec.messages is not None:
+            tok = self.engine.tokenizer
+            if tok is None or not getattr(tok, "chat_template", None):
+                raise ValueError(f"model {self.engine.info['model']!r} has no tokenizer or chat template: use "
+                                 "/v1/completions (with token-id prompts if it has no tokenizer)")
+            text = tok.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
+            return self.engine.encode(text)[1]
+        return self.engine.encode(spec.prompt)[1]
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - one failed step must not end the loop
+            self._recover(e)
+            return
+        self.num_steps += 1
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            self.events.observe(out, live.seen)
+            if out.finished:
+                del self._live[out.request_id]
+                self.events.finished(out.outputs[0].finish_reason or "stop", time.monotonic() - live.arrival)
+            self._push(live.group, live.index, out)
+
+    def _recover(self, exc: Exception) -> None:
+        """``step()`` raised: fail every live request, discard the in-flight step, check integrity."""
+        traceback.print_exc()
+        err = EngineError(f"the engine failed during a step ({type(exc).__name__}: {exc}); the request was "
+                          "aborted and the engine recovered")
+        for rid, live in list(self._live.items()):
+            self._push(live.group, live.index, err)
+            self.events.finished("error")
+        try:
+            for rid in list(self._live):
+                self.engine.abort(rid)
+            self._live.clear()
+            sched = self.engine.scheduler
+            inflight = getattr(sched, "_inflight", None)  # the step schedule() started; see the module doc
+            if inflight is not None:
+                sched.update(inflight, {})  # every sequence of it is finished now: this only clears it
+            sched.check_integrity()
+            self.engine.block_manager.check_integrity()
+            self.num_recoveries += 1
+        except Exception as e2:  # noqa: BLE001 - recovery failed: the engine is dead
+            self.dead_reason = (f"the engine failed ({type(exc).__name__}: {exc}) and could not recover "
+                                f"({type(e2).__name__}: {e2})")
+            self._stop.set()
+
+    def _push(self, group: RequestGroup, index: int, item) -> None:
+        try:
+            group.loop.call_soon_threadsafe(group.queue.put_nowait, (index, item))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _fail_pending(self, reason: str) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, (_Add, _Check)) and cmd.reply.set_running_or_notify_cancel():
+                cmd.reply.set_exception(EngineDeadError(reason))
+
+    def _integrity(self) -> dict:
+        """Run on the engine thread, between steps."""
+        bm, sched = self.engine.block_manager, self.engine.scheduler
+        error = None
+        try:
+            bm.check_integrity()
+            sched.check_integrity()
+        except AssertionError as e:
+            error = str(e) or "integrity check failed"
+        idle = not self.engine.has_unfinished()
+        used = {pool: bm.allocator(pool).num_used for pool in ("q", "hp")}
+        return {"ok": error is None, "error": error, "idle": idle, "used_blocks": used,
+                # with no request left, any block still referenced is leaked
+                "leaked_blocks": sum(used.values()) if idle else None}
+
+    def _snapshot(self) -> dict:
+        bm, sched = self.engine.block_manager, self.engine.scheduler
+        blocks = {}
+        for pool in ("q", "hp"):
+            a = bm.allocator(pool)
+            blocks[pool] = {"total": a.num_blocks, "used": a.num_used, "free": a.num_free, "cached": a.num_cached}
+        return {
+            "running": sched.num_running,
+            "waiting": sched.num_waiting,
+            # the engine has no swap yet (SeqStatus.SWAPPED is reserved); read it once the scheduler counts it
+            "swapped": int(getattr(sched, "num_swapped", 0)),
+            "live_requests": len(self._live),
+            "kv_blocks": blocks,
+            "steps": self.num_steps,
+            "recoveries": self.num_recoveries,
+            "time": time.time(),
+        }

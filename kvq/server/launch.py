@@ -1,0 +1,49 @@
+"""Building a server, and running one in a background thread (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvq.engine.llm_engine import EngineConfig, LLMEngine
+from kvq.server.async_engine import AsyncEngine
+from kvq.server.metrics import ServerMetrics
+
+
+def build_server(config: EngineConfig, served_model_names: list[str] | None = None, max_queue_len: int = 256):
+    """(app, async_engine) for ``config``: the engine is loaded here, its thread starts with the app."""
+    from kvq.server.app import build_app
+
+    engine = LLMEngine(config)
+    metrics = ServerMetrics()
+    async_engine = AsyncEngine(engine, max_queue_len=max_queue_len, events=metrics.events)
+    metrics.watch(async_engine)
+    return build_app(async_engine, metrics, served_model_names or [config.model]), async_engine
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on ``host`` from a daemon thread; ``port=0`` picks a free port."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.host = host
+        self.thread = threading.Thread(target=self.server.run, name="kvq-uvicorn", daemon=True)
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Start serving; returns the base URL (``http://host:port``)."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{port}"
+        return self.url
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)

@@ -1,0 +1,166 @@
+"""Prometheus metrics of one server, in its own ``CollectorRegistry``.
+
+Events (counters, histograms) are recorded where they happen: request
+outcomes by the HTTP front end, token timings and finish reasons by the engine
+thread (:class:`EngineEvents`).  State (queue lengths, KV blocks, the KV format)
+is read at scrape time from the engine thread's latest snapshot
+(:class:`EngineStateCollector`), so a scrape never touches the engine.
+
+Names follow seed 002 where it has one (``swapped_requests``,
+``inter_token_seconds``) and vLLM's otherwise, under the ``kvq_`` prefix;
+docs/server.md lists them all.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                 20.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0)
+
+# HTTP generation requests by how they ended (kvq_requests_total{outcome})
+OUTCOMES = ("success", "abort", "invalid", "overloaded", "unavailable", "error")
+# engine sequences by finish reason (kvq_request_finished_total{finished_reason})
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineEvents:
+    """Token timings and finish reasons, recorded on the engine thread (prometheus_client is thread-safe).
+
+    ``registry=None`` records nothing (an engine without a server).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None):
+        self.enabled = registry is not None
+        if not self.enabled:
+            return
+        r = registry
+        self.ttft = Histogram("kvq_time_to_first_token_seconds", "Time to first token, from arrival at the engine",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("kvq_time_per_output_token_seconds", "Mean time per output token after the first, "
+                              "per finished request", buckets=TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("kvq_inter_token_seconds", "Gap between consecutive output tokens of a request",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("kvq_e2e_request_latency_seconds", "Arrival at the engine to the last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvq_prompt_tokens", "Prompt tokens of requests that produced a token",
+                                     registry=r)
+        self.generation_tokens = Counter("kvq_generation_tokens", "Output tokens generated", registry=r)
+        self.preemptions = Counter("kvq_num_preemptions", "Preemptions (by recompute) of running requests",
+                                   registry=r)
+        self.finish = Counter("kvq_request_finished", "Engine sequences that ended, by finish reason",
+                              ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.finish.labels(reason)
+
+    def observe(self, out, seen: dict) -> None:
+        """One RequestOutput; ``seen`` holds what earlier outputs of the request already counted."""
+        if not self.enabled:
+            return
+        n, m = len(out.outputs[0].token_ids), out.metrics
+        if n > seen["tokens"]:
+            if seen["tokens"] == 0:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if m.get("ttft") is not None:
+                    self.ttft.observe(m["ttft"])
+            self.generation_tokens.inc(n - seen["tokens"])
+            seen["tokens"] = n
+        itl = m.get("itl") or []
+        for gap in itl[seen["itl"]:]:
+            self.itl.observe(gap)
+        seen["itl"] = len(itl)
+        pre = m.get("num_preemptions", 0)
+        if pre > seen["preemptions"]:
+            self.preemptions.inc(pre - seen["preemptions"])
+            seen["preemptions"] = pre
+        if out.finished and m.get("tpot") is not None:
+            self.tpot.observe(m["tpot"])
+
+    def finished(self, reason: str, e2e: float | None = None) -> None:
+        if not self.enabled:
+            return
+        self.finish.labels(reason if reason in FINISH_REASONS else "stop").inc()
+        if e2e is not None:
+            self.e2e.observe(e2e)
+
+
+SWAPPED_DOC = "Requests whose KV is swapped to CPU (seed 002's swapped_requests; the engine has no swap yet: 0)"
+
+
+class EngineStateCollector:
+    """Gauges from the engine thread's snapshot and the engine's resolved configuration."""
+
+    def __init__(self, async_engine):
+        self.ae = async_engine
+
+    def collect(self):
+        ae, info = self.ae, self.ae.engine.info
+        snap = ae.snapshot
+        for name, key, doc in (("kvq_running_requests", "running", "Requests in PREFILL or DECODE"),
+                               ("kvq_waiting_requests", "waiting", "Requests queued for admission"),
+                               ("kvq_swapped_requests", "swapped", SWAPPED_DOC)):
+            yield GaugeMetricFamily(name, doc, value=snap[key])
+        gauges = {s: GaugeMetricFamily(f"kvq_kv_blocks_{s}", f"KV cache blocks: {doc}", labels=["pool"])
+                  for s, doc in (("used", "referenced by a request"), ("free", "allocatable (free or cached)"),
+                                 ("cached", "unreferenced, content kept for prefix reuse"),
+                                 ("capacity", "in the pool"))}
+        for pool, b in snap["kv_blocks"].items():
+            for state, g in gauges.items():
+                g.add_metric([pool], b["total" if state == "capacity" else state])
+        yield from gauges.values()
+        q = snap["kv_blocks"]["q"]
+        yield GaugeMetricFamily("kvq_kv_cache_usage_ratio", "Used share of the resident (q) pool",
+                                value=q["used"] / q["total"] if q["total"] else 0.0)
+        yield GaugeMetricFamily("kvq_kv_cache_bytes", "Bytes of the KV pools (data and scales)",
+                                value=info["kv_pool"]["bytes"])
+        block_bytes = GaugeMetricFamily("kvq_kv_cache_block_bytes", "Bytes per block across all layers, K+V, "
+                                        "scales included", labels=["pool"])
+        block_bytes.add_metric(["q"], ae.engine.plan.bytes_per_block)
+        block_bytes.add_metric(["hp"], ae.engine.plan.hp_bytes_per_block)
+        yield block_bytes
+        kv = info["kv_cache_dtype"]
+        fmt = InfoMetricFamily("kvq_kv_cache_format", "The resolved KV cache format")
+        fmt.add_metric([], {"requested": str(kv["requested"]), "k": kv["k"], "v": kv["v"],
+                            "block_size": str(info["block_size"])})
+        yield fmt
+        layers = InfoMetricFamily("kvq_kv_cache_layer_format", "KV cache format of each layer", labels=["layer"])
+        for i, name in enumerate(kv["per_layer"]):
+            layers.add_metric([str(i)], {"format": str(name)})
+        yield layers
+        be = info["attention_backend"]
+        backend = InfoMetricFamily("kvq_attention_backend", "Requested and resolved attention backend")
+        backend.add_metric([], {"requested": be["requested"], "resolved": be["resolved"]})
+        yield backend
+        yield CounterMetricFamily("kvq_engine_steps", "Engine steps run", value=snap["steps"])
+        yield CounterMetricFamily("kvq_engine_recoveries", "Engine steps that raised and were recovered from",
+                                  value=snap["recoveries"])
+        yield GaugeMetricFamily("kvq_engine_alive", "1 while the engine thread serves requests",
+                                value=1.0 if ae.alive else 0.0)
+
+
+class ServerMetrics:
+    """One server's registry: engine events, engine state, and HTTP request outcomes."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.events = EngineEvents(self.registry)
+        self.outcomes = Counter("kvq_requests", "HTTP generation requests by outcome", ["outcome"],
+                                registry=self.registry)
+        for o in OUTCOMES:
+            self.outcomes.labels(o)
+
+    def watch(self, async_engine) -> None:
+        """Export the state gauges of ``async_engine`` (once)."""
+        self.registry.register(EngineStateCollector(async_engine))
+
+    def outcome(self, name: str) -> None:
+        assert name in OUTCOMES, name
+        self.outcomes.labels(name).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

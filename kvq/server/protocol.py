@@ -1,0 +1,226 @@
+"""The OpenAI wire format: request models, error bodies, response objects.
+
+Strictness.  The generation endpoints validate the whole body: a field that
+is neither OpenAI's nor one of kvq's extensions is a 400 naming it, and so is
+an OpenAI field kvq does not implement (``logprobs``, ``tools``, ...): a client
+never believes a setting was honoured when it was dropped.  Types are strict
+(``"0.5"`` is not a number).  Extensions, vLLM's names: ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (token ids in each
+choice, and a stream chunk for every token even where the text has not grown).
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
+
+# OpenAI request fields that kvq does not implement: named in the 400 instead of "unknown field"
+UNSUPPORTED = frozenset({
+    "logprobs", "top_logprobs", "logit_bias", "echo", "suffix", "best_of", "tools", "tool_choice",
+    "functions", "function_call", "response_format", "parallel_tool_calls", "audio", "modalities",
+    "prediction", "reasoning_effort", "service_tier", "store", "metadata", "web_search_options",
+})
+
+
+class ApiError(Exception):
+    """An error with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    model: StrictStr | None = None  # None: the first served name
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: StrictInt = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: StrictStr | None = None  # accepted, unused (OpenAI: end-user id for abuse tracking)
+    # vLLM extensions
+    top_k: StrictInt = Field(0, ge=-1)
+    ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    return_token_ids: bool = False
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("penalties are not supported by kvq; valid value: 0")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    def sampling(self, max_tokens: int | None, seed_offset: int = 0) -> dict:
+        """Keywords of :class:`~kvq.engine.sampling_params.SamplingParams` for one of the ``n`` samples."""
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": None if self.seed is None else self.seed + seed_offset,
+                "stop": stop, "stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    def template_dict(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+
+    def output_limit(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, "max_tokens and max_completion_tokens differ; give one of them",
+                           param="max_completion_tokens", code="invalid_value")
+        return self.max_completion_tokens or self.max_tokens
+
+
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+
+
+def parse_request(model: type[_GenerationRequest], body: bytes) -> _GenerationRequest:
+    """Validate a JSON body; every failure is an :class:`ApiError` with status 400."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(model, e) from None
+
+
+def _validation_error(model: type[BaseModel], e: ValidationError) -> ApiError:
+    err = e.errors()[0]
+    kind, loc = err["type"], [str(x) for x in err["loc"]]
+    if kind == "json_invalid":
+        return ApiError(400, f"malformed JSON body: {err['msg']}", code="json_invalid")
+    if kind == "model_type" and not loc:
+        return ApiError(400, "the body must be a JSON object", code="invalid_type")
+    param = loc[0] if loc else None
+    if kind == "extra_forbidden":
+        field = ".".join(loc)
+        if field in UNSUPPORTED:
+            return ApiError(400, f"{field!r} is not supported by kvq", param=field, code="unsupported_parameter")
+        valid = ", ".join(sorted(model.model_fields)) if len(loc) == 1 else None
+        return ApiError(400, f"unknown field {field!r}" + (f"; valid fields: {valid}" if valid else ""),
+                        param=field, code="unknown_parameter")
+    if param == "prompt" and kind not in ("missing",):
+        return ApiError(400, f"prompt must be {PROMPT_SHAPES}", param="prompt", code="invalid_type")
+    path = ".".join(x for x in loc if not x.startswith(("list[", "str", "int")))
+    msg = err["msg"].removeprefix("Value error, ")
+    return ApiError(400, f"{path or 'body'}: {msg}", param=param, code="missing" if kind == "missing"
+                    else "invalid_value")
+
+
+# -- responses ----------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_head(rid: str, obj: str, model: str) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
+    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    return c
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
+    c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+         "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    return c
+
+
+def chat_delta(index: int, delta: dict, finish_reason: str | None, token_ids: list[int] | None) -> dict:
+    c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    return c
+
+
+def safe_text_end(text: str, stop: tuple[str, ...], finished: bool) -> int:
+    """How much of a growing output text may be streamed now.
+
+    Held back until the request finishes: a trailing U+FFFD (bytes of a
+    character still arriving) and the longest tail that could begin a stop
+    string (the engine cuts the text where a stop string starts).
+    """
+    if finished:
+        return len(text)
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    hold = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, end), hold, -1):
+            if text.endswith(s[:k], 0, end):
+                hold = k
+                break
+    return end - hold
