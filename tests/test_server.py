@@ -1,0 +1,360 @@
+"""`kvq serve` on the default model (CPU), through the real openai client and raw HTTP on loopback:
+completions and chat (JSON and SSE), stop, seeds, n, errors, metrics, status, overload, disconnects,
+a bounded load test, and recovery from a failing engine step.  One server for the module."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvq.cli import main
+from kvq.engine.llm_engine import EngineConfig
+from kvq.server.launch import ServerThread, build_server
+from kvq.server.loadgen import LoadSpec, run_load
+from kvq.server.protocol import safe_text_end
+
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 6
+MAX_QUEUE_LEN = 10  # 16 live requests at most
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = EngineConfig(kv_cache_memory="64MiB", max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+                          progress=False)
+    app, engine = build_server(config, ["default", "smol"], max_queue_len=MAX_QUEUE_LEN)
+    thread = ServerThread(app)
+    url = thread.start()
+    yield url, engine
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _metrics(url: str) -> dict:
+    """{(sample name, frozenset(labels)): value} from /metrics, parsed by prometheus_client."""
+    text = httpx.get(url + "/metrics").text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _idle_check(url: str) -> dict:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        r = httpx.get(url + "/status").json()["requests"]
+        if r["running"] + r["waiting"] + r["live_requests"] == 0:
+            break
+        time.sleep(0.05)
+    return httpx.get(url + "/status", params={"check": 1}).json()
+
+
+def _assert_clean(url: str) -> dict:
+    st = _idle_check(url)
+    assert st["integrity"] == {"ok": True, "error": None, "idle": True, "used_blocks": {"q": 0, "hp": 0},
+                               "leaked_blocks": 0}, st["integrity"]
+    return st
+
+
+# -- the openai client ----------------------------------------------------------------------------
+def test_completion_stream_and_json_agree_with_usage(client, server):
+    tok = server[1].engine.tokenizer
+    r = client.completions.create(model="default", prompt=PROMPT, max_tokens=8, temperature=0)
+    c = r.choices[0]
+    assert r.object == "text_completion" and r.model == "default" and c.index == 0
+    assert c.finish_reason == "length" and c.text.strip()
+    assert r.usage.prompt_tokens == len(tok(PROMPT)["input_ids"])
+    assert r.usage.completion_tokens == 8 and r.usage.total_tokens == r.usage.prompt_tokens + 8
+    chunks = list(client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == c.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert len([ch for ch in chunks if ch.choices]) >= 2, "tokens must arrive over several chunks"
+
+
+def test_chat_stream_and_json_agree(client):
+    r = client.chat.completions.create(model="default", messages=CHAT, max_tokens=10, temperature=0)
+    msg = r.choices[0].message
+    assert r.object == "chat.completion" and msg.role == "assistant" and msg.content.strip()
+    assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="default", messages=CHAT, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_text_in_json_and_stream(client):
+    full = client.completions.create(model="default", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    stop = full.strip().split()[1]  # the second word of the greedy output
+    want = full[:full.index(stop)]
+    r = client.completions.create(model="default", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="default", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == want  # nothing of the stop string leaked
+
+
+def test_seed_makes_sampling_reproducible_and_n_offsets_it(client):
+    def sample(seed, n=1):
+        r = client.completions.create(model="default", prompt="Once upon a time", max_tokens=10, temperature=1.0,
+                                      seed=seed, n=n)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    a, b, c = sample(7), sample(7), sample(8)
+    assert a == b and a != c
+    assert sample(7, n=2) == a + c  # choice i samples with seed + i
+
+
+def test_token_id_prompts_batch_and_return_token_ids(server):
+    url, engine = server
+    ids = engine.engine.tokenizer(PROMPT)["input_ids"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": [ids, ids[:3]], "max_tokens": 4, "temperature": 0,
+                                                  "return_token_ids": True}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert r["prompt_token_ids"] == [ids, ids[:3]]
+    assert all(len(c["token_ids"]) == 4 for c in r["choices"])
+    assert r["usage"] == {"prompt_tokens": len(ids) + 3, "completion_tokens": 8, "total_tokens": len(ids) + 11}
+    text = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0}).json()
+    assert r["choices"][0]["text"] == text["choices"][0]["text"]  # token ids and text give the same output
+
+
+# -- errors ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,param,needle", [
+    (b'{"prompt": "x", ', None, "malformed JSON"),
+    (b'[1, 2]', None, "JSON object"),
+    (b'{"model": "gpt-4", "prompt": "x"}', "model", "valid: default, smol"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "greater than or equal to 1"),
+    (b'{"prompt": "x", "temperature": -0.5}', "temperature", "greater than or equal to 0"),
+    (b'{"prompt": "x", "temperature": "hot"}', "temperature", "number"),
+    (b'{"prompt": "x", "top_p": 0}', "top_p", "greater than 0"),
+    (b'{"prompt": "x", "bogus": 1}', "bogus", "unknown field 'bogus'; valid fields:"),
+    (b'{"prompt": "x", "logprobs": 1}', "logprobs", "not supported"),
+    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "not supported"),
+    (b'{"prompt": [1, "x"]}', "prompt", "list of token ids"),
+    (b'{"prompt": []}', "prompt", "must not be empty"),
+    (b'{"max_tokens": 3}', "prompt", "Field required"),
+    (('{"prompt": [%s]}' % ",".join(["300"] * (MAX_MODEL_LEN + 1))).encode(), None, "exceeds max_model_len"),
+    (b'{"prompt": [300, 301], "max_tokens": 600}', None, "exceeds max_model_len"),
+    (b'{"prompt": [999999999]}', None, "token ids must be in"),
+])
+def test_bad_completion_requests_get_openai_style_400(server, body, param, needle):
+    r = httpx.post(server[0] + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert needle in err["message"] and err["param"] == param
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "differ"),
+    ({"messages": CHAT, "tools": []}, "not supported"),
+])
+def test_bad_chat_requests_get_400(server, body, needle):
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_openai_client_raises_bad_request_for_unknown_model(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_model_without_tokenizer_needs_token_ids(server, monkeypatch):
+    url, engine = server
+    _idle_check(url)
+    monkeypatch.setattr(engine.engine, "tokenizer", None)  # as a dummy-weight model
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": CHAT})
+    assert r.status_code == 400 and "no tokenizer or chat template" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 400 and "pass token ids" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": [300, 301], "max_tokens": 2, "return_token_ids": True})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
+
+
+def test_unknown_route_is_openai_style_404(server):
+    r = httpx.get(server[0] + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_bad_cli_flags_exit_2(capsys):
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port must be in" in capsys.readouterr().err
+    assert main(["serve", "--kv-cache-dtype", "fp9", "--port", "0"]) == 2
+    assert "fp8_e4m3" in capsys.readouterr().err
+    assert main(["serve", "--uvicorn-log-level", "loud"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--no-such-flag"])
+    assert e.value.code == 2
+
+
+# -- models, health, status, metrics -------------------------------------------------------------
+def test_models_health_status(server, client):
+    url, engine = server
+    assert [m.id for m in client.models.list().data] == ["default", "smol"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    st = _assert_clean(url)
+    info = engine.engine.info
+    assert len(st["kv_cache_dtype"]["per_layer"]) == engine.engine.plan.model.num_layers
+    assert st["attention_backend"]["resolved"] == "torch" and st["max_model_len"] == MAX_MODEL_LEN
+    assert st["kv_blocks"]["q"]["total"] == info["kv_pool"]["q_blocks"] == st["kv_pool"]["q_blocks"]
+    assert st["kv_pool"]["bytes_per_block"] == engine.engine.plan.bytes_per_block
+    assert st["max_live_requests"] == MAX_NUM_SEQS + MAX_QUEUE_LEN
+
+
+def test_metrics_parse_and_count(server):
+    url, engine = server
+    before = _metrics(url)
+    httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
+    httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
+    m = _metrics(url)
+
+    def delta(name, **labels):
+        key = (name, frozenset(labels.items()))
+        return m[key] - before.get(key, 0)
+
+    assert delta("kvq_requests_total", outcome="success") == 1
+    assert delta("kvq_requests_total", outcome="invalid") == 1
+    assert delta("kvq_request_finished_total", finished_reason="length") == 1
+    assert delta("kvq_generation_tokens_total") == 5
+    assert delta("kvq_time_to_first_token_seconds_count") == 1
+    assert delta("kvq_time_per_output_token_seconds_count") == 1
+    assert delta("kvq_inter_token_seconds_count") == 4
+    q = engine.engine.info["kv_pool"]["q_blocks"]
+    assert m[("kvq_kv_blocks_capacity", frozenset({("pool", "q")}))] == q
+    assert m[("kvq_kv_blocks_used", frozenset({("pool", "q")}))] == 0
+    assert m[("kvq_kv_blocks_free", frozenset({("pool", "q")}))] == q
+    for name in ("kvq_running_requests", "kvq_waiting_requests", "kvq_swapped_requests", "kvq_num_preemptions_total",
+                 "kvq_kv_cache_bytes", "kvq_kv_cache_usage_ratio"):
+        assert (name, frozenset()) in m, name
+    fmt = [dict(k[1]) for k in m if k[0] == "kvq_kv_cache_format_info"]
+    assert fmt == [{"requested": "auto", "k": "bfloat16", "v": "bfloat16", "block_size": "16"}]
+    assert sum(1 for k in m if k[0] == "kvq_kv_cache_layer_format_info") == len(engine.engine.info["kv_cache_dtype"]
+                                                                               ["per_layer"])
+    assert m[("kvq_attention_backend_info", frozenset({("requested", "auto"), ("resolved", "torch")}))] == 1
+
+
+# -- overload, disconnects, load ------------------------------------------------------------------
+def test_overload_gets_429_not_a_hang(server):
+    url, _ = server
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*[c.post(url + "/v1/completions", json={
+                "prompt": [300 + i, 301], "max_tokens": 6, "ignore_eos": True}) for i in range(28)])
+
+    t0 = time.monotonic()
+    rs = asyncio.run(burst())
+    codes = [r.status_code for r in rs]
+    assert set(codes) == {200, 429} and codes.count(200) >= MAX_NUM_SEQS + MAX_QUEUE_LEN - 2, codes
+    rejected = next(r for r in rs if r.status_code == 429).json()["error"]
+    assert "overloaded" in rejected["message"] and rejected["type"] == "rate_limit_error"
+    assert all(r.json()["usage"]["completion_tokens"] == 6 for r in rs if r.status_code == 200)
+    assert time.monotonic() - t0 < 60
+    _assert_clean(url)
+
+
+def _aborted(url: str) -> float:
+    return _metrics(url)[("kvq_request_finished_total", frozenset({("finished_reason", "abort")}))]
+
+
+def test_stream_disconnect_aborts_and_frees_blocks_at_once(server):
+    url, _ = server
+    before = _aborted(url)
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()  # kept referenced: closing this iterator would close the connection
+        while not next(lines).startswith("data:"):  # until the first token arrived
+            pass
+        live = httpx.get(url + "/status", params={"check": 1}).json()["integrity"]  # checked on the engine thread
+        assert live["ok"] and not live["idle"] and live["used_blocks"]["q"] > 0
+        t0 = time.monotonic()
+    st = _assert_clean(url)  # 400 tokens at ~50 ms/step would take 20 s; the abort frees them within a step
+    assert time.monotonic() - t0 < 5 and st["requests"]["running"] == 0
+    assert _aborted(url) == before + 1
+
+
+def test_non_streaming_disconnect_aborts(server):
+    url, _ = server
+    before = _aborted(url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True},
+                   timeout=1.0)
+    _assert_clean(url)
+    assert _aborted(url) == before + 1
+
+
+def test_bounded_load_with_disconnects_leaks_nothing(server):
+    url, _ = server
+    spec = LoadSpec(num_requests=24, concurrency=10, input_len=24, output_len=8, disconnect_fraction=0.25,
+                    time_limit_s=90, seed=1)
+    res = asyncio.run(run_load(url, spec))
+    assert res["timed_out"] == 0 and res["http_5xx"] == 0 and res["http_status"] == {"200": 24}, res
+    assert res["malformed"] == {} and res["errors"] == 0, res
+    assert res["disconnected"] == 6 and res["completed"] == 18
+    assert res["integrity_ok"] is True and res["leaked_blocks"] == 0, res
+    assert res["ttft_ms"]["p50"] > 0 and res["tpot_ms"]["p95"] >= res["tpot_ms"]["p50"] > 0
+
+
+# -- the engine loop survives a failing step -----------------------------------------------------
+def test_failing_step_fails_its_requests_and_the_engine_recovers(server, monkeypatch):
+    url, engine = server
+    runner = engine.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected fault")
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}, timeout=30)
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    ok = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    st = _assert_clean(url)
+    assert st["recoveries"] == 1 and st["alive"]
+
+
+def test_unrecoverable_engine_gives_503(server, monkeypatch):  # last: it stops the module's engine
+    url, engine = server
+    monkeypatch.setattr(engine.engine.runner, "execute", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("gpu")))
+    monkeypatch.setattr(engine.engine.scheduler, "check_integrity", lambda: (_ for _ in ()).throw(AssertionError()))
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True}, timeout=30)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and "error" in events[-1] and r.text.rstrip().endswith("data: [DONE]")
+    deadline = time.monotonic() + 5
+    while httpx.get(url + "/health").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and "could not recover" in health.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+
+# -- pure helpers ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,stop,finished,end", [
+    ("hello wor", ("world",), False, 6),  # "wor" may begin "world"
+    ("hello wor", ("world",), True, 9),
+    ("abc", (), False, 3),
+    ("ab\ufffd", (), False, 2),  # an incomplete character
+    ("xabca", ("abcab",), False, 1),
+    ("no match", ("zz",), False, 8),
+])
+def test_safe_text_end_holds_back_what_a_stop_string_may_cut(text, stop, finished, end):
+    assert safe_text_end(text, stop, finished) == end
