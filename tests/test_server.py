@@ -144,7 +144,7 @@ def test_token_id_prompts_batch_and_return_token_ids(server):
     (b'{"prompt": [1, "x"]}', "prompt", "list of token ids"),
     (b'{"prompt": []}', "prompt", "must not be empty"),
     (b'{"max_tokens": 3}', "prompt", "Field required"),
-    (('{"prompt": [%s]}' % ",".join(["300"] * (MAX_MODEL_LEN + 1))).encode(), None, "exceeds max_model_len"),
+    (json.dumps({"prompt": [300] * (MAX_MODEL_LEN + 1)}).encode(), None, "exceeds max_model_len"),
     (b'{"prompt": [300, 301], "max_tokens": 600}', None, "exceeds max_model_len"),
     (b'{"prompt": [999999999]}', None, "token ids must be in"),
 ])
