@@ -183,26 +183,23 @@ def response_head(rid: str, obj: str, model: str) -> dict:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
+def _choice(index: int, finish_reason: str | None, token_ids: list[int] | None, **body) -> dict:
+    c = {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:  # the return_token_ids extension
         c["token_ids"] = token_ids
     return c
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
+    return _choice(index, finish_reason, token_ids, text=text)
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-         "finish_reason": finish_reason}
-    if token_ids is not None:
-        c["token_ids"] = token_ids
-    return c
+    return _choice(index, finish_reason, token_ids, message={"role": "assistant", "content": text})
 
 
 def chat_delta(index: int, delta: dict, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        c["token_ids"] = token_ids
-    return c
+    return _choice(index, finish_reason, token_ids, delta=delta)
 
 
 def safe_text_end(text: str, stop: tuple[str, ...], finished: bool) -> int:
