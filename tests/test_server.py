@@ -301,12 +301,24 @@ def test_bounded_load_with_disconnects_leaks_nothing(server):
     url, _ = server
     spec = LoadSpec(num_requests=24, concurrency=10, input_len=24, output_len=8, disconnect_fraction=0.25,
                     time_limit_s=90, seed=1)
+    before = _metrics(url)
     res = asyncio.run(run_load(url, spec))
+    m = _metrics(url)
+
+    def delta(name, label, value):
+        key = (name, frozenset({(label, value)}))
+        return m[key] - before[key]
+
     assert res["timed_out"] == 0 and res["http_5xx"] == 0 and res["http_status"] == {"200": 24}, res
     assert res["malformed"] == {} and res["errors"] == 0, res
     assert res["disconnected"] == 6 and res["completed"] == 18
     assert res["integrity_ok"] is True and res["leaked_blocks"] == 0, res
     assert res["ttft_ms"]["p50"] > 0 and res["tpot_ms"]["p95"] >= res["tpot_ms"]["p50"] > 0
+    # a client that left after the engine's last token may count as a success, never as anything else
+    aborted = delta("kvq_requests_total", "outcome", "abort")
+    assert aborted >= 1 and aborted + delta("kvq_requests_total", "outcome", "success") == 24
+    assert delta("kvq_request_finished_total", "finished_reason", "abort") >= 1
+    assert sum(delta("kvq_request_finished_total", "finished_reason", r) for r in ("abort", "length")) == 24
 
 
 # -- the engine loop survives a failing step -----------------------------------------------------

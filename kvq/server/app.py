@@ -48,14 +48,20 @@ class ClientGone(Exception):
 
 
 class SSEResponse(StreamingResponse):
-    """A streaming response whose generator is always closed when the response ends, however it ends,
-    so the generator's ``finally`` (which aborts the request) runs at once, not at garbage collection."""
+    """A streaming response that, however it ends, closes its generator at once (not at garbage
+    collection) and then calls ``on_close``: the request is released even if the client left before
+    the generator ever ran (closing an unstarted generator skips its ``finally``)."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}, **kw)
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            self.on_close()
 
 
 def _error(status: int, message: str, type: str, code: str | None = None) -> JSONResponse:
@@ -199,8 +205,12 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             return _error(503, str(e), "service_unavailable")
         chat = kind is ChatCompletionRequest
         if req.stream:
-            return SSEResponse(stream(group, req, model, chat), media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache"})
+            def on_close() -> None:
+                if not group.released:  # the stream never started: its own finally did not run
+                    metrics.outcome("abort")
+                    engine.release(group)
+
+            return SSEResponse(stream(group, req, model, chat), on_close)
         try:
             body = await _until_disconnect(request, collect(group, req, model, chat))
         except ClientGone:

@@ -34,6 +34,8 @@ import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import torch
+
 from kvq.engine.llm_engine import LLMEngine, RequestOutput
 from kvq.engine.sampling_params import SamplingParams
 from kvq.server.metrics import EngineEvents
@@ -203,6 +205,9 @@ class AsyncEngine:
 
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        dev = self.engine.device
+        if dev.type == "cuda" and dev.index is not None:
+            torch.cuda.set_device(dev)  # the current device is per thread
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
