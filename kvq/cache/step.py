@@ -31,6 +31,8 @@ class StepMetadata:
     block_tables   [B, max_blocks] int32, signed
     seq_lens       [B] int32     tokens in cache after this step
     max_q_len, max_seq_len, has_hp: host ints/bools for the launch (no device sync)
+    num_decodes    leading sequences with one new token each: they go to the decode kernel
+    prefill_cu     [B - num_decodes + 1] int32  cu_seqlens_q of the other sequences, from 0
     """
 
     slots: torch.Tensor
@@ -41,6 +43,8 @@ class StepMetadata:
     max_q_len: int
     max_seq_len: int
     has_hp: bool
+    num_decodes: int = 0
+    prefill_cu: torch.Tensor | None = None
 
 
 def _full_blocks(slots: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -56,22 +60,52 @@ def _full_blocks(slots: list[int], block_size: int) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class HostStep:
+    """A step's metadata as host lists (what :class:`StepMetadata` holds on the device)."""
+
+    slots: list[int]
+    tables: list[list[int]]
+    seq_lens: list[int]
+    num_new: list[int]
+
+    @property
+    def num_decodes(self) -> int:
+        nd = 0
+        while nd < len(self.num_new) and self.num_new[nd] == 1:
+            nd += 1
+        return nd
+
+
+def host_step(manager: BlockManager, seq_ids: Sequence, num_new: Sequence[int],
+              starts: Sequence[int] | None = None) -> HostStep:
+    """Slots, signed tables and lengths for a step computing tokens ``[starts[b], starts[b] +
+    num_new[b])`` of each sequence (default: its last ``num_new[b]`` tokens)."""
+    bs = manager.block_size
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    lens: list[int] = []
+    for i, (sid, k) in enumerate(zip(seq_ids, num_new)):
+        n = manager.num_tokens(sid) if starts is None else starts[i] + k
+        slots += encode_slots(manager.slots(sid, n - k, n), bs)
+        tables.append(encode_table(manager.block_table(sid)))
+        lens.append(n)
+    return HostStep(slots, tables, lens, list(num_new))
+
+
 def build_metadata(
     manager: BlockManager, seq_ids: Sequence, num_new: Sequence[int], device: torch.device | str,
     starts: Sequence[int] | None = None,
 ) -> StepMetadata:
     """Metadata for a step computing tokens ``[starts[b], starts[b] + num_new[b])`` of each
     sequence (default: its last ``num_new[b]`` tokens); attention sees the cache up to there."""
-    bs = manager.block_size
-    slots: list[int] = []
-    tables: list[list[int]] = []
-    lens: list[int] = []
+    return to_device(host_step(manager, seq_ids, num_new, starts), manager.block_size, device)
+
+
+def to_device(step: HostStep, block_size: int, device: torch.device | str) -> StepMetadata:
+    tables, num_new = step.tables, step.num_new
     cu = [0]
-    for i, (sid, k) in enumerate(zip(seq_ids, num_new)):
-        n = manager.num_tokens(sid) if starts is None else starts[i] + k
-        slots += encode_slots(manager.slots(sid, n - k, n), bs)
-        tables.append(encode_table(manager.block_table(sid)))
-        lens.append(n)
+    for k in num_new:
         cu.append(cu[-1] + k)
     width = max((len(t) for t in tables), default=0)
     has_hp = any(e < 0 for t in tables for e in t)
@@ -82,16 +116,19 @@ def build_metadata(
         t = torch.tensor(x, dtype=dtype)
         return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
 
-    fb = _full_blocks(slots, bs)
+    fb = _full_blocks(step.slots, block_size)
+    nd = step.num_decodes
     return StepMetadata(
-        slots=to_dev(slots, torch.int64),
+        slots=to_dev(step.slots, torch.int64),
         full_blocks=to_dev(fb, torch.int64).reshape(-1, 2),
         cu_seqlens_q=to_dev(cu, torch.int32),
         block_tables=to_dev(padded, torch.int32).reshape(len(tables), width),
-        seq_lens=to_dev(lens, torch.int32),
+        seq_lens=to_dev(step.seq_lens, torch.int32),
         max_q_len=max(num_new, default=0),
-        max_seq_len=max(lens, default=0),
+        max_seq_len=max(step.seq_lens, default=0),
         has_hp=has_hp,
+        num_decodes=nd,
+        prefill_cu=to_dev([c - cu[nd] for c in cu[nd:]], torch.int32),
     )
 
 

@@ -24,6 +24,8 @@ from kvq.attention.backends import select_backend
 from kvq.cache.block_manager import BlockManager
 from kvq.cache.plan import CachePlan, make_plan
 from kvq.cache.pool import KVPool
+from kvq.cache.step import HostStep, to_device
+from kvq.engine.cuda_graphs import DecodeGraphs
 from kvq.engine.model_runner import ModelRunner
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
@@ -57,6 +59,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     load_format: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     seed: int = 0
     progress: bool = True
 
@@ -134,7 +137,9 @@ class LLMEngine:
         if num_q < 1:
             raise ValueError(f"KV memory {memory} bytes is too small for this plan (needs "
                              f"{num_hp * self.plan.hp_bytes_per_block + self.plan.bytes_per_block} bytes at least)")
-        self.pool = KVPool.create(self.plan, int(num_q), num_hp, self.device)
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and self.backend_choice.resolved == "triton"
+        # CUDA graphs pad batches with rows that write to a null block outside the manager's range
+        self.pool = KVPool.create(self.plan, int(num_q) + int(use_graphs), num_hp, self.device)
         self.block_manager = BlockManager(int(num_q), num_hp, self.plan.window_policy, cfg.enable_prefix_caching)
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         self.scheduler = Scheduler(
@@ -142,7 +147,12 @@ class LLMEngine:
                             max_model_len=self.max_model_len, block_size=self.plan.block_size,
                             block_aligned_chunks=not self.plan.window_policy.write_direct),
             self.block_manager, eos_token_id=eos)
-        self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.kernels, self.device)
+        graphs = None
+        if use_graphs:
+            graphs = DecodeGraphs(self.model, self.pool, self.kernels, self.device, cfg.max_num_seqs,
+                                  self.max_model_len, null_block=int(num_q), has_hp=num_hp > 0)
+            graphs.capture()
+        self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.kernels, self.device, graphs)
         self.sampler = Sampler()
         self.seed_state = SeedState()
         self._ids = itertools.count()
@@ -161,6 +171,8 @@ class LLMEngine:
             "kv_pool": {"q_blocks": int(num_q), "hp_blocks": num_hp, "tokens": int(num_q) * self.plan.block_size,
                         "bytes": self.pool.nbytes()},
             "max_model_len": self.max_model_len,
+            "cuda_graphs": {"batch_sizes": graphs.sizes, "capture_seconds": round(graphs.capture_seconds, 2)}
+            if graphs else None,
         }
 
     def _kv_memory(self) -> int:
@@ -173,14 +185,41 @@ class LLMEngine:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        # activations of the largest step: a few [tokens, intermediate] buffers plus logits, with margin
         m = self.model.config
-        act = 4 * cfg.max_num_batched_tokens * (m.hidden_size + 2 * m.intermediate_size) * 4
-        act += cfg.max_num_seqs * m.vocab_size * 4 * 2
+        act = self._profile_forward_bytes()
+        act += 3 * cfg.max_num_seqs * m.vocab_size * 4  # sampler: probabilities and sorted copies
+        if self.device.type == "cuda" and not cfg.enforce_eager:  # graph outputs and one graph's activations
+            from kvq.engine.cuda_graphs import capture_sizes
+
+            act += sum(capture_sizes(cfg.max_num_seqs)) * m.vocab_size * 4 + (256 << 20)
         budget = int(total * cfg.gpu_memory_utilization) - used - act
         if budget <= 0:
             raise ValueError("no GPU memory left for the KV cache at this gpu_memory_utilization")
+        self.profiled_activation_bytes = act
         return budget
+
+    def _profile_forward_bytes(self) -> int:
+        """Peak memory of the largest step (a ``max_num_batched_tokens`` prefill that scores
+        ``max_num_seqs`` rows), measured by running it on a scratch pool."""
+        cfg, bs = self.config, self.plan.block_size
+        T = min(cfg.max_num_batched_tokens, self.max_model_len)
+        nb = math.ceil(T / bs)
+        scratch = KVPool.create(self.plan, 1, nb, self.device)
+        step = HostStep(slots=[-i - 1 for i in range(T)], tables=[[-j - 1 for j in range(nb)]], seq_lens=[T],
+                        num_new=[T])
+        meta = to_device(step, bs, self.device)
+        ids = torch.zeros(T, dtype=torch.int64, device=self.device)
+        pos = torch.arange(T, dtype=torch.int64, device=self.device)
+        rows = torch.arange(T - min(T, cfg.max_num_seqs), T, device=self.device)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.model(ids, pos, scratch, meta, self.kernels, rows)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, meta
+        torch.cuda.empty_cache()
+        return int(peak * 1.1)
 
     # -- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

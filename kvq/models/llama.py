@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) on the paged cache.
 
-Module and parameter names follow Hugging Face transformers, so a loaded HF
-state dict maps one to one.  Attention goes through a backend's kernels
+Module and parameter names follow Hugging Face transformers, except that q/k/v
+and gate/up projections are stored concatenated (``qkv_proj``, ``gate_up_proj``:
+one GEMM each instead of three and two); :meth:`LlamaForCausalLM.load_hf_state_dict`
+concatenates an HF state dict's tensors.  Norms, RoPE and the gated activation
+run as fused kernels on CUDA (:mod:`kvq.models.fused`).  Attention goes through a backend's kernels
 (:mod:`kvq.attention.backends`): each layer writes its new K/V into the paged
 cache in the cache's format, then attends over the cache as stored.
 
@@ -21,6 +24,7 @@ from torch import nn
 
 from kvq.cache.pool import KVPool
 from kvq.cache.step import StepMetadata
+from kvq.models.fused import add_rms_norm, add_rms_norm_torch, apply_rope, silu_mul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -106,12 +110,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x [T, H, D]; positions [T]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated (q, k)."""
+        return apply_rope(q, k, positions, self.inv_freq)
 
 
 class RMSNorm(nn.Module):
@@ -121,9 +122,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return add_rms_norm_torch(x, None, self.weight, self.eps)[0]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """-> (norm(x + residual), x + residual): the residual stream's add fused with the norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float) -> torch.Tensor:
+    """Attention of a step's queries over the cache: the leading one-token sequences
+    (decodes) through the split-K decode kernel, the rest (prefill chunks) through the
+    chunked-prefill kernel."""
+    T, nd = q.shape[0], meta.num_decodes
+    if nd == 0:
+        return kernels.paged_attention(q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, scale,
+                                       max_q_len=meta.max_q_len, has_hp=meta.has_hp)
+    dec = kernels.paged_decode(q[:nd], layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                               max_seq_len=meta.max_seq_len, has_hp=meta.has_hp)
+    if nd == T:
+        return dec
+    pre = kernels.paged_attention(q[nd:], layer, meta.prefill_cu, meta.block_tables[nd:], meta.seq_lens[nd:], scale,
+                                  max_q_len=meta.max_q_len, has_hp=meta.has_hp)
+    return torch.cat([dec, pre])
 
 
 class Attention(nn.Module):
@@ -131,10 +151,7 @@ class Attention(nn.Module):
         super().__init__()
         self.index = index
         self.Hq, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.Hq * self.D, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.Hkv * self.D, bias=bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.Hq + 2 * self.Hkv) * self.D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.Hq * self.D, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps)
@@ -144,28 +161,28 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, pool: KVPool, meta: StepMetadata, kernels):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.Hq, self.D)
-        k = self.k_proj(x).view(T, self.Hkv, self.D)
-        v = self.v_proj(x).view(T, self.Hkv, self.D)
+        qkv = self.qkv_proj(x)
+        nq, nk = self.Hq * self.D, self.Hkv * self.D
+        q = qkv[:, :nq].view(T, self.Hq, self.D)
+        k = qkv[:, nq:nq + nk].view(T, self.Hkv, self.D)
+        v = qkv[:, nq + nk:].view(T, self.Hkv, self.D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions), rope(k, positions)
+        q, k = rope(q, k, positions)
         layer = pool.layers[self.index]
         kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)
-        o = kernels.paged_attention(q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, self.scale,
-                                    max_q_len=meta.max_q_len, has_hp=meta.has_hp)
+        o = attend(kernels, q, layer, meta, self.scale)
         return self.o_proj(o.reshape(T, self.Hq * self.D))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -176,9 +193,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, pool, meta, kernels):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, pool, meta, kernels)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, pool, meta, kernels):
+        """(x, residual) -> (mlp output, residual stream before it); residual None in the first layer."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(h, positions, rope, pool, meta, kernels)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaBody(nn.Module):
@@ -188,6 +208,22 @@ class LlamaBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
+
+
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF names -> kvq's: q/k/v_proj concatenated into qkv_proj, gate/up_proj into gate_up_proj."""
+    out = dict(state)
+    groups = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    for key in list(state):
+        for fused, parts in groups.items():
+            for suffix in ("weight", "bias"):
+                if key.endswith(f"{parts[0]}.{suffix}"):
+                    prefix = key[: -len(f"{parts[0]}.{suffix}")]
+                    names = [f"{prefix}{p}.{suffix}" for p in parts]
+                    if all(n in out for n in names):
+                        out[f"{prefix}{fused}.{suffix}"] = torch.cat([out.pop(n) for n in names], dim=0)
+    return out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -205,15 +241,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, pool: KVPool, meta: StepMetadata, kernels,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T]; logits_indices [B] rows of the step to score -> [B, V] float32."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, self.model.rotary_emb, pool, meta, kernels)
-        x = self.model.norm(x.index_select(0, logits_indices))
+            x, residual = layer(x, residual, positions, self.model.rotary_emb, pool, meta, kernels)
+        x = x.index_select(0, logits_indices)
+        x, _ = self.model.norm.add_norm(x, residual.index_select(0, logits_indices))
         return self.lm_head(x).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF Llama-family state dict; every parameter must be covered."""
-        state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+        state = fuse_projections({k: v for k, v in state.items() if "rotary_emb" not in k})
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         missing, unexpected = self.load_state_dict(state, strict=False)

@@ -39,7 +39,7 @@ def _decode_split_kernel(
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
     s_hb, s_hh, s_ht,
     table_ptr, s_tb, lens_ptr,
-    po_ptr, plse_ptr, num_splits, tokens_per_split,
+    po_ptr, plse_ptr, num_splits,
     qk_scale,  # sm_scale * log2(e)
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
@@ -49,6 +49,10 @@ def _decode_split_kernel(
     h = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(lens_ptr + b)
+    # each sequence divides its own context into num_splits whole-tile shares, so the
+    # grid depends only on (B, H, num_splits): short sequences of a mixed batch spread
+    # over all splits, and a CUDA graph captured for a batch size serves any lengths
+    tokens_per_split = tl.cdiv(tl.cdiv(n, BLOCK_N), num_splits) * BLOCK_N
     start = sp * tokens_per_split
     end = tl.minimum(start + tokens_per_split, n)
 
@@ -198,8 +202,10 @@ def paged_decode(
 ) -> torch.Tensor:
     """Triton twin of :func:`kvq.attention.reference.paged_decode`.
 
-    ``max_seq_len`` (host int) sizes the split grid without a device sync; pass
-    it from the scheduler.  ``g_pad`` pads the query group to that many rows
+    ``max_seq_len`` (host int, an upper bound of ``seq_lens``) sizes the split grid
+    without a device sync; pass it from the scheduler (a CUDA graph passes the
+    longest length it serves).  Each sequence splits its own length over the
+    ``num_splits`` programs.  ``g_pad`` pads the query group to that many rows
     (default 16, the smallest MMA; 64 makes Triton use wgmma, measured slower).  ``has_hp=False`` compiles out the high-precision
     path when no table holds an hp block.
     """
@@ -218,17 +224,14 @@ def paged_decode(
     num_stages = num_stages or auto_stages
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits, tps = choose_splits(B * H, max_seq_len, block_n, num_sms, split_always)
-    else:
-        tps = math.ceil(math.ceil(max_seq_len / num_splits) / block_n) * block_n
-        num_splits = max(1, math.ceil(max_seq_len / tps))
+        num_splits, _ = choose_splits(B * H, max_seq_len, block_n, num_sms, split_always)
     po = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     plse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     args, meta = layer_args(layer)
     _decode_split_kernel[(B, H, num_splits)](
         q, q.stride(0), q.stride(1), *args,
-        block_tables, block_tables.stride(0), seq_lens, po, plse, num_splits, tps, sm_scale * _LOG2E,
+        block_tables, block_tables.stride(0), seq_lens, po, plse, num_splits, sm_scale * _LOG2E,
         GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=page, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
         KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=_dot_dtype(q.dtype),

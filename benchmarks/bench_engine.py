@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""End-to-end generation throughput and latency: kvq's engine per KV format vs HF transformers.
+
+For each KV format, one kvq engine (dummy-weight model at real shapes, bf16
+weights, pool sized from --gpu-memory-utilization, CUDA graphs for decode) serves,
+for each workload (input/output tokens) and concurrency c, a wave of c requests
+submitted at once (random token-id prompts, ignore_eos, exactly `output` new
+tokens each).  Recorded per run: output tokens/s over the wave's wall time,
+TTFT and TPOT p50/p95 (per request: first token - arrival; mean inter-token
+time after the first), the mean decode-only step time, preemptions, and the
+pool capacity (blocks, tokens) of the format.  The bytes roofline of a decode
+step (weights + the batch's KV at the measured copy bandwidth) is printed
+beside TPOT.
+
+In the same run (--hf) HF transformers' `generate` with a static cache and SDPA
+on the same model shapes (greedy, min_new_tokens = max_new_tokens), and HF's
+continuous batching `generate_batch` where it runs.
+
+Usage (GPU machine):
+    python benchmarks/bench_engine.py --formats bfloat16,fp8_e4m3 --hf
+    python benchmarks/bench_engine.py --formats int8_per_token_head,int4_kivi   # merges into the same JSON
+    python benchmarks/bench_engine.py --smoke   # tiny model and workloads (any device)
+
+The JSON (docs/results/bench_engine.json) is rewritten after every result and
+merged with what an earlier invocation wrote, keyed by (system, format, workload,
+concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SMOKE_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=256,
+                    intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096,
+                    tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
+def pct(xs, q):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def copy_bandwidth(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    x = torch.empty(1 << 31, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ts = []
+    for _ in range(8):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * (1 << 31) / statistics.median(ts)
+
+
+class Results:
+    def __init__(self, path: Path, meta: dict):
+        self.path = path
+        old = json.loads(path.read_text()) if path.exists() else {}
+        self.data = {"meta": {**old.get("meta", {}), **meta}, "runs": old.get("runs", []),
+                     "capacity": old.get("capacity", {})}
+
+    def add(self, run: dict) -> None:
+        key = (run["system"], run["kv_cache_dtype"], run["input_len"], run["output_len"], run["concurrency"])
+        self.data["runs"] = [r for r in self.data["runs"] if (r["system"], r["kv_cache_dtype"], r["input_len"],
+                             r["output_len"], r["concurrency"]) != key] + [run]
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=2))
+
+
+def roofline_step_s(weight_bytes: int, kv_bytes_per_token: float, batch: int, ctx: int, bw: float | None):
+    if not bw:
+        return None
+    return (weight_bytes + kv_bytes_per_token * batch * ctx) / bw
+
+
+# -- kvq ------------------------------------------------------------------------------------------
+def run_kvq_wave(engine, vocab: int, c: int, inp: int, out: int, seed: int) -> dict:
+    from kvq.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    sp = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0)
+    steps_before = engine.runner.graph_steps
+    t0 = time.perf_counter()
+    ids = [engine.add_request(torch.randint(0, vocab, (inp,), generator=g).tolist(), sp) for _ in range(c)]
+    done, decode_steps, decode_time = {}, 0, 0.0
+    while engine.has_unfinished():
+        ts = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - ts
+        if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs) and len(outs) == engine.scheduler.num_running:
+            decode_steps += 1
+            decode_time += dt
+        for o in outs:
+            if o.finished:
+                done[o.request_id] = o
+    wall = time.perf_counter() - t0
+    outs = [done[i] for i in ids]
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert all(len(o.outputs[0].token_ids) == out for o in outs), "every request must produce exactly `out` tokens"
+    ttft = [o.metrics["ttft"] for o in outs]
+    tpot = [o.metrics["tpot"] for o in outs]
+    return {
+        "wall_s": wall, "output_tokens": ntok, "output_tok_per_s": ntok / wall,
+        "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
+        "tpot_p50_s": pct(tpot, 0.5), "tpot_p95_s": pct(tpot, 0.95),
+        "decode_step_mean_s": decode_time / decode_steps if decode_steps else None,
+        "graph_steps": engine.runner.graph_steps - steps_before,
+        "preemptions": sum(o.metrics["num_preemptions"] for o in outs),
+    }
+
+
+def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, weight_bytes) -> None:
+    from kvq.engine.llm_engine import EngineConfig, LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", kv_cache_dtype=fmt,
+                                    max_num_seqs=max(concs), max_num_batched_tokens=args.max_num_batched_tokens,
+                                    gpu_memory_utilization=args.gpu_memory_utilization, progress=False,
+                                    kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager))
+    info = engine.info
+    plan = engine.plan
+    res.data["capacity"][fmt] = {"q_blocks": info["kv_pool"]["q_blocks"], "hp_blocks": info["kv_pool"]["hp_blocks"],
+                                 "tokens": info["kv_pool"]["tokens"], "pool_bytes": info["kv_pool"]["bytes"],
+                                 "bytes_per_token": plan.bytes_per_token, "block_size": plan.block_size,
+                                 "k": info["kv_cache_dtype"]["k"], "v": info["kv_cache_dtype"]["v"],
+                                 "backend": info["attention_backend"], "cuda_graphs": info["cuda_graphs"],
+                                 "engine_start_s": time.perf_counter() - t0}
+    res.save()
+    print(f"[kvq {fmt}] pool {info['kv_pool']['q_blocks']} blocks = {info['kv_pool']['tokens']} tokens "
+          f"({info['kv_pool']['bytes'] / 2**30:.1f} GiB), backend {info['attention_backend']['resolved']}, "
+          f"graphs {info['cuda_graphs']}", flush=True)
+    vocab = engine.model.config.vocab_size
+    run_kvq_wave(engine, vocab, 2, workloads[0][0], 4, seed=0)  # warm-up: kernels compile outside the timings
+    for inp, out in workloads:
+        for c in concs:
+            if (inp, c) in args.skip:
+                continue
+            t = time.perf_counter()
+            try:
+                r = run_kvq_wave(engine, vocab, c, inp, out, seed=c * 7 + inp)
+            except Exception as e:  # recorded, not hidden
+                traceback.print_exc()
+                r = {"error": f"{type(e).__name__}: {e}"}
+            ctx = inp + out // 2
+            r["roofline_step_s"] = roofline_step_s(weight_bytes, plan.bytes_per_token, c, ctx, bw)
+            run = {"system": "kvq", "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c, **r}
+            res.add(run)
+            if "error" in r:
+                print(f"[kvq {fmt}] {inp}/{out} c={c}: {r['error']}", flush=True)
+            else:
+                print(f"[kvq {fmt}] {inp}/{out} c={c}: {r['output_tok_per_s']:.0f} tok/s, TTFT p50 "
+                      f"{r['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms "
+                      f"(roofline {1e3 * (r['roofline_step_s'] or 0):.2f} ms), step {1e3 * (r['decode_step_mean_s'] or 0):.2f}"
+                      f" ms, preempt {r['preemptions']} [{time.perf_counter() - t:.0f}s]", flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+# -- HF transformers ------------------------------------------------------------------------------
+def build_hf(model_dir: Path, device):
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        m = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    return m.eval()
+
+
+def bench_hf(args, res: Results, model_dir: Path, workloads, concs, device) -> None:
+    import transformers
+
+    t0 = time.perf_counter()
+    model = build_hf(model_dir, device)
+    res.data["meta"]["hf_build_s"] = time.perf_counter() - t0
+    vocab = model.config.vocab_size
+    for inp, out in workloads:
+        for c in concs:
+            if c > args.hf_max_concurrency or (inp, c) in args.skip:
+                continue
+            g = torch.Generator().manual_seed(c * 7 + inp)
+            ids = torch.randint(0, vocab, (c, inp), generator=g).to(device)
+            gen = transformers.GenerationConfig(max_new_tokens=out, min_new_tokens=out, do_sample=False,
+                                                cache_implementation="static", eos_token_id=None, pad_token_id=0)
+            run = {"system": "hf_generate_static", "kv_cache_dtype": "bfloat16", "input_len": inp, "output_len": out,
+                   "concurrency": c}
+            try:
+                with torch.inference_mode():
+                    model.generate(ids[:, :16], generation_config=transformers.GenerationConfig(
+                        max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static",
+                        eos_token_id=None, pad_token_id=0))  # warm-up
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    y = model.generate(ids, generation_config=gen, attention_mask=torch.ones_like(ids))
+                    torch.cuda.synchronize()
+                    wall = time.perf_counter() - t
+                n = (y.shape[1] - inp) * c
+                run.update(wall_s=wall, output_tokens=n, output_tok_per_s=n / wall, tpot_mean_s=wall / out)
+                print(f"[hf generate static] {inp}/{out} c={c}: {n / wall:.0f} tok/s ({wall:.1f}s)", flush=True)
+            except Exception as e:
+                traceback.print_exc()
+                run["error"] = f"{type(e).__name__}: {e}"
+            res.add(run)
+    if args.hf_batch:
+        inp, out = workloads[0]
+        c, out_b = args.hf_batch_concurrency, args.hf_batch_output
+        g = torch.Generator().manual_seed(11)
+        prompts = [torch.randint(0, vocab, (inp,), generator=g).tolist() for _ in range(c)]
+        run = {"system": "hf_generate_batch", "kv_cache_dtype": "bfloat16", "input_len": inp, "output_len": out_b,
+               "concurrency": c}
+        try:
+            gen = transformers.GenerationConfig(max_new_tokens=out_b, min_new_tokens=out_b, do_sample=False,
+                                                eos_token_id=-1, pad_token_id=0, max_batch_tokens=2048,
+                                                num_blocks=4096, block_size=128)
+            with torch.inference_mode():
+                t = time.perf_counter()
+                outs = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+            n = sum(len(o.generated_tokens) for o in outs.values())
+            run.update(wall_s=wall, output_tokens=n, output_tok_per_s=n / wall)
+            print(f"[hf generate_batch] {inp}/{out_b} c={c}: {n / wall:.0f} tok/s ({wall:.1f}s)", flush=True)
+        except Exception as e:
+            traceback.print_exc()
+            run["error"] = f"{type(e).__name__}: {e}"
+        res.add(run)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3-8b", help="shipped config or HF folder (dummy weights)")
+    p.add_argument("--formats", default="bfloat16,fp8_e4m3,int8_per_token_head,int4_kivi")
+    p.add_argument("--workloads", default="1024x256,8192x256", help="INPUTxOUTPUT,...")
+    p.add_argument("--concurrency", default="1,8,64,256")
+    p.add_argument("--skip", default="8192x256", help="INPUTxCONC pairs not run (8K x 256: the prefill alone "
+                   "takes minutes of device time)")
+    p.add_argument("--hf", action="store_true", help="also run HF transformers generate (static cache, SDPA)")
+    p.add_argument("--hf-max-concurrency", type=int, default=64)
+    p.add_argument("--hf-batch", action="store_true", help="also run HF generate_batch (continuous batching)")
+    p.add_argument("--hf-batch-concurrency", type=int, default=64)
+    p.add_argument("--hf-batch-output", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny model and workloads")
+    p.add_argument("--out", default=str(ROOT / "docs/results/bench_engine.json"))
+    args = p.parse_args(argv)
+    args.skip = {tuple(int(x) for x in s.split("x")) for s in args.skip.split(",") if s}
+    workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
+    concs = [int(c) for c in args.concurrency.split(",")]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tmp = None
+    model = args.model
+    if args.smoke:
+        tmp = tempfile.mkdtemp()
+        (Path(tmp) / "config.json").write_text(json.dumps(SMOKE_CONFIG))
+        model = tmp
+        workloads, concs = [(64, 8)], [1, 4]
+        args.kv_cache_memory = args.kv_cache_memory or "64MiB"
+        args.out = str(Path(tempfile.mkdtemp()) / "bench_engine_smoke.json")
+        args.max_num_batched_tokens = 256
+    from kvq.models.source import model_shape, resolve_model
+
+    src = resolve_model(model)
+    shape = model_shape(src)
+    cfg = json.loads((Path(src.path) / "config.json").read_text()) if Path(src.path).is_dir() else {}
+    h, inter, L, V = cfg.get("hidden_size"), cfg.get("intermediate_size"), cfg.get("num_hidden_layers"), cfg.get("vocab_size")
+    heads, kvh = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    hd = cfg.get("head_dim") or (h // heads)
+    params = L * (h * hd * (heads + 2 * kvh) + heads * hd * h + 3 * h * inter + 2 * h) + 2 * V * h + h
+    weight_bytes = 2 * params
+    bw = copy_bandwidth(device)
+    import transformers
+
+    meta = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__, "model": model if not args.smoke else "smoke",
+            "model_shape": {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
+            "weight_bytes": weight_bytes, "copy_bandwidth_Bps": bw,
+            "method": "wave of c requests submitted at once; random token prompts; ignore_eos; greedy"}
+    res = Results(Path(args.out), meta)
+    print(f"device {meta['device']}, copy bandwidth {bw / 1e9 if bw else 0:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB",
+          flush=True)
+    if args.hf:
+        bench_hf(args, res, Path(src.path), workloads, concs, device)
+    for fmt in args.formats.split(","):
+        bench_kvq(args, res, model, fmt, workloads, concs, bw, weight_bytes)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""CUDA graphs for decode steps.
+
+A decode step of an 8B model launches a few hundred small kernels; at batch 1
+the host's launch overhead would cost more than the weights take to read.  For
+each captured batch size the whole forward (embedding, every layer's K/V write
+and split-K decode attention, norm, LM head) is recorded once and replayed.
+
+What makes a step replayable:
+
+* static device buffers for the step's inputs (token ids, positions, slots,
+  block tables, lengths), refilled from host lists before each replay;
+* a launch that depends only on the batch size: the decode kernel's split count
+  is chosen for ``max_model_len`` and each sequence divides its own length over
+  the splits (kvq.attention.triton.decode);
+* a null block: one q block outside the block manager's range.  Padding rows
+  (a batch of 5 replays the graph of 8) write their K/V there and attend to it
+  with length 1, so they never touch a sequence's blocks.
+
+Seal and copy ops of the step run eagerly before the replay (their count varies).
+Prefill and mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+
+import torch
+
+from kvq.cache.step import HostStep, StepMetadata
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 to 128, of 32 to 256, of 64 beyond: padding stays under a quarter."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
+    s = 8
+    while s < max_batch:
+        s += 16 if s < 128 else 32 if s < 256 else 64
+        sizes.append(min(s, max_batch))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    """Captured decode forwards for batch sizes up to ``max_batch``."""
+
+    def __init__(self, model, pool, kernels, device: torch.device, max_batch: int, max_model_len: int,
+                 null_block: int, has_hp: bool):
+        self.model, self.pool, self.kernels, self.device = model, pool, kernels, device
+        self.sizes = capture_sizes(max_batch)
+        self.max_model_len = max_model_len
+        self.has_hp = has_hp
+        bs = pool.plan.block_size
+        self.null_block, self.null_slot = null_block, null_block * bs
+        self.width = math.ceil(max_model_len / bs) + 1
+        n = self.sizes[-1]
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slots = torch.full((n,), self.null_slot, **i64)
+        self.tables = torch.full((n, self.width), null_block, **i32)
+        self.lens = torch.ones(n, **i32)
+        self.cu = torch.arange(n + 1, **i32)
+        self.rows = torch.arange(n, **i64)
+        self.no_blocks = torch.empty(0, 2, **i64)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def _meta(self, b: int) -> StepMetadata:
+        return StepMetadata(slots=self.slots[:b], full_blocks=self.no_blocks, cu_seqlens_q=self.cu[:b + 1],
+                            block_tables=self.tables[:b], seq_lens=self.lens[:b], max_q_len=1,
+                            max_seq_len=self.max_model_len, has_hp=self.has_hp, num_decodes=b,
+                            prefill_cu=self.cu[:1])
+
+    def _forward(self, b: int) -> torch.Tensor:
+        return self.model(self.ids[:b], self.positions[:b], self.pool, self._meta(b), self.kernels, self.rows[:b])
+
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        mempool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):  # largest first: later graphs reuse its memory
+            self._forward(b)  # compiles the kernels outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self.outputs[b] = self._forward(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+
+    def serves(self, step: HostStep) -> bool:
+        n = len(step.num_new)
+        return 0 < n <= self.sizes[-1] and step.num_decodes == n and max(step.seq_lens) <= self.max_model_len
+
+    def run(self, ids: list[int], positions: list[int], step: HostStep) -> torch.Tensor:
+        """Replay the smallest graph that holds the batch -> logits [B, V] (a view of its output)."""
+        b = len(ids)
+        g = self.sizes[bisect.bisect_left(self.sizes, b)]
+        pad = g - b
+        w = max(len(t) for t in step.tables)
+        table = torch.full((g, w), self.null_block, dtype=torch.int32)
+        for i, row in enumerate(step.tables):
+            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        longs = torch.tensor([ids + [0] * pad, positions + [0] * pad, step.slots + [self.null_slot] * pad],
+                             dtype=torch.int64)
+        lens = torch.tensor(step.seq_lens + [1] * pad, dtype=torch.int32)
+        self.ids[:g].copy_(longs[0], non_blocking=True)
+        self.positions[:g].copy_(longs[1], non_blocking=True)
+        self.slots[:g].copy_(longs[2], non_blocking=True)
+        self.tables[:g, :w].copy_(table, non_blocking=True)
+        self.lens[:g].copy_(lens, non_blocking=True)
+        self.graphs[g].replay()
+        return self.outputs[g][:b]

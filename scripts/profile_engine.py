@@ -1,0 +1,74 @@
+"""Where a decode step's time goes (GPU machine): device kernels vs host work.
+
+Builds the engine on a dummy-weight model, starts a wave of requests, lets the
+prefill finish, then profiles N pure decode steps twice: with torch.profiler
+(device time per kernel family, and the step's wall time) and with cProfile (the
+host-side Python functions).  Not a benchmark: it steers the engine work.
+
+    python scripts/profile_engine.py --kv-cache-dtype bfloat16 --concurrency 1,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from kvq.engine.llm_engine import EngineConfig, LLMEngine
+from kvq.engine.sampling_params import SamplingParams
+
+
+def decode_steps(engine, n):
+    for _ in range(n):
+        engine.step()
+    torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16")
+    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+    concs = [int(c) for c in args.concurrency.split(",")]
+    eng = LLMEngine(EngineConfig(model=args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype,
+                                 max_num_seqs=max(concs), max_num_batched_tokens=8192, progress=False,
+                                 enforce_eager=args.enforce_eager))
+    vocab = eng.model.config.vocab_size
+    for c in concs:
+        sp = SamplingParams(max_tokens=4 * args.steps + 8, ignore_eos=True)
+        for _ in range(c):
+            eng.add_request(torch.randint(0, vocab, (args.input_len,)).tolist(), sp)
+        while eng.scheduler.num_waiting or any(len(s.output_token_ids) == 0 for s in eng.scheduler._seqs.values()):
+            eng.step()
+        decode_steps(eng, 3)
+        t = time.perf_counter()
+        decode_steps(eng, args.steps)
+        wall = (time.perf_counter() - t) / args.steps
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            decode_steps(eng, args.steps)
+        dev = sum(e.self_device_time_total for e in prof.key_averages()) / args.steps / 1e3
+        print(f"\n=== {args.kv_cache_dtype} c={c}: wall {wall * 1e3:.2f} ms/step, device kernels {dev:.2f} ms/step, "
+              f"graph steps {eng.runner.graph_steps}")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+        pr = cProfile.Profile()
+        pr.enable()
+        decode_steps(eng, args.steps)
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
+        print(s.getvalue()[:6000])
+        while eng.has_unfinished():
+            eng.step()
+
+
+if __name__ == "__main__":
+    main()
