@@ -43,6 +43,9 @@ BOUNDS: dict[str, tuple[float, float, float]] = {
     "int8_per_token_head": (0.018, 0.019, 0.029),  # 0.0116 0.0124 0.0191
     "int4_kivi": (0.073, 0.16, 0.16),  # 0.0481 0.104 0.103
     "int2_kivi": (0.37, 0.84, 0.79),  # 0.242 0.560 0.526
+    # K and V both per token (registered formats; the same layouts as the *_kivi_k_per_token rows below).
+    "int4_per_token": (0.16, 0.16, 0.23),  # 0.103 0.104 0.152
+    "int2_per_token": (0.77, 0.84, 1.7),  # 0.511 0.560 1.12
     # K stored with the KIVI V format (per token): the baseline of the KIVI finding.
     "int4_kivi_k_per_token": (0.16, 0.16, 0.23),  # 0.103 0.104 0.152
     "int2_kivi_k_per_token": (0.77, 0.84, 1.7),  # 0.511 0.560 1.12

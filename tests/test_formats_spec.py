@@ -1,12 +1,13 @@
 """The resolver and the byte accounting of the KV format spec."""
 
+import dataclasses
 import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvq.formats.registry import entries, lookup, resolve_format, resolve_kv, valid_names
+from kvq.formats.registry import default_window, entries, lookup, resolve_format, resolve_kv, valid_names
 from kvq.formats.spec import KVFormat, element_bytes
 
 CANONICAL = [e.name for e in entries()]
@@ -125,3 +126,19 @@ def test_min_block_size():
     assert resolve_kv("int4_kivi").min_block_size() == 32
     assert resolve_kv("int2_kivi", group_size=64).min_block_size() == 64
     assert resolve_kv("bf16", v="int4_kivi").min_block_size() == 1  # V per token only
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_per_token_k_formats_store_k_like_kivi_v(bits):
+    """int{4,2}_per_token: K takes KIVI's V layout (per token over channel groups); V is KIVI's V;
+    same bits, sidecar bytes and default windows as KIVI, so only K's quantization axis differs."""
+    name, kivi = f"int{bits}_per_token", f"int{bits}_kivi"
+    fmt, ref = resolve_kv(name), resolve_kv(kivi)
+    assert fmt.k.scale == fmt.v.scale == "token_group" and ref.k.scale == "channel_group"
+    assert fmt.k.bits == fmt.v.bits == bits and fmt.k.zero_point and fmt.k.scale_dtype == "float16"
+    assert dataclasses.replace(ref.v, name=name) == fmt.v  # V identical to KIVI's V
+    H, D, bs = 3, 64, 32
+    assert fmt.block_bytes(H, D, bs) == ref.block_bytes(H, D, bs)
+    assert fmt.write_direct and fmt.min_block_size() == 1  # per token: no sealing needed
+    assert default_window(fmt) == default_window(ref) == (4, 128)
+    assert resolve_kv(f"int{bits}_token").name == name

@@ -15,6 +15,9 @@ Scale dtypes, and why:
 * ``fp8_per_block``: float32, one per head per block; 4 bytes against
   ``block_size * head_dim`` data bytes, so precision is free.
 * ``int4_kivi`` / ``int2_kivi``: fp16 scale and zero point, as KIVI stores them.
+* ``int4_per_token`` / ``int2_per_token``: KIVI's V layout for K too (per token over
+  groups of channels, fp16 scale and zero): the per-token K that KIVI's per-channel
+  K is compared with, at the same bits and sidecar bytes and the same windows.
 * ``fp8_e4m3`` / ``fp8_e5m2``: static scale per layer (scalar or per KV head,
   float32, default 1.0 i.e. a direct cast); no bytes per block.
 """
@@ -72,10 +75,11 @@ def _dynamic(name: str, family: str, storage: str, scale: str, scale_dtype: str,
     return build
 
 
-def _kivi(name: str, bits: int):
+def _kivi(name: str, bits: int, k_per_token: bool = False):
     def build(role: Role, model_dtype: str, group: int) -> TensorFormat:
-        # K per channel over a group of tokens; V per token over a group of channels.
-        scale = "channel_group" if role == "k" else "token_group"
+        # KIVI: K per channel over a group of tokens; V per token over a group of channels.
+        # k_per_token: K stored like V (the per-token baseline KIVI's per-channel K is compared with).
+        scale = "channel_group" if role == "k" and not k_per_token else "token_group"
         return TensorFormat(
             name, role, "kivi", "uint8", bits, scale=scale, scale_dtype="float16",
             zero_point=True, group_size=group, qmax=float(2**bits - 1),
@@ -124,6 +128,14 @@ _ENTRIES: tuple[FormatEntry, ...] = (
     FormatEntry(
         "int2_kivi", ("kivi2", "kivi_int2"), "KIVI 2-bit: K per channel, V per token, scale+zero (fp16)",
         _kivi("int2_kivi", 2), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
+    ),
+    FormatEntry(
+        "int4_per_token", ("int4_token",), "4-bit K and V both per token over groups of channels, scale+zero (fp16)",
+        _kivi("int4_per_token", 4, k_per_token=True), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
+    ),
+    FormatEntry(
+        "int2_per_token", ("int2_token",), "2-bit K and V both per token over groups of channels, scale+zero (fp16)",
+        _kivi("int2_per_token", 2, k_per_token=True), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
     ),
 )
 

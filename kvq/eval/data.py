@@ -1,0 +1,102 @@
+"""What the evaluation reads: real text for perplexity, synthetic haystacks for retrieval.
+
+Perplexity, KL and top-1 are measured on real English prose: the Python
+language reference that CPython ships (``pydoc_data.topics``, PSF license),
+through :func:`kvq.text.reference_text`; nothing is downloaded or generated.
+
+Retrieval uses a *multi-key passkey* haystack (filler is synthetic by design,
+the classic "The grass is green..." of the passkey test): one haystack per
+(bin, trial) holds one needle at each depth, each under its own name::
+
+    [intro] filler ... "The pass key of Alice is 48213. Remember it." filler ... (one needle per depth) ...
+    then, one question per needle on a fork of the cached haystack:
+    "What is the pass key of Alice? The pass key of Alice is" + answer " 48213"
+
+The haystack is prefilled once and every question runs on a copy-on-write
+fork of its cache, so a trial costs one prefill of the bin's length.  Names
+are shuffled per trial, so a name never sits at a fixed depth.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvq.text import TEXT_SOURCE, reference_text
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+INTRO = ("There are important pass keys hidden inside a lot of irrelevant text. Find them and memorize them. "
+         "I will quiz you about them.\n")
+NAMES = ("Alice", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana")
+#: Tokens reserved at the end of a bin for a question and its answer.
+QUESTION_TOKENS = 32
+
+
+def text_source() -> str:
+    """Where the perplexity text comes from, and its license."""
+    return TEXT_SOURCE
+
+
+def eval_token_ids(tokenizer, num_tokens: int) -> list[int]:
+    """The first ``num_tokens`` token ids of the real evaluation text (ValueError if it is shorter)."""
+    text = reference_text(min_chars=8 * num_tokens)  # ~4 characters per token; 2x margin
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < num_tokens:
+        ids = tokenizer(reference_text(), add_special_tokens=False)["input_ids"]
+    if len(ids) < num_tokens:
+        raise ValueError(f"the evaluation text has {len(ids)} tokens, fewer than the {num_tokens} needed")
+    return ids[:num_tokens]
+
+
+@dataclass(frozen=True)
+class Needle:
+    depth: float  # 0.0 (start of the haystack) .. 1.0 (end)
+    name: str
+    key: str
+    question_ids: tuple[int, ...]  # question tokens, answer excluded
+    answer_ids: tuple[int, ...]  # the tokens a correct greedy answer produces
+
+
+@dataclass(frozen=True)
+class Haystack:
+    bin: int
+    trial: int
+    token_ids: tuple[int, ...]  # length bin - QUESTION_TOKENS, a multiple of the block size
+    needles: tuple[Needle, ...]
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def make_haystack(tokenizer, length: int, depths: tuple[float, ...], trial: int, seed: int = 0,
+                  align: int = 32) -> Haystack:
+    """A haystack of a ``length``-token bin with one needle per depth (deterministic in ``seed``, ``trial``)."""
+    if len(depths) > len(NAMES):
+        raise ValueError(f"at most {len(NAMES)} depths per haystack, got {len(depths)}")
+    rng = random.Random(f"{seed}:{length}:{trial}")
+    names = rng.sample(NAMES, len(depths))
+    n_hay = (length - QUESTION_TOKENS) // align * align
+    intro = _ids(tokenizer, INTRO)
+    needles_ids, needles = [], []
+    for depth, name in zip(depths, names):
+        key = str(rng.randint(10000, 99999))
+        needles_ids.append(_ids(tokenizer, f" The pass key of {name} is {key}. Remember it. "))
+        question = _ids(tokenizer, f"\nWhat is the pass key of {name}? The pass key of {name} is")
+        answer = _ids(tokenizer, f" {key}")
+        if len(question) + len(answer) > QUESTION_TOKENS:
+            raise AssertionError(f"question and answer take {len(question) + len(answer)} tokens")
+        needles.append(Needle(depth, name, key, tuple(question), tuple(answer)))
+    n_filler = n_hay - len(intro) - sum(map(len, needles_ids))
+    if n_filler < 0:
+        raise ValueError(f"bin {length} is too short for a passkey haystack with {len(depths)} needles")
+    filler = _ids(tokenizer, FILLER * (n_filler // 10 + 2))[:n_filler]
+    out = list(intro)  # no BOS: the engine's encode adds none for this tokenizer either
+    done = 0
+    for depth, nid in zip(depths, needles_ids):
+        cut = int(round(depth * n_filler))
+        out += filler[done:cut] + nid
+        done = cut
+    out += filler[done:]
+    assert len(out) == n_hay, (len(out), n_hay)
+    return Haystack(length, trial, tuple(out), tuple(needles))

@@ -1,0 +1,166 @@
+"""`kvq eval`: metrics on cases with known answers, the status rule, records, and a tiny end-to-end run."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvq import cli
+from kvq.eval import metrics
+from kvq.eval.records import RECORD_FIELDS, Thresholds, decide_status, make_record
+
+# -- metrics --------------------------------------------------------------------------------------
+
+
+def _lp(rows):
+    return torch.log(torch.tensor(rows, dtype=torch.float32))
+
+
+def test_identical_distributions_give_kl_zero_and_full_agreement():
+    lp = metrics.log_softmax(torch.randn(7, 50, generator=torch.Generator().manual_seed(0)))
+    assert metrics.mean_kl(lp, lp.clone()) == 0.0
+    assert metrics.top1_agreement(lp, lp.clone()) == 1.0
+
+
+def test_kl_known_value_and_direction():
+    p, q = _lp([[0.5, 0.5]]), _lp([[0.9, 0.1]])
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)  # KL(p || q) = 0.5108...
+    assert metrics.mean_kl(p, q) == pytest.approx(expected, rel=1e-6)
+    assert metrics.mean_kl(q, p) == pytest.approx(0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5), rel=1e-6)
+    # a zero-probability token under the baseline contributes nothing (no nan)
+    assert metrics.mean_kl(_lp([[1.0, 0.0]]), _lp([[0.5, 0.5]])) == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_top1_counts_positions_whose_argmax_matches():
+    base = _lp([[0.6, 0.4], [0.3, 0.7], [0.9, 0.1], [0.2, 0.8]])
+    test = _lp([[0.4, 0.6], [0.3, 0.7], [0.8, 0.2], [0.6, 0.4]])
+    assert metrics.top1_agreement(base, test) == 0.5
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
+    V = 37
+    lp = metrics.log_softmax(torch.zeros(5, V))
+    nll = metrics.token_nll(lp, torch.tensor([0, 3, 36, 1, 2]))
+    assert metrics.perplexity(nll) == pytest.approx(V, rel=1e-6)
+    assert metrics.relative_change(40.7, 37.0) == pytest.approx(0.1)
+    assert metrics.relative_change(3.0, 3.0) == 0.0
+
+
+def test_greedy_agreement():
+    g = metrics.greedy_agreement([1, 2, 3, 4], [1, 2, 9, 4])
+    assert g == {"prefix_match": 2, "prefix_match_frac": 0.5, "positionwise": 0.75}
+    assert metrics.greedy_agreement([5, 6], [5, 6])["prefix_match"] == 2
+    with pytest.raises(ValueError):
+        metrics.greedy_agreement([1, 2], [1])
+
+
+# -- status rule and records ----------------------------------------------------------------------
+
+SAME = {"ppl_rel_change": 0.0, "kl_mean": 0.0, "top1_agreement": 1.0, "passkey_drop": 0.0}
+
+
+def _status(quality=SAME, requested="torch", resolved="torch", ratio=2.0, th=Thresholds()):
+    return decide_status(requested_backend=requested, resolved_backend=resolved, capacity_ratio=ratio,
+                         quality=quality, thresholds=th)
+
+
+def test_status_rule():
+    assert _status() == ("ok", [])
+    assert _status(ratio=1.0) == ("ok", [])  # the baseline against itself
+    for key, bad in (("ppl_rel_change", 0.03), ("kl_mean", 0.5), ("top1_agreement", 0.8), ("passkey_drop", 0.4)):
+        status, why = _status({**SAME, key: bad})
+        assert status == "quality_regressed" and len(why) == 1, (key, why)
+    assert _status({**SAME, "kl_mean": 0.02})[0] == "ok"  # equal to the threshold passes
+    assert _status({**SAME, "passkey_drop": 0.8 - 0.6})[0] == "ok"  # 0.20000000000000007: rounding, not a drop
+    assert _status({**SAME, "kl_mean": 0.5}, th=Thresholds(max_kl=1.0))[0] == "ok"
+    assert _status(resolved="triton")[0] == "backend_mismatch"  # checked before quality
+    assert _status({**SAME, "kl_mean": 9.0}, ratio=0.5)[0] == "capacity_lost"
+    with pytest.raises(ValueError):
+        Thresholds(min_top1=1.5)
+    with pytest.raises(ValueError):
+        Thresholds(max_kl=-1)
+
+
+def test_record_has_seed_004_fields():
+    rec = make_record(hardware={"device": "cpu"}, model={"name": "m"}, kv_cache_dtype={"requested": "fp8", "k": "a",
+                      "v": "b"}, attention_backend="torch", resolved_backend="torch", bins=[512, 2048], bin=512,
+                      quality=SAME, capacity={"ratio_vs_baseline": 2.0}, throughput_before=None, throughput_after=None,
+                      thresholds=Thresholds())
+    assert set(RECORD_FIELDS) <= set(rec) and rec["status"] == "ok"
+    assert rec["context_length_bins"] == [512, 2048] and rec["quality_by_bin"] == {"512": SAME}
+    json.dumps(rec)
+
+
+# -- passkey haystacks ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvq.models.loader import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+def test_haystack_layout(tokenizer):
+    from kvq.eval.data import QUESTION_TOKENS, make_haystack
+
+    depths = (0.0, 0.5, 1.0)
+    h = make_haystack(tokenizer, 512, depths, trial=0)
+    assert len(h.token_ids) % 32 == 0 and len(h.token_ids) + QUESTION_TOKENS <= 512
+    text = tokenizer.decode(list(h.token_ids))
+    places = [text.index(f"pass key of {n.name} is {n.key}") for n in h.needles]
+    assert places == sorted(places) and places[0] < 0.2 * len(text) and places[-1] > 0.8 * len(text)
+    for n in h.needles:
+        assert tokenizer.decode(list(n.answer_ids)).strip() == n.key
+    assert make_haystack(tokenizer, 512, depths, trial=0) == h  # deterministic
+    assert make_haystack(tokenizer, 512, depths, trial=1).needles != h.needles
+    with pytest.raises(ValueError, match="too short"):
+        make_haystack(tokenizer, 96, (0, 0.25, 0.5, 0.75, 1.0), trial=0)
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def test_bad_input_exits_2_naming_valid_choices(capsys):
+    assert cli.main(["eval", "--kv-cache-dtype", "fp9", "--out", "/nonexistent"]) == 2
+    assert "valid formats" in capsys.readouterr().err
+    assert cli.main(["eval", "--bins", "512,16384", "--kv-cache-dtype", "fp8"]) == 2
+    assert "1..8192" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_eval_end_to_end_catches_a_broken_quantizer(tmp_path, monkeypatch):
+    """bfloat16 run again equals the baseline exactly (KL 0, status ok); fp8_e4m3 whose *stored* K is read back
+    as zeros is flagged quality_regressed.  The breakage is only in how the cache is read, so it is caught only
+    because the scored tokens attend over the cache as stored (the teacher-forced trap would miss it)."""
+    from kvq.attention import reference
+
+    real = reference.dequantize
+
+    def broken(fmt, planes, static_scale=None, dtype=torch.float32):
+        out = real(fmt, planes, static_scale, dtype)
+        return out * 0 if fmt.name == "fp8_e4m3" and fmt.role == "k" else out
+
+    monkeypatch.setattr(reference, "dequantize", broken)
+    out = tmp_path / "ev"
+    rc = cli.main(["eval", "--kv-cache-dtype", "bfloat16,fp8_e4m3", "--bins", "192", "--window", "32",
+                   "--greedy-tokens", "4", "--passkey-depths", "0,0.5,1", "--passkey-trials", "1",
+                   "--attention-backend", "torch", "--device", "cpu", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    recs = {r["kv_cache_dtype"]["requested"]: r for r in res["records"]}
+    assert set(recs) == {"auto", "bfloat16", "fp8_e4m3"}
+    for r in recs.values():
+        assert set(RECORD_FIELDS) <= set(r)
+        assert (out / "records" / f"{r['kv_cache_dtype']['requested']}__192.json").is_file()
+    same, bad = recs["bfloat16"]["quality_by_bin"]["192"], recs["fp8_e4m3"]["quality_by_bin"]["192"]
+    assert same["kl_mean"] == 0.0 and same["top1_agreement"] == 1.0 and same["ppl_rel_change"] == 0.0
+    assert same["greedy_prefix_match"] == 4 and recs["bfloat16"]["status"] == "ok"
+    assert recs["fp8_e4m3"]["status"] == "quality_regressed" and bad["kl_mean"] > 0.1
+    assert recs["fp8_e4m3"]["kv_cache_capacity"]["ratio_vs_baseline"] == pytest.approx(2.0)
+    assert recs["fp8_e4m3"]["resolved_backend"] == recs["fp8_e4m3"]["attention_backend"] == "torch"
+    report = (out / "report.md").read_text()
+    assert "| `fp8_e4m3` |" in report and "quality_regressed" in report
+    for png in ("quality_vs_context.png", "pareto.png", "passkey_heatmap.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
