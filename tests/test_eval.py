@@ -127,6 +127,8 @@ def test_bad_input_exits_2_naming_valid_choices(capsys):
     assert "valid formats" in capsys.readouterr().err
     assert cli.main(["eval", "--bins", "512,16384", "--kv-cache-dtype", "fp8"]) == 2
     assert "1..8192" in capsys.readouterr().err
+    assert cli.main(["eval", "--bins", "192", "--window", "160", "--kv-cache-dtype", "int4_kivi"]) == 2
+    assert "too short" in capsys.readouterr().err
 
 
 @pytest.mark.slow

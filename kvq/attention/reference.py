@@ -134,7 +134,6 @@ def paged_attention(
     T, Hq, D = q.shape
     H = layer.num_kv_heads
     assert Hq % H == 0, (Hq, H)
-    group = Hq // H
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -146,13 +145,12 @@ def paged_attention(
         assert t <= n, f"sequence {b}: {t} queries but only {n} cached tokens"
         kk = gather_kv(layer, "k", block_tables[b], n)  # [H, n, D]
         vv = gather_kv(layer, "v", block_tables[b], n)
-        kk = kk.repeat_interleave(group, dim=0)  # [Hq, n, D]
-        vv = vv.repeat_interleave(group, dim=0)
-        s = torch.einsum("thd,hnd->htn", qb, kk) * sm_scale  # [Hq, t, n]
-        pos = torch.arange(n - t, n, device=q.device)[:, None]
-        s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > pos, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        out[cu[b] : cu[b + 1]] = torch.einsum("htn,hnd->thd", p, vv).to(q.dtype)
+        # softmax(q k^T * sm_scale) v in float32, query i at position n - t + i seeing keys 0..n-t+i;
+        # SDPA computes exactly this without materializing [Hq, t, n] scores (GQA: head h reads h // group).
+        visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - t, n, device=q.device)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qb.transpose(0, 1)[None], kk[None], vv[None], attn_mask=visible, scale=sm_scale, enable_gqa=True)
+        out[cu[b] : cu[b + 1]] = o[0].transpose(0, 1).to(q.dtype)  # [t, Hq, D]
     return out
 
 

@@ -82,6 +82,8 @@ def register(sub) -> None:
                         "2-core machine 1 thread measured ~4x faster than 2; 0 = torch's default)")
     p.add_argument("--out", default="kvq-eval", help="output folder (default ./kvq-eval)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--report-only", action="store_true",
+                   help="re-render records, report and plots from OUT/results.json without evaluating")
     p.set_defaults(func=cmd_eval)
 
 
@@ -136,6 +138,13 @@ def write_outputs(result: dict, out: Path) -> dict[str, str]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from kvq.eval.runner import run_eval, validate
 
+    if args.report_only:
+        path = Path(args.out) / "results.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"--report-only needs {path} from an earlier run")
+        write_outputs(json.loads(path.read_text()), Path(args.out))
+        print(f"[kvq eval] report: {Path(args.out) / 'report.md'}", file=sys.stderr)
+        return 0
     s = settings_from_args(args)
     validate(s)
     print(f"[kvq eval] {s.model}: baseline {s.baseline}, {len(s.formats)} formats, bins {list(s.bins)}, "

@@ -76,7 +76,7 @@ def _engine(s: EvalSettings, fmt: str):
     hp_token_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # generous: fp32-wide
     return LLMEngine(EngineConfig(
         model=s.model, kv_cache_dtype=fmt, block_size=s.block_size, attention_backend=s.attention_backend,
-        device=s.device, dtype=s.dtype, max_num_seqs=4, max_num_batched_tokens=max(s.chunk, 64),
+        device=s.device, dtype=s.dtype, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=max(s.chunk, 64),
         kv_cache_memory=max(64 << 20, 3 * max_bin * hp_token_bytes), seed=s.seed, progress=s.progress))
 
 
@@ -103,20 +103,25 @@ def alignment(s: EvalSettings) -> int:
     return math.lcm(32, *sizes)
 
 
-def run_format(s: EvalSettings, fmt: str, ids: list[int], align: int) -> FormatRun:
+def haystacks(s: EvalSettings, tokenizer, align: int) -> dict[int, list]:
+    """bin -> its passkey haystacks (built up front, so a bin too short fails before any model runs)."""
+    return {L: [make_haystack(tokenizer, L, s.passkey_depths, t, s.seed, align=align) for t in range(s.passkey_trials)]
+            for L in sorted(s.passkey_bins)}
+
+
+def run_format(s: EvalSettings, fmt: str, ids: list[int], spec: StreamSpec, hays: dict[int, list],
+               align: int) -> FormatRun:
     t0 = time.perf_counter()
     engine = _engine(s, fmt)
     session = CacheSession(engine)
-    spec = StreamSpec(tuple(sorted(s.bins)), s.window, s.chunk, align, s.greedy_tokens)
     g = spec.greedy_span(align)
     hay_total = sum(b for b in s.passkey_bins) * s.passkey_trials
     total = max(spec.bins) - g + g * len(spec.bins) + hay_total
     with tqdm(total=total, desc=f"{fmt:<20}", unit="tok", disable=not s.progress, leave=True) as bar:
         scores = score_stream(session, ids, spec, align, progress=bar)
         passkey: dict[int, list] = {}
-        for L in sorted(s.passkey_bins):
-            for t in range(s.passkey_trials):
-                hay = make_haystack(engine.tokenizer, L, s.passkey_depths, t, s.seed, align=align)
+        for L, stacks in hays.items():
+            for hay in stacks:
                 passkey.setdefault(L, []).extend(run_haystack(session, hay, s.chunk))
                 bar.update(L)
     engine.block_manager.check_integrity()
@@ -212,12 +217,16 @@ def run_eval(s: EvalSettings) -> dict:
     if s.threads:
         torch.set_num_threads(s.threads)
     align = alignment(s)
-    ids = eval_token_ids(load_tokenizer(resolve_model(s.model)), max(s.bins) + 1)
-    base = run_format(s, s.baseline, ids, align)
+    spec = StreamSpec(tuple(sorted(s.bins)), s.window, s.chunk, align, s.greedy_tokens)
+    spec.check(align)
+    tokenizer = load_tokenizer(resolve_model(s.model))
+    hays = haystacks(s, tokenizer, align)
+    ids = eval_token_ids(tokenizer, max(s.bins) + 1)
+    base = run_format(s, s.baseline, ids, spec, hays, align)
     device = torch.device(base.info["device"])
     hardware = hardware_info(device)
     requested = s.attention_backend if s.attention_backend != "auto" else base.info["attention_backend"]["resolved"]
-    runs = [base] + [run_format(s, f, ids, align) for f in s.formats]
+    runs = [base] + [run_format(s, f, ids, spec, hays, align) for f in s.formats]
     records, per_format = [], []
     bins = sorted(s.bins)
     src = resolve_model(s.model)
