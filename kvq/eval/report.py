@@ -134,11 +134,16 @@ def plot_all(result: dict, out_dir: Path) -> dict[str, str]:
     bins = sorted({r["context_length_bin"] for r in result["records"]})
     files = {}
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    baseline = result["meta"]["baseline"]
+    colors = plt.get_cmap("tab20").colors
+    style = {n: dict(color=colors[i % len(colors)], marker="osD^v<>px*h"[i % 11], ls="-" if i < 10 else "--")
+             for i, n in enumerate(fm)}
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, recs in fm.items():
         xs = [r["context_length_bin"] for r in recs]
-        a1.plot(xs, [100 * _q(r)["ppl_rel_change"] for r in recs], marker="o", label=name)
-        a2.plot(xs, [max(_q(r)["kl_mean"], 1e-7) for r in recs], marker="o", label=name)
+        a1.plot(xs, [100 * _q(r)["ppl_rel_change"] for r in recs], label=name, **style[name])
+        if name != baseline:  # KL 0 by definition; a log axis cannot show it
+            a2.plot(xs, [max(_q(r)["kl_mean"], 1e-9) for r in recs], label=name, **style[name])
     for ax in (a1, a2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(bins, [str(b) for b in bins])
@@ -148,22 +153,25 @@ def plot_all(result: dict, out_dir: Path) -> dict[str, str]:
     a1.set_yscale("symlog", linthresh=1.0)
     a2.set_ylabel("mean KL(baseline || format), nats")
     a2.set_yscale("log")
-    a2.legend(fontsize=7, ncol=2)
-    fig.suptitle("Quality change against context length")
-    fig.tight_layout()
+    fig.legend(*a1.get_legend_handles_labels(), loc="center right", fontsize=8)
+    fig.suptitle(f"Quality change against context length (baseline {baseline}; lower is better)")
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
     files["quality vs context length"] = "quality_vs_context.png"
     fig.savefig(out_dir / files["quality vs context length"], dpi=90)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 5))
     last = max(bins)
+    at_last = {n: next(r for r in recs if r["context_length_bin"] == last) for n, recs in fm.items()}
+    positive = [_q(r)["kl_mean"] for r in at_last.values() if _q(r)["kl_mean"] > 0]
+    floor = min(positive, default=1e-3) / 10  # where KL 0 (the baseline) is drawn
     pts = []
-    for name, recs in fm.items():
-        r = next(r for r in recs if r["context_length_bin"] == last)
-        x, y = r["kv_cache_capacity"]["bytes_per_token"], max(_q(r)["kl_mean"], 1e-7)
+    for i, (name, r) in enumerate(sorted(at_last.items(), key=lambda kv: kv[1]["kv_cache_capacity"]["bytes_per_token"])):
+        x, y = r["kv_cache_capacity"]["bytes_per_token"], max(_q(r)["kl_mean"], floor)
         pts.append((x, y, name))
-        ax.scatter([x], [y])
-        ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.scatter([x], [y], color=style[name]["color"], marker=style[name]["marker"])
+        label = f"{name} (KL 0)" if _q(r)["kl_mean"] == 0 else name
+        ax.annotate(label, (x, y), fontsize=7, xytext=(5, -14 + 9 * (i % 4)), textcoords="offset points")
     front, best = [], float("inf")
     for x, y, _ in sorted(pts):
         if y < best:
