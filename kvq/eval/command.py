@@ -102,7 +102,8 @@ def settings_from_args(args: argparse.Namespace):
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     full = args.full or (gpu and not args.quick)
     max_len = model_shape(model).max_position_embeddings
-    mode = dict(FULL, bins=tuple(b for b in BIN_LADDER if b <= max_len)) if full else dict(QUICK)
+    mode = dict(FULL, bins=BIN_LADDER) if full else dict(QUICK)
+    mode["bins"] = tuple(b for b in mode["bins"] if b <= max_len) or (max_len // 32 * 32,)  # what the model supports
     bins = tuple(sorted(set(args.bins or mode["bins"])))
     formats = args.kv_cache_dtype if args.kv_cache_dtype is not None else default_formats()
     return EvalSettings(
