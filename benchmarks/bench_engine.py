@@ -205,20 +205,21 @@ def bench_hf(args, res: Results, model_dir: Path, workloads, concs, device) -> N
     res.data["meta"]["hf_build_s"] = time.perf_counter() - t0
     vocab = model.config.vocab_size
     for inp, out in workloads:
-        for c in concs:
+        for c in ([int(x) for x in args.hf_concurrency.split(",")] if args.hf_concurrency else concs):
             if c > args.hf_max_concurrency or (inp, c) in args.skip:
                 continue
             g = torch.Generator().manual_seed(c * 7 + inp)
             ids = torch.randint(0, vocab, (c, inp), generator=g).to(device)
             gen = transformers.GenerationConfig(max_new_tokens=out, min_new_tokens=out, do_sample=False,
-                                                cache_implementation="static", eos_token_id=None, pad_token_id=0)
-            run = {"system": "hf_generate_static", "kv_cache_dtype": "bfloat16", "input_len": inp, "output_len": out,
+                                                cache_implementation="static", eos_token_id=None, pad_token_id=0,
+                                                disable_compile=args.hf_eager)
+            run = {"system": "hf_generate_static_eager" if args.hf_eager else "hf_generate_static", "kv_cache_dtype": "bfloat16", "input_len": inp, "output_len": out,
                    "concurrency": c}
             try:
                 with torch.inference_mode():
                     model.generate(ids[:, :16], generation_config=transformers.GenerationConfig(
                         max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static",
-                        eos_token_id=None, pad_token_id=0))  # warm-up
+                        eos_token_id=None, pad_token_id=0, disable_compile=args.hf_eager))  # warm-up
                     torch.cuda.synchronize()
                     t = time.perf_counter()
                     y = model.generate(ids, generation_config=gen, attention_mask=torch.ones_like(ids))
@@ -269,6 +270,9 @@ def main(argv=None) -> int:
                    "takes minutes of device time)")
     p.add_argument("--hf", action="store_true", help="also run HF transformers generate (static cache, SDPA)")
     p.add_argument("--hf-max-concurrency", type=int, default=64)
+    p.add_argument("--hf-concurrency", default=None, help="concurrencies for HF (default: --concurrency)")
+    p.add_argument("--hf-eager", action="store_true", help="HF generate without its automatic torch.compile "
+                   "of the static-cache decode (disable_compile=True); recorded as hf_generate_static_eager")
     p.add_argument("--hf-batch", action="store_true", help="also run HF generate_batch (continuous batching)")
     p.add_argument("--hf-batch-concurrency", type=int, default=64)
     p.add_argument("--hf-batch-output", type=int, default=64)
@@ -317,7 +321,7 @@ def main(argv=None) -> int:
           flush=True)
     if args.hf:
         bench_hf(args, res, Path(src.path), workloads, concs, device)
-    for fmt in args.formats.split(","):
+    for fmt in [f for f in args.formats.split(",") if f]:
         bench_kvq(args, res, model, fmt, workloads, concs, bw, weight_bytes)
     print(f"wrote {args.out}")
     return 0

@@ -4,6 +4,8 @@
 # FlashInfer's environment, then run the target.
 #   bash scripts/gpu.sh test            # kernel tests on CUDA (what `make gpu-test` runs)
 #   bash scripts/gpu.sh bench-kernels   # decode/write benchmark vs FlashInfer and SDPA
+#   bash scripts/gpu.sh bench-engine    # end-to-end generation vs HF transformers (see benchmarks/README.md)
+#   bash scripts/gpu.sh bench-server    # load test of kvq serve
 #   bash scripts/gpu.sh probe           # quick decode timing probe
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,9 +18,11 @@ export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfe
   TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
 target="${1:-test}"; shift || true
 case "$target" in
-  test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py \
+  test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py \
           tests/test_formats_spec.py "$@" ;;
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
+  bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
+  bench-server) python3 benchmarks/bench_server.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
-  *) echo "unknown target $target (test, bench-kernels, probe)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, bench-kernels, bench-engine, bench-server, probe)" >&2; exit 2 ;;
 esac

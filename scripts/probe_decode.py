@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="2")
     ap.add_argument("--gpad", default="0", help="query rows padded to (0: auto)")
+    ap.add_argument("--has-hp", action="store_true", help="compile the hp path in (the engine's KIVI case)")
     ap.add_argument("--cuda", action="store_true", help="also time the CUDA 8-bit decode (decode8.cu)")
 
     args = ap.parse_args()
@@ -83,7 +84,7 @@ def main():
 
         for bn, sp, nw, ns, gp in itertools.product(*(map(int, a.split(",")) for a in (
                 args.block_n, args.splits, args.warps, args.stages, args.gpad))):
-            kw = dict(max_seq_len=L, has_hp=False, block_n=bn, num_splits=sp or None, num_warps=nw, num_stages=ns,
+            kw = dict(max_seq_len=L, has_hp=args.has_hp, block_n=bn, num_splits=sp or None, num_warps=nw, num_stages=ns,
                       g_pad=gp or None)
             try:
                 t = bench(lambda: paged_decode(q, layer, tables, lens, D ** -0.5, **kw))

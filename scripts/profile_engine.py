@@ -36,6 +36,8 @@ def main():
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--host", action="store_true", help="also cProfile the host side")
+    ap.add_argument("--rows", type=int, default=12)
     args = ap.parse_args()
     concs = [int(c) for c in args.concurrency.split(",")]
     eng = LLMEngine(EngineConfig(model=args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype,
@@ -58,7 +60,14 @@ def main():
         dev = sum(e.self_device_time_total for e in prof.key_averages()) / args.steps / 1e3
         print(f"\n=== {args.kv_cache_dtype} c={c}: wall {wall * 1e3:.2f} ms/step, device kernels {dev:.2f} ms/step, "
               f"graph steps {eng.runner.graph_steps}")
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.rows]
+        for e in rows:
+            print(f"  {e.self_device_time_total / args.steps / 1e3:7.3f} ms/step  {e.count / args.steps:6.1f} calls/step"
+                  f"  {e.key[:70]}")
+        if not args.host:
+            while eng.has_unfinished():
+                eng.step()
+            continue
         pr = cProfile.Profile()
         pr.enable()
         decode_steps(eng, args.steps)

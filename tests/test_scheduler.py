@@ -500,3 +500,24 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def test_discard_inflight_after_a_failed_forward():
+    bm = BlockManager(16, 0, WindowPolicy(block_size=4))
+    sched = Scheduler(SchedulerConfig(max_model_len=32, block_size=4), bm)
+    sched.add(Sequence(1, [1, 2, 3, 4, 1], SamplingParams(max_tokens=3)))
+    sched.add(Sequence(2, [2, 2, 2], SamplingParams(max_tokens=3)))
+    out = sched.schedule()
+    assert len(out.scheduled) == 2
+    with pytest.raises(RuntimeError, match="still running"):
+        sched.discard_inflight()  # the forward failed, but nobody finished the sequences yet
+    with pytest.raises(RuntimeError, match="before update"):
+        sched.schedule()
+    sched.abort(1)
+    sched.abort(2)
+    sched.discard_inflight()
+    sched.check_integrity()
+    bm.check_integrity()
+    assert bm.num_free_blocks("q") == 16 and not sched.has_unfinished()
+    sched.add(Sequence(3, [3, 3], SamplingParams(max_tokens=1)))
+    assert [s.seq_id for s in sched.schedule().scheduled] == [3]  # the scheduler works on

@@ -108,7 +108,7 @@ def to_device(step: HostStep, block_size: int, device: torch.device | str) -> St
     for k in num_new:
         cu.append(cu[-1] + k)
     width = max((len(t) for t in tables), default=0)
-    has_hp = any(e < 0 for t in tables for e in t)
+    has_hp = any(t and min(t) < 0 for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
     pin = torch.device(device).type == "cuda"
 

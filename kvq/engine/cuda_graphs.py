@@ -99,9 +99,9 @@ class DecodeGraphs:
         g = self.sizes[bisect.bisect_left(self.sizes, b)]
         pad = g - b
         w = max(len(t) for t in step.tables)
-        table = torch.full((g, w), self.null_block, dtype=torch.int32)
-        for i, row in enumerate(step.tables):
-            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        nb = self.null_block
+        flat = [e for row in step.tables for e in (row + [nb] * (w - len(row)) if len(row) < w else row)]
+        table = torch.tensor(flat + [nb] * (pad * w), dtype=torch.int32).view(g, w)
         longs = torch.tensor([ids + [0] * pad, positions + [0] * pad, step.slots + [self.null_slot] * pad],
                              dtype=torch.int64)
         lens = torch.tensor(step.seq_lens + [1] * pad, dtype=torch.int32)

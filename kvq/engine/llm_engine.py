@@ -244,6 +244,12 @@ class LLMEngine:
 
     def abort(self, request_id: int) -> None:
         self.scheduler.abort(request_id)
+        self._forget(request_id)
+
+    def _forget(self, request_id: int) -> None:
+        """Drop a finished request's text and logprobs (a long-running server must not keep them)."""
+        for d in (self._prompts, self._texts, self._logprobs):
+            d.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -279,6 +285,8 @@ class LLMEngine:
                 self._logprobs.setdefault(sid, []).append(lp_rows[sid])
             self._check_stop_strings(seq)
             outputs.append(self._output(seq))
+            if seq.is_finished:
+                self._forget(sid)
         return outputs
 
     def _check_stop_strings(self, seq: Sequence) -> None:

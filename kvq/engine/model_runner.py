@@ -27,7 +27,7 @@ class ModelRunner:
         seq_ids, starts, nums, logits_rows, sample_ids = [], [], [], [], []
         for item in sched.scheduled:
             seq = seqs[item.seq_id]
-            tokens = seq.all_token_ids[item.start:item.start + item.num_new_tokens]
+            tokens = seq.token_ids(item.start, item.start + item.num_new_tokens)
             assert len(tokens) == item.num_new_tokens, (item, seq.num_tokens)
             ids += tokens
             positions += range(item.start, item.start + item.num_new_tokens)

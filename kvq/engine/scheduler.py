@@ -213,6 +213,17 @@ class Scheduler:
         """Finish with reason "abort" (see :meth:`finish`)."""
         return self.finish(seq_id, "abort")
 
+    def discard_inflight(self) -> None:
+        """Forget the step :meth:`schedule` started when its forward failed and :meth:`update`
+        will never come.  Every sequence of that step must be finished first (e.g. aborted):
+        their blocks are already free and whatever the step half-wrote is never read."""
+        if self._inflight is None:
+            return
+        live = [s.seq_id for s in self._inflight.scheduled if self._inflight_seqs[s.seq_id].is_running]
+        if live:
+            raise RuntimeError(f"sequences {live} of the in-flight step are still running: finish them first")
+        self._inflight, self._inflight_seqs = None, {}
+
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (policy: module docstring). Empty output when nothing can run."""

@@ -25,7 +25,6 @@ preempted request produces the same tokens it would have without preemption.
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from collections.abc import Sequence as _Seq
 from typing import Literal
@@ -63,6 +62,7 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.token_times: list[float] = []  # one wall time per output token, when it was appended
+        self._itls: list[float] = []  # gaps between consecutive token_times
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that matched
         self.num_preemptions = 0
@@ -72,6 +72,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         """Prompt then outputs (a new list): the effective prompt after a preemption."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a decode reads one)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +110,8 @@ class Sequence:
     def append_token(self, token_id: int, now: float) -> None:
         """Record a sampled token and when it arrived."""
         self.output_token_ids.append(token_id)
+        if self.token_times:
+            self._itls.append(now - self.token_times[-1])
         self.token_times.append(now)
         if self.first_token_time is None:
             self.first_token_time = now
@@ -111,8 +122,9 @@ class Sequence:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     def itls(self) -> list[float]:
-        """Inter-token latencies: the gaps between consecutive output tokens."""
-        return [b - a for a, b in itertools.pairwise(self.token_times)]
+        """Inter-token latencies: the gaps between consecutive output tokens (kept as tokens
+        arrive; the list itself is returned, so callers must not modify it)."""
+        return self._itls
 
     def tpot(self) -> float | None:
         """Mean time per output token after the first, or None with fewer than two tokens."""

@@ -321,9 +321,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
             self._live.clear()
             sched = self.engine.scheduler
-            inflight = getattr(sched, "_inflight", None)  # the step schedule() started; see the module doc
-            if inflight is not None:
-                sched.update(inflight, {})  # every sequence of it is finished now: this only clears it
+            sched.discard_inflight()  # the step schedule() started; its sequences are all aborted now
             sched.check_integrity()
             self.engine.block_manager.check_integrity()
             self.num_recoveries += 1

@@ -137,7 +137,11 @@ def load_tile(
     elif FMT == BLOCK_SCALE:
         scale = tl.load(scale_ptr + qb * s_sb + head * s_sh).to(tl.float32)
     elif FMT == KIVI_K:
-        if N % GROUP == 0:  # tile rows come in whole groups: load each group's scale row once
+        if N == GROUP:  # one group per tile: one scale row and one zero row, broadcast over the rows
+            srow0 = tl.max(qb, axis=0) * s_sb + head * s_sh + (tl.min(off, axis=0) // GROUP) * s_st
+            sc = tl.load(scale_ptr + srow0 + chan).to(tl.float32)[None, :]
+            zr = tl.load(zero_ptr + srow0 + chan).to(tl.float32)[None, :]
+        elif N % GROUP == 0:  # tile rows come in whole groups: load each group's scale row once
             NG: tl.constexpr = N // GROUP
             qb_g = tl.max(tl.reshape(qb, (NG, GROUP)), axis=1)
             off_g = tl.min(tl.reshape(off, (NG, GROUP)), axis=1)
@@ -159,9 +163,12 @@ def load_tile(
     else:
         raw = raw.to(DOT)
     if HAS_HP:
-        hb = tl.where(is_hp, -bid - 1, 0).to(tl.int64)
-        hrow = hb * s_hb + head * s_hh + off.to(tl.int64) * s_ht
-        xh = tl.load(hp_ptr + hrow[:, None] + chan[None, :]).to(DOT)
-        raw = tl.where(is_hp[:, None], xh, raw)
-        scale = tl.where(is_hp, 1.0, scale)
+        # sinks and the recent window are a few tiles at the ends of a table: a tile with no
+        # hp row (the common case) skips the hp load
+        if tl.min(bid, axis=0) < 0:
+            hb = tl.where(is_hp, -bid - 1, 0).to(tl.int64)
+            hrow = hb * s_hb + head * s_hh + off.to(tl.int64) * s_ht
+            xh = tl.load(hp_ptr + hrow[:, None] + chan[None, :]).to(DOT)
+            raw = tl.where(is_hp[:, None], xh, raw)
+            scale = tl.where(is_hp, 1.0, scale)
     return raw, scale
