@@ -25,9 +25,21 @@ test: install-test
 	$(PY) -m pytest -q
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test bench-kernels
+.PHONY: gpu-test bench-kernels bench-engine bench-server
 gpu-test:
 	bash scripts/gpu.sh test
 
 bench-kernels:
 	bash scripts/gpu.sh bench-kernels
+
+bench-engine:
+	bash scripts/gpu.sh bench-engine --formats bfloat16,fp8_e4m3 --hf
+	bash scripts/gpu.sh bench-engine --formats bfloat16,fp8_e4m3 --workloads 7936x256 --concurrency 64
+	bash scripts/gpu.sh bench-engine --formats int8_per_token_head,int4_kivi --concurrency 1,64
+	bash scripts/gpu.sh bench-engine --formats "" --hf --hf-eager --hf-concurrency 1 --workloads 1024x256
+
+bench-server:
+	bash scripts/gpu.sh bench-server --spawn --num-requests 256 --concurrency 64 --input-len 512 --output-len 128 \
+	  --disconnect-fraction 0.1 --time-limit 90 --label "H200, dummy Llama-3-8B, fp8_e4m3 KV" \
+	  --out docs/results/server_llama-3-8b_fp8_e4m3_h200.json -- --model llama-3-8b --load-format dummy \
+	  --kv-cache-dtype fp8_e4m3 --max-num-seqs 64 --max-model-len 4096 --gpu-memory-utilization 0.85
