@@ -17,8 +17,7 @@ install-test: install
 # The main job on the embedded default model.
 demo: install
 	$(PY) -m kvq.cli formats --model default
-	$(PY) -m kvq.cli plan --model default --kv-cache-dtype fp8_e4m3 --memory 1GiB
-	$(PY) -m kvq.cli plan --model default --kv-cache-dtype int4_kivi --memory 1GiB
+	$(PY) -m kvq.cli eval --model default --out kvq-eval
 
 # The test suite (what CI runs).
 test: install-test
