@@ -184,6 +184,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory kvq may use")
     g.add_argument("--load-format", default="auto", help="auto (weights from disk) or dummy (random, real shapes)")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -197,6 +198,7 @@ def engine_config_from_args(args: argparse.Namespace):
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
 
 
