@@ -32,7 +32,6 @@ import argparse
 import datetime as _dt
 import gc
 import json
-import os
 import platform
 import statistics
 import sys

@@ -172,11 +172,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 # -- kvq generate --------------------------------------------------------------------------------
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
+def add_device_args(g) -> None:
+    """--attention-backend, --device, --dtype: shared by every command that builds an engine."""
     g.add_argument("--attention-backend", default="auto", help="auto, triton or torch (see docs/kernels.md)")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     g.add_argument("--dtype", default="auto", help="model compute dtype: auto, bfloat16, float16, float32")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    add_device_args(g)
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)")

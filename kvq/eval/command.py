@@ -46,7 +46,7 @@ def default_formats() -> tuple[str, ...]:
 
 
 def register(sub) -> None:
-    from kvq.cli import add_model_args
+    from kvq.cli import add_device_args, add_model_args
 
     p = sub.add_parser("eval", help="quality and capacity of KV formats per context-length bin",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,9 +72,7 @@ def register(sub) -> None:
     t.add_argument("--min-top1", type=float, default=0.90, help="top-1 agreement (default 0.90)")
     t.add_argument("--max-passkey-drop", type=float, default=0.20, help="passkey accuracy drop (default 0.20)")
     e = p.add_argument_group("engine")
-    e.add_argument("--attention-backend", default="auto", help="auto, triton or torch")
-    e.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
-    e.add_argument("--dtype", default="auto", help="compute dtype: auto, bfloat16, float16, float32")
+    add_device_args(e)
     e.add_argument("--block-size", type=int, default=None, help="cache block size (default: each format's)")
     e.add_argument("--seed", type=int, default=0, help="seed of the passkey keys and names")
     e.add_argument("--threads", type=int, default=1,
