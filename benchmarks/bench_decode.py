@@ -499,6 +499,18 @@ def finish(row: dict, t: dict, copy_gbps) -> dict:
     return row
 
 
+def kvq_impls(layer, group: int) -> dict:
+    """kvq's decode kernels that serve this layer: name -> paged_decode."""
+    impls = {"kvq-triton": tri_decode.paged_decode}
+    try:
+        from kvq.attention.cuda import decode8
+    except ImportError:
+        return impls
+    if decode8.unavailable_reason() is None and decode8.unsupported_reason(layer, group, torch.bfloat16) is None:
+        impls["kvq-cuda"] = decode8.paged_decode
+    return impls
+
+
 def run_kvq_format(fmt_name, shapes, smallest, cfg, device, timer, res, copy_gbps) -> None:
     bs = block_size_for(fmt_name, cfg)
     nq = blocks_needed(shapes, bs)
@@ -506,38 +518,39 @@ def run_kvq_format(fmt_name, shapes, smallest, cfg, device, timer, res, copy_gbp
     plan, pool, layer, bs = build_filled_pool(fmt_name, cfg, nq, device)
     log(f"  {fmt_name}: pool of {nq} blocks (bs={bs}) filled in {time.perf_counter() - t_fill:.1f}s")
     sm_scale = 1.0 / math.sqrt(cfg.d)
-    for B, L in shapes:
-        nblocks, kv_bytes = kv_bytes_of(plan, B, L, cfg, bs)
-        row = decode_row("kvq-triton", fmt_name, B, L, cfg, bs, B * cfg.hq * cfg.d * 2, kv_bytes, nblocks)
-        try:
-            tables, lens = make_tables(B, L, bs, nq, device)
-            q = make_q(B, L, cfg, device)
+    for impl, decode in kvq_impls(layer, cfg.hq // cfg.hkv).items():
+        for B, L in shapes:
+            nblocks, kv_bytes = kv_bytes_of(plan, B, L, cfg, bs)
+            row = decode_row(impl, fmt_name, B, L, cfg, bs, B * cfg.hq * cfg.d * 2, kv_bytes, nblocks)
+            try:
+                tables, lens = make_tables(B, L, bs, nq, device)
+                q = make_q(B, L, cfg, device)
 
-            def fn():
-                return tri_decode.paged_decode(q, layer, tables, lens, sm_scale, max_seq_len=L, has_hp=False)
+                def fn():
+                    return decode(q, layer, tables, lens, sm_scale, max_seq_len=L, has_hp=False)
 
-            t_first = time.perf_counter()
-            out = fn()
-            timer.sync()
-            row["first_call_s"] = time.perf_counter() - t_first
-            rows = check_rows(B)
-            row["check"] = {"rows": rows, **compare(out[rows], reference_rows(q, layer, tables, lens, rows, sm_scale))}
-            if (B, L) == smallest:
-                plens = partial_lens(L)
-                idx = torch.tensor(rows[:1] * 2 if len(rows) == 1 else rows, device=device)
-                pl = torch.tensor(plens, dtype=torch.int32, device=device)
-                po = tri_decode.paged_decode(q[idx], layer, tables[idx], pl, sm_scale, max_seq_len=max(plens),
-                                             has_hp=False)
-                pr = ref_attn.paged_decode(q[idx].float(), layer, tables[idx], pl, sm_scale)
-                row["check_partial"] = {"lens": plens, **compare(po, pr)}
-            del out
-            finish(row, timer(fn, cfg.iters, cfg.warmup), copy_gbps)
-            log(f"  kvq {fmt_name:20s} {B}x{L}: {row['us']:8.1f} us {row['GBps']:7.0f} GB/s "
-                f"({row['pct_copy'] or 0:.0f}% copy) err {row['check']['rel_l2']:.1e}")
-        except Exception as e:
-            row["error"] = err_str(e)
-            log(f"  kvq {fmt_name} {B}x{L} FAILED: {row['error']}")
-        res.add("decode", row)
+                t_first = time.perf_counter()
+                out = fn()
+                timer.sync()
+                row["first_call_s"] = time.perf_counter() - t_first
+                rows = check_rows(B)
+                ref = reference_rows(q, layer, tables, lens, rows, sm_scale)
+                row["check"] = {"rows": rows, **compare(out[rows], ref)}
+                if (B, L) == smallest:
+                    plens = partial_lens(L)
+                    idx = torch.tensor(rows[:1] * 2 if len(rows) == 1 else rows, device=device)
+                    pl = torch.tensor(plens, dtype=torch.int32, device=device)
+                    po = decode(q[idx], layer, tables[idx], pl, sm_scale, max_seq_len=max(plens), has_hp=False)
+                    pr = ref_attn.paged_decode(q[idx].float(), layer, tables[idx], pl, sm_scale)
+                    row["check_partial"] = {"lens": plens, **compare(po, pr)}
+                del out
+                finish(row, timer(fn, cfg.iters, cfg.warmup), copy_gbps)
+                log(f"  {impl} {fmt_name:20s} {B}x{L}: {row['us']:8.1f} us {row['GBps']:7.0f} GB/s "
+                    f"({row['pct_copy'] or 0:.0f}% copy) err {row['check']['rel_l2']:.1e}")
+            except Exception as e:
+                row["error"] = err_str(e)
+                log(f"  {impl} {fmt_name} {B}x{L} FAILED: {row['error']}")
+            res.add("decode", row)
     del pool, layer
     free(device)
 

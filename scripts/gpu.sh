@@ -18,7 +18,7 @@ export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfe
   TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
 target="${1:-test}"; shift || true
 case "$target" in
-  test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py \
+  test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
           tests/test_formats_spec.py "$@" ;;
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;

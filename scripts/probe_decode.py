@@ -5,6 +5,7 @@ with L2 flushed and CUDA events, to steer kernel work.  Prints one line per case
 """
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -43,6 +44,10 @@ def main():
     ap.add_argument("--gpad", default="0", help="query rows padded to (0: auto)")
     ap.add_argument("--has-hp", action="store_true", help="compile the hp path in (the engine's KIVI case)")
     ap.add_argument("--cuda", action="store_true", help="also time the CUDA 8-bit decode (decode8.cu)")
+    ap.add_argument("--cuda-warps", default="4", help="CUDA kernel: warps per CTA")
+    ap.add_argument("--cuda-stages", default="3", help="CUDA kernel: pipeline stages per warp")
+    ap.add_argument("--cuda-min-blocks", default="3", help="CUDA kernel: CTAs per SM the registers allow")
+    ap.add_argument("--triton", default="1", help="0: skip the Triton sweep")
 
     args = ap.parse_args()
     B, L, H, Hq, D = args.B, args.L, 8, 32, 128
@@ -80,10 +85,9 @@ def main():
                              g_pad=gp or None)
             errs.append(((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item())
         err = max(errs)
-        import itertools
-
-        for bn, sp, nw, ns, gp in itertools.product(*(map(int, a.split(",")) for a in (
-                args.block_n, args.splits, args.warps, args.stages, args.gpad))):
+        combos = itertools.product(*(map(int, a.split(",")) for a in (
+            args.block_n, args.splits, args.warps, args.stages, args.gpad)))
+        for bn, sp, nw, ns, gp in ([] if args.triton == "0" else combos):
             kw = dict(max_seq_len=L, has_hp=args.has_hp, block_n=bn, num_splits=sp or None, num_warps=nw, num_stages=ns,
                       g_pad=gp or None)
             try:
@@ -96,23 +100,23 @@ def main():
         if args.cuda:
             from kvq.attention.cuda import decode8
 
-            why = decode8.unsupported_reason(layer, Hq // H, False)
+            why = decode8.unsupported_reason(layer, Hq // H, q.dtype)
             if why:
                 print(f"{fmt:20s} cuda: {why}", flush=True)
             else:
-                oc = decode8.paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5, max_seq_len=L)
-                cerr = ((oc.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
-                for mb in (2, 3):
-                    t = bench(lambda: decode8.paged_decode(q, layer, tables, lens, D ** -0.5, max_seq_len=L,
-                                                           min_blocks=mb))
-                    print(f"{fmt:20s} CUDA decode8 min_blocks={mb}: {t:7.1f} us  {total / t / 1e3:6.0f} GB/s  "
-                          f"err {cerr:.1e}", flush=True)
-                # odd lengths and a short sequence, against the reference
-                lens2 = torch.tensor([L - 5, 37], dtype=torch.int32, device="cuda")
-                o2r = reference.paged_decode(q[:2], layer, tables[:2], lens2, D ** -0.5)
-                o2 = decode8.paged_decode(q[:2], layer, tables[:2], lens2, D ** -0.5, max_seq_len=L)
-                print(f"{fmt:20s} CUDA decode8 odd lengths err "
-                      f"{((o2.float() - o2r.float()).norm() / o2r.float().norm()).item():.1e}", flush=True)
+                for nw, ns, mb, sp in itertools.product(*(map(int, a.split(",")) for a in (
+                        args.cuda_warps, args.cuda_stages, args.cuda_min_blocks, args.splits))):
+                    kw = dict(max_seq_len=L, has_hp=args.has_hp, nwarps=nw, nstages=ns, min_blocks=mb,
+                              num_splits=sp or None)
+                    try:
+                        oc = decode8.paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5, **kw)
+                        cerr = ((oc.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+                        t = bench(lambda: decode8.paged_decode(q, layer, tables, lens, D ** -0.5, **kw))
+                    except Exception as e:
+                        print(f"{fmt:20s} CUDA w={nw} s={ns} mb={mb} splits={sp}: failed {e}", flush=True)
+                        continue
+                    print(f"{fmt:20s} CUDA w={nw} s={ns} mb={mb} splits={sp or 'auto':>4}: {t:7.1f} us  "
+                          f"{total / t / 1e3:6.0f} GB/s  err {cerr:.1e}", flush=True)
         del pool, layer
         torch.cuda.empty_cache()
 

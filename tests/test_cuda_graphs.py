@@ -85,6 +85,10 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
     eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", kv_cache_dtype=fmt,
                                  kv_cache_memory="256MiB", max_num_seqs=16, progress=False))
     graphs = eng.runner.graphs
+    from kvq.attention.cuda import decode8
+
+    if fmt == "fp8_e4m3" and decode8.unavailable_reason() is None:  # the CUDA 8-bit decode is captured too
+        assert eng.backend_choice.resolved == "cuda", eng.backend_choice
     assert graphs is not None and eng.info["cuda_graphs"]["batch_sizes"] == capture_sizes(16)
     g = torch.Generator().manual_seed(1)
     for n in (3, 40, 150, 300, 17):  # 5 sequences: replays the graph of 8 with 3 padding rows

@@ -152,7 +152,7 @@ def test_backend_selection_is_explicit():
         select_backend("triton", plan, DEV, torch.bfloat16)
     _, choice = select_backend("auto", plan, DEV, torch.bfloat16)
     assert choice.resolved == "torch" and "reference implementation" in choice.reason
-    with pytest.raises(ValueError, match="valid: auto, triton, torch"):
+    with pytest.raises(ValueError, match="valid: auto, cuda, triton, torch"):
         select_backend("flashattn", plan, DEV, torch.bfloat16)
     plan = make_plan(bare_model(1, 2, 64), "fp8")
     with pytest.raises(ValueError, match="bfloat16 or float16"):

@@ -87,9 +87,63 @@ def _load_triton():
     return kernels
 
 
+def _cuda_layers(plan: CachePlan, dtype: torch.dtype) -> tuple[list[int], str | None]:
+    """Layers whose decode the CUDA 8-bit kernel serves, and why the first other one is not."""
+    from kvq.attention.cuda import decode8
+
+    m = plan.model
+    group = m.num_attention_heads // m.num_kv_heads
+    served, why_not = [], None
+    for i, f in enumerate(plan.layers):
+        why = decode8.format_reason(f.k) or decode8.format_reason(f.v)
+        if why is None and m.head_dim not in decode8.HEAD_DIMS:
+            why = f"head_dim {m.head_dim} not in {decode8.HEAD_DIMS}"
+        if why is None and plan.block_size % 16:
+            why = f"block size {plan.block_size} is not a multiple of 16"
+        if why is None and group > decode8.MAX_GROUP:
+            why = f"{group} query heads per KV head (at most {decode8.MAX_GROUP})"
+        if why is None:
+            served.append(i)
+        elif why_not is None:
+            why_not = f"layer {i}: {why}"
+    return served, why_not
+
+
+def _cuda_check(plan: CachePlan, device: torch.device, dtype: torch.dtype) -> str | None:
+    why = _triton_check(plan, device, dtype)
+    if why is not None:
+        return why
+    from kvq.attention.cuda import decode8
+
+    why = decode8.unavailable_reason()
+    if why is not None:
+        return why
+    served, why_not = _cuda_layers(plan, dtype)
+    if not served:
+        return f"no layer is stored in a format the CUDA 8-bit decode reads ({why_not})"
+    return None
+
+
+def _load_cuda():
+    from kvq.attention.cuda import kernels
+
+    return kernels
+
+
+def describe_cuda(plan: CachePlan, dtype: torch.dtype) -> str:
+    """Which layers decode through CUDA and which through Triton (engine start line, records)."""
+    served, why_not = _cuda_layers(plan, dtype)
+    n = len(plan.layers)
+    if len(served) == n:
+        return f"CUDA 8-bit decode on all {n} layers"
+    return f"CUDA 8-bit decode on {len(served)} of {n} layers, Triton on the rest ({why_not})"
+
+
 _BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
     for b in (
+        AttentionBackend("cuda", "CUDA 8-bit decode (mma.sync, cp.async pipeline) where a layer is stored "
+                         "in 8 bits; Triton for prefill, writes and other layers", _cuda_check, _load_cuda),
         AttentionBackend("triton", "Triton kernels: fused dequant paged decode/prefill, quantize-on-store",
                          _triton_check, _load_triton),
         AttentionBackend("torch", "plain-torch reference (every format, every device; slow)", _torch_check,
@@ -97,7 +151,7 @@ _BACKENDS: dict[str, AttentionBackend] = {
     )
 }
 #: Preference order for ``auto``.
-AUTO_ORDER = ("triton", "torch")
+AUTO_ORDER = ("cuda", "triton", "torch")
 
 
 def backend_names() -> list[str]:
@@ -121,6 +175,8 @@ def select_backend(
             why = _BACKENDS[cand].unsupported_reason(plan, device, dtype)
             if why is None:
                 reason = f"auto: {cand} serves {plan.layers[0].name} on {device.type}"
+                if cand == "cuda":
+                    reason += f": {describe_cuda(plan, dtype)}"
                 if passed:
                     reason += " (" + "; ".join(passed) + ")"
                 return _BACKENDS[cand], BackendChoice("auto", cand, reason)
@@ -130,4 +186,5 @@ def select_backend(
     why = backend.unsupported_reason(plan, device, dtype)
     if why is not None:
         raise ValueError(f"attention backend {name!r} cannot serve this request: {why}")
-    return backend, BackendChoice(name, name, "requested explicitly")
+    reason = "requested explicitly" + (f": {describe_cuda(plan, dtype)}" if name == "cuda" else "")
+    return backend, BackendChoice(name, name, reason)

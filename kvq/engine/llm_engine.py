@@ -137,7 +137,8 @@ class LLMEngine:
         if num_q < 1:
             raise ValueError(f"KV memory {memory} bytes is too small for this plan (needs "
                              f"{num_hp * self.plan.hp_bytes_per_block + self.plan.bytes_per_block} bytes at least)")
-        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and self.backend_choice.resolved == "triton"
+        use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager
+                      and self.backend_choice.resolved in ("triton", "cuda"))
         # CUDA graphs pad batches with rows that write to a null block outside the manager's range
         self.pool = KVPool.create(self.plan, int(num_q) + int(use_graphs), num_hp, self.device)
         self.block_manager = BlockManager(int(num_q), num_hp, self.plan.window_policy, cfg.enable_prefix_caching)

@@ -1,233 +1,477 @@
-// Paged decode attention over 8-bit K/V (FP8 e4m3 / e5m2, INT8), CUDA, mma.sync.
+// Paged split-K decode attention over 8-bit K/V (FP8 e4m3 / e5m2, INT8), CUDA, mma.sync.
 //
-// Compiled at run time (NVRTC) with these macros set by decode8.py:
-//   HEAD_DIM (128), PAGE (multiple of 16), GROUP (query heads per KV head, <= 8),
-//   K_KIND / V_KIND  (0 = e4m3, 1 = e5m2, 2 = int8),
-//   K_SCALE / V_SCALE (0 = static per head fp32 [H], 1 = per token fp32 [NB,H,PAGE],
-//                      2 = per token fp16 [NB,H,PAGE], 3 = per block fp32 [NB,H])
+// Compiled at run time (NVRTC) with these macros, set by decode8.py:
+//   HEAD_DIM     64, 128 or 256
+//   PAGE         tokens per cache block, a multiple of 16
+//   GROUP        query heads per KV head, 1..8
+//   K_KIND, V_KIND     0 = e4m3, 1 = e5m2, 2 = int8
+//   K_SCALE, V_SCALE   0 = static per head f32 [H], 1 = per token f32 [NB, H, PAGE],
+//                      2 = per token f16 [NB, H, PAGE], 3 = per block f32 [NB, H]
+//   HAS_HP       1: tables may hold high-precision blocks (sinks, recent window)
+//   MODEL_BF16   1: queries, outputs and hp blocks are bf16; 0: f16
+//   NWARPS, NSTAGES, MIN_BLOCKS   launch shape
 //
-// One CTA of 4 warps per (split, KV head, sequence); each warp walks its own
-// 16-token tiles of the split and writes its own partial (out, lse), so the
-// split-K reduce merges 4 * num_splits partials per query row.
+// Grid (split, KV head, sequence).  Each CTA takes one split of the sequence's
+// 16-token chunks; warp w takes chunks w, w + NWARPS, ... of it, keeps its own
+// online softmax, and the CTA merges its warps at the end into one partial
+// (out, lse) per query row, or into the output itself when there is one split.
 //
-// Tensor-core layout (m16n8k16, f16 in, f32 accumulate), lane l: g = l / 4, c = l % 4.
-// Queries are the 16 A rows (GROUP real, the rest zero).  K and V are converted
-// from 8 bits to f16 in registers, straight into the B fragments, by choosing the
-// channel order of each k-step so that every lane reads contiguous bytes:
-//   QK, k-step j, fragment slot s (0..3) of lane (g, c)  <->  channel 32c + 4j + s,
-//     lane (g, c) reads 32 bytes of token g of each 8-token half tile;
-//   PV, n8-tile i, column g  <->  channel 16g + i,
-//     lane (g, c) reads 16 bytes [16g, 16g+16) of tokens 2c, 2c+1, 2c+8, 2c+9.
-// Q is loaded in the QK order and outputs are stored through the PV order.
+// Memory path: each warp streams its chunks through a private ring of NSTAGES
+// shared-memory stages with cp.async (16-byte copies, no registers held by loads
+// in flight); rows are padded to D + 16 bytes so that the fragment reads below
+// are free of bank conflicts.
+//
+// Tensor-core layout (mma m16n8k16, f16 in, f32 accumulate), lane l: i = l / 4,
+// c = l % 4.  Both products are transposed so that the 16-row A operand is the
+// long side (tokens for QK, channels for PV) and the query group sits in the
+// 8 columns of N:
+//
+//   S^T [16 tok, 8 q]  = K  [16 tok, D] . Q^T [D, 8 q]      A = K rows,  B = Q
+//   O^T [D, 8 q]      += V^T [D, 16 tok] . P^T [16 tok, 8 q] A = V^T,    B = P^T
+//
+// Channel orders are chosen so that every lane reads contiguous bytes and no
+// data is shuffled:
+//   QK, k-step j, A column / B row {2c, 2c+1, 2c+8, 2c+9}  <->  channel QB*c + 4j + {0,1,2,3}
+//      (QB = D/4: lane (i, c) reads bytes [QB*c, QB*c + QB) of tokens i and i + 8);
+//   PV, m-tile j, A row i / i + 8  <->  channel VB*i + 2j / VB*i + 2j + 1
+//      (VB = D/8: lane (i, c) reads bytes [VB*i, VB*i + VB) of tokens 2c, 2c+1, 2c+8, 2c+9).
+// The S^T accumulator (tokens i, i+8 x queries 2c, 2c+1 per lane) becomes the
+// P^T B fragment (tokens 2c.., query i) with one movmatrix transpose per 8x8 half.
+// Per-token K scales multiply S rows, per-token V scales multiply P rows: both
+// are the lane's own tokens i and i + 8.
 
+#ifndef HAS_HP
+#define HAS_HP 0
+#endif
+#ifndef MODEL_BF16
+#define MODEL_BF16 1
+#endif
+#ifndef NWARPS
+#define NWARPS 4
+#endif
+#ifndef NSTAGES
+#define NSTAGES 3
+#endif
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS 2  // CTAs per SM the register allocation must allow (3 spills a little)
+#define MIN_BLOCKS 3
 #endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+typedef unsigned char u8;
+typedef long long i64;
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-__device__ __forceinline__ u32 pack_half2(float lo, float hi) {
-    u32 r;
-    asm("{ .reg .f16 a, b;\n cvt.rn.f16.f32 a, %1;\n cvt.rn.f16.f32 b, %2;\n mov.b32 %0, {a, b}; }"
-        : "=r"(r) : "f"(lo), "f"(hi));
+constexpr int D = HEAD_DIM;
+constexpr int KS = D / 16;               // QK k-steps = PV m-tiles
+constexpr int QB = D / 4;                // bytes of an 8-bit K row that one lane reads
+constexpr int VB = D / 8;                // bytes of an 8-bit V row that one lane reads
+constexpr int RS = D + 16;               // shared row stride, 8-bit rows
+constexpr int RSH = 2 * D + 16;          // shared row stride, high-precision rows
+constexpr int KV_BYTES = HAS_HP ? 32 * RSH : 32 * RS;  // 16 K rows, then 16 V rows
+constexpr int SC_OFF = KV_BYTES;         // K scales (64 bytes), V scales (64 bytes)
+constexpr int BLK_OFF = KV_BYTES + 128;  // the chunk's signed block id
+constexpr int STAGE = KV_BYTES + 144;
+static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
+static_assert(PAGE % 16 == 0, "pages hold whole 16-token chunks");
+static_assert(GROUP >= 1 && GROUP <= 8, "at most 8 query heads per KV head");
+static_assert(NSTAGES >= 2, "at least one chunk in flight while one is computed");
+static_assert(NWARPS * NSTAGES * STAGE >= NWARPS * 8 * (D + 2) * 4, "the merge reuses the rings");
+
+// ---- small PTX wrappers -----------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+__device__ __forceinline__ float ex2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
     return r;
 }
-
-// two 8-bit codes (low byte first, in the low 16 bits of x) -> f16x2
-template <int KIND>
-__device__ __forceinline__ u32 cvt2(u32 x) {
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
     u32 r;
-    if (KIND == 0) {
-        asm("{ .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(r) : "r"(x));
-    } else if (KIND == 1) {
-        asm("{ .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e5m2x2 %0, t; }" : "=r"(r) : "r"(x));
-    } else {
-        // int8 pair -> f16x2 exactly: put (code ^ 0x80) in the mantissa of 1024.0 and subtract 1152
-        u32 t = __byte_perm(x, 0x64646464u, 0x5140) ^ 0x00800080u;  // bytes b0,0x64,b1,0x64
-        asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(t), "r"(0x64806480u));
-    }
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-
-__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float half_to_float(u16 h) {
+    float f;
+    asm("{ .reg .f16 t;\n mov.b16 t, %1;\n cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 float_to_model(float x) {
+    u16 r;
+#if MODEL_BF16
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+#endif
+    return r;
+}
+__device__ __forceinline__ u32 trans8x8(u32 x) {  // 8x8 b16 matrix fragment, transposed
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+__device__ __forceinline__ void mma_f16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_hp(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if MODEL_BF16
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    mma_f16(d, a0, a1, a2, a3, b0, b1);
+#endif
 }
 
-__device__ __forceinline__ uint4 ldg16(const unsigned char* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
+// Four 8-bit codes (bytes 0..3 of x) -> f16x2 (byte 0, byte 1) and (byte 2, byte 3), exactly.
+template <int KIND>
+__device__ __forceinline__ void cvt4(u32 x, u32& lo, u32& hi) {
+    if (KIND == 0) {  // e4m3: the hardware conversion, two codes per instruction
+        asm("{ .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h; }"
+            : "=r"(lo), "=r"(hi) : "r"(x));
+    } else if (KIND == 1) {  // e5m2 is the high byte of an f16
+        lo = __byte_perm(x, 0u, 0x1404);
+        hi = __byte_perm(x, 0u, 0x3424);
+    } else {  // int8: (code ^ 0x80) in the mantissa of 1024.0 is 1152 + code
+        const u32 y = x ^ 0x80808080u;
+        const u32 l = __byte_perm(y, 0x64646464u, 0x5140), h = __byte_perm(y, 0x64646464u, 0x7362);
+        asm("sub.f16x2 %0, %1, %2;" : "=r"(lo) : "r"(l), "r"(0x64806480u));
+        asm("sub.f16x2 %0, %1, %2;" : "=r"(hi) : "r"(h), "r"(0x64806480u));
+    }
 }
 
-__device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float(((u32)h) << 16); }
+template <int NW>
+__device__ __forceinline__ void lds(u32* w, const u8* p) {  // NW words from 16-byte (NW = 2: 8-byte) aligned shared memory
+    if constexpr (NW == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x;
+        w[1] = v.y;
+    } else {
+#pragma unroll
+        for (int k = 0; k < NW / 4; ++k) {
+            const uint4 v = reinterpret_cast<const uint4*>(p)[k];
+            w[4 * k] = v.x;
+            w[4 * k + 1] = v.y;
+            w[4 * k + 2] = v.z;
+            w[4 * k + 3] = v.w;
+        }
+    }
+}
 
+// Scale of token `tok` of a chunk (per-token modes), of the chunk (per block) or of the head (static).
 template <int MODE>
-__device__ __forceinline__ float load_scale(const void* s, long blk, int head, int off, int H) {
-    if (MODE == 0) return ((const float*)s)[head];
-    if (MODE == 1) return ((const float*)s)[(blk * H + head) * PAGE + off];
-    if (MODE == 2) {
-        u16 v = ((const u16*)s)[(blk * H + head) * PAGE + off];
-        float f;
-        asm("{ .reg .f16 h;\n mov.b16 h, %1;\n cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(v));
-        return f;
-    }
-    return ((const float*)s)[blk * H + head];
+__device__ __forceinline__ float scale_at(const u8* sc, int tok, float stat) {
+    if (MODE == 0) return stat;
+    if (MODE == 1) return reinterpret_cast<const float*>(sc)[tok];
+    if (MODE == 2) return half_to_float(reinterpret_cast<const u16*>(sc)[tok]);
+    return reinterpret_cast<const float*>(sc)[0];
 }
 
-__device__ __forceinline__ u32 word(const uint4& v, int i) {
-    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
-}
-
-// One warp's 16-token tile: 32 bytes of K for tokens g and 8 + g, 16 bytes of V
-// ([16g, 16g+16)) for tokens 2c, 2c+1, 2c+8, 2c+9; a 16-token tile never crosses a page.
-struct Tile {
-    uint4 k0a, k0b, k1a, k1b, v0, v1, v8, v9;
-    float ks[4], vs[4];  // scales of this lane's tokens 2c, 2c+1, 2c+8, 2c+9
-};
-
-__device__ __forceinline__ void load_tile(Tile& T, const unsigned char* kd, const unsigned char* vd,
-                                          const void* ks, const void* vs,
-                                          const int* table, int t0, int h, int H, int g, int c) {
-    constexpr int D = HEAD_DIM;
-    const int poff = t0 % PAGE;
-    const long blk = table[t0 / PAGE];
-    const long base = ((blk * H + h) * PAGE + poff) * (long)D;
-    T.k0a = ldg16(kd + base + (long)g * D + 32 * c);
-    T.k0b = ldg16(kd + base + (long)g * D + 32 * c + 16);
-    T.k1a = ldg16(kd + base + (long)(8 + g) * D + 32 * c);
-    T.k1b = ldg16(kd + base + (long)(8 + g) * D + 32 * c + 16);
-    T.v0 = ldg16(vd + base + (long)(2 * c) * D + 16 * g);
-    T.v1 = ldg16(vd + base + (long)(2 * c + 1) * D + 16 * g);
-    T.v8 = ldg16(vd + base + (long)(2 * c + 8) * D + 16 * g);
-    T.v9 = ldg16(vd + base + (long)(2 * c + 9) * D + 16 * g);
-    const int tk[4] = {2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        T.ks[e] = load_scale<K_SCALE>(ks, blk, h, poff + tk[e], H);
-        T.vs[e] = load_scale<V_SCALE>(vs, blk, h, poff + tk[e], H);
+// cp.async of a chunk's scales: `lane0` is the first lane used, `src` the chunk's first scale.
+template <int MODE>
+__device__ __forceinline__ void copy_scales(u8* dst, const u8* base, i64 blk, int h, int H, int poff, int lane,
+                                            int lane0) {
+    if (MODE == 1) {  // 16 f32 = 4 x 16 bytes
+        const int k = lane - lane0;
+        if (k >= 0 && k < 4) cp16(dst + 16 * k, base + ((blk * H + h) * PAGE + poff) * 4 + 16 * k);
+    } else if (MODE == 2) {  // 16 f16 = 2 x 16 bytes
+        const int k = lane - lane0;
+        if (k >= 0 && k < 2) cp16(dst + 16 * k, base + ((blk * H + h) * PAGE + poff) * 2 + 16 * k);
+    } else if (MODE == 3) {
+        if (lane == lane0) cp4(dst, base + (blk * H + h) * 4);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128, MIN_BLOCKS) kvq_decode8(
-    const u16* __restrict__ q, long s_qb, long s_qh,            // [B, Hq, D] bf16
-    const unsigned char* __restrict__ kd, const unsigned char* __restrict__ vd,  // [NB, H, PAGE, D]
-    const void* __restrict__ ks, const void* __restrict__ vs,   // scales (see K_SCALE / V_SCALE)
-    const int* __restrict__ tables, long s_tb,                  // [B, max_blocks]
-    const int* __restrict__ seq_lens,                           // [B]
-    float* __restrict__ po, float* __restrict__ plse,           // [B, Hq, 4 * S, D], [B, Hq, 4 * S]
-    int tokens_per_split, float qk_scale, int H) {
-    constexpr int D = HEAD_DIM;
-    constexpr int KSTEPS = D / 16;  // QK k-steps of 16 channels
-    constexpr int NT = D / 8;       // PV n8-tiles
-    const int sp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int g = lane / 4, c = lane % 4;
-    const int S = gridDim.x;
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode8(
+    const u16* __restrict__ q, i64 s_qb, i64 s_qh,            // [B, Hq, D] model dtype
+    const u8* __restrict__ kd, const u8* __restrict__ vd,     // [NB, H, PAGE, D] 8-bit codes
+    const u8* __restrict__ ks, const u8* __restrict__ vs,     // scales, per K_SCALE / V_SCALE
+    const u8* __restrict__ khp, const u8* __restrict__ vhp,   // [NHP, H, PAGE, D] model dtype
+    const int* __restrict__ tables, i64 s_tb,                 // [B, max_blocks] signed block ids
+    const int* __restrict__ seq_lens,                         // [B]
+    float* __restrict__ po, float* __restrict__ plse,         // [B, Hq, S, D], [B, Hq, S] (S > 1)
+    u16* __restrict__ out, i64 s_ob, i64 s_oh,                // [B, Hq, D] (S == 1)
+    float qk_scale, int H) {
+    extern __shared__ __align__(16) u8 smem[];
+    const int sp = blockIdx.x, h = blockIdx.y, b = blockIdx.z, S = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, c = lane & 3;
     const int n = seq_lens[b];
-    const int start = sp * tokens_per_split;
-    const int end = min(start + tokens_per_split, n);
+    const int nch = (n + 15) >> 4;
+    const int cps = (nch + S - 1) / S;  // chunks per split: each sequence splits its own length
+    const int c0 = sp * cps, c1 = min(c0 + cps, nch);
+    const int nw = c1 - c0 - warp > 0 ? (c1 - c0 - warp + NWARPS - 1) / NWARPS : 0;
+    const int* table = tables + (i64)b * s_tb;
+    u8* ring = smem + warp * (NSTAGES * STAGE);
+    const float ks_static = K_SCALE == 0 ? reinterpret_cast<const float*>(ks)[h] : 1.f;
+    const float vs_static = V_SCALE == 0 ? reinterpret_cast<const float*>(vs)[h] : 1.f;
 
-    // A fragments of the query rows g (real if g < GROUP); rows g + 8 are padding (zero).
-    u32 qa[KSTEPS][2];
+    // ---- the query group as B fragments: qf in f16 for the 8-bit chunks, qh in the model dtype for hp ones
+    u32 qf[KS][2];
+#if HAS_HP && MODEL_BF16
+    u32 qh[KS][2];
+#elif HAS_HP
+    u32(&qh)[KS][2] = qf;  // f16 model: the hp blocks use the same fragments
+#endif
     {
-        const bool real = g < GROUP;
-        const u16* qrow = q + (long)b * s_qb + (long)(h * GROUP + (real ? g : 0)) * s_qh + 32 * c;
+        u32 w[QB / 2];  // channels [QB*c, QB*c + QB) of query row gi, two per word
+        if (gi < GROUP) {
+            const u8* row = reinterpret_cast<const u8*>(q + (i64)b * s_qb + (i64)(h * GROUP + gi) * s_qh) + 2 * QB * c;
 #pragma unroll
-        for (int j = 0; j < KSTEPS; ++j) {
-            // channels 32c + 4j + {0,1} and {2,3}
-            float f0 = real ? bf16_to_float(qrow[4 * j + 0]) : 0.f;
-            float f1 = real ? bf16_to_float(qrow[4 * j + 1]) : 0.f;
-            float f2 = real ? bf16_to_float(qrow[4 * j + 2]) : 0.f;
-            float f3 = real ? bf16_to_float(qrow[4 * j + 3]) : 0.f;
-            qa[j][0] = pack_half2(f0, f1);
-            qa[j][1] = pack_half2(f2, f3);
+            for (int k = 0; k < QB / 8; ++k) {
+                const uint4 v = reinterpret_cast<const uint4*>(row)[k];
+                w[4 * k] = v.x;
+                w[4 * k + 1] = v.y;
+                w[4 * k + 2] = v.z;
+                w[4 * k + 3] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < QB / 2; ++k) w[k] = 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const u32 x = w[2 * j + e];
+#if MODEL_BF16
+                qf[j][e] = pack_f16(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+#if HAS_HP
+                qh[j][e] = x;
+#endif
+#else
+                qf[j][e] = x;
+#endif
+            }
         }
     }
-    static_assert(D == 128, "decode8: head_dim 128 only (each lane reads 32 of the 128 channels)");
+    // ---- producer: chunk k of this warp -> stage k % NSTAGES (an empty group past the end)
+    int tb = 0;  // signed block ids of this warp's chunks k0 + lane, k0 = k & ~31
+    auto issue = [&](int k) {
+        if (k < nw) {
+            if ((k & 31) == 0) {
+                const int kk = k + lane;
+                tb = kk < nw ? table[((c0 + warp + NWARPS * kk) * 16) / PAGE] : 0;
+            }
+            const int blk = __shfl_sync(0xffffffffu, tb, k & 31);
+            const int t0 = (c0 + warp + NWARPS * k) * 16;
+            const int poff = t0 % PAGE;
+            u8* st = ring + (k % NSTAGES) * STAGE;
+            if (lane == 0) *reinterpret_cast<int*>(st + BLK_OFF) = blk;
+            if (!HAS_HP || blk >= 0) {
+                const i64 base = (((i64)blk * H + h) * PAGE + poff) * D;
+#pragma unroll
+                for (int r = 0; r < D / 32; ++r) {  // 16 rows x D/16 pieces of 16 bytes, for K and V
+                    const int p = lane + 32 * r, row = p / (D / 16), col = (p % (D / 16)) * 16;
+                    cp16(st + row * RS + col, kd + base + row * D + col);
+                    cp16(st + (16 + row) * RS + col, vd + base + row * D + col);
+                }
+                copy_scales<K_SCALE>(st + SC_OFF, ks, blk, h, H, poff, lane, 0);
+                copy_scales<V_SCALE>(st + SC_OFF + 64, vs, blk, h, H, poff, lane, 4);
+            } else {
+#if HAS_HP
+                const i64 base = (((i64)(-blk - 1) * H + h) * PAGE + poff) * (2 * D);
+#pragma unroll
+                for (int r = 0; r < D / 16; ++r) {  // 16 rows x D/8 pieces
+                    const int p = lane + 32 * r, row = p / (D / 8), col = (p % (D / 8)) * 16;
+                    cp16(st + row * RSH + col, khp + base + row * (2 * D) + col);
+                    cp16(st + (16 + row) * RSH + col, vhp + base + row * (2 * D) + col);
+                }
+#endif
+            }
+        }
+        cp_commit();
+    };
 
-    float acc[NT][4];
+    float m0 = NEG_INF, m1 = NEG_INF;  // running max of queries 2c, 2c+1 (log2 domain)
+    float l0 = 0.f, l1 = 0.f;          // this lane's share of their running sums
+    float acc[KS][4];
 #pragma unroll
-    for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    float m_row = NEG_INF, l_row = 0.f;  // for row g (rows g + 8 are padding)
+    for (int j = 0; j < KS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-    const int* table = tables + (long)b * s_tb;
-    Tile cur, nxt;
-    int t0 = start + 16 * warp;
-    if (t0 < end) load_tile(cur, kd, vd, ks, vs, table, t0, h, H, g, c);
-    for (; t0 < end; t0 += 64) {
-        // issue the next tile's loads before computing this one (register double buffer)
-        if (t0 + 64 < end) load_tile(nxt, kd, vd, ks, vs, table, t0 + 64, h, H, g, c);
+#pragma unroll
+    for (int k = 0; k < NSTAGES - 1; ++k) issue(k);
 
-        // scores of the two 8-token halves: s[half][0..1] = row g, tokens 2c, 2c+1
-        float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int k = 0; k < nw; ++k) {
+        cp_wait<NSTAGES - 2>();
+        __syncwarp();
+        issue(k + NSTAGES - 1);  // into the stage read during chunk k - 1
+        const u8* st = ring + (k % NSTAGES) * STAGE;
+        const int t0 = (c0 + warp + NWARPS * k) * 16;
+        const bool ok0 = t0 + gi < n, ok1 = t0 + gi + 8 < n;
+        const bool hp = HAS_HP && *reinterpret_cast<const int*>(st + BLK_OFF) < 0;
+
+        // S^T = K . Q^T: s[0..1] token gi, queries 2c, 2c+1; s[2..3] token gi + 8
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        float fk0 = qk_scale, fk1 = qk_scale, fv0 = 1.f, fv1 = 1.f;
+        if (!hp) {
+            u32 r0[KS], r1[KS];
+            lds<KS>(r0, st + gi * RS + QB * c);
+            lds<KS>(r1, st + (gi + 8) * RS + QB * c);
 #pragma unroll
-        for (int j = 0; j < KSTEPS; ++j) {
-            // k-step j uses bytes 4j..4j+3 of this lane's 32 bytes of each token
-            const u32 w0 = word(j < 4 ? cur.k0a : cur.k0b, j % 4);
-            const u32 w1 = word(j < 4 ? cur.k1a : cur.k1b, j % 4);
-            const u32 a[4] = {qa[j][0], 0u, qa[j][1], 0u};
-            mma16816(s0, a, cvt2<K_KIND>(w0), cvt2<K_KIND>(w0 >> 16));
-            mma16816(s1, a, cvt2<K_KIND>(w1), cvt2<K_KIND>(w1 >> 16));
-        }
-        // per-token scales: this lane's score columns are tokens 2c, 2c+1 (+8)
-        const int tk[4] = {2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c};
-        const float* sc = cur.ks;
-        const float* pv_scale = cur.vs;
-        float sv[4] = {s0[0], s0[1], s1[0], s1[1]};
-        float tmax = NEG_INF;
+            for (int j = 0; j < KS; ++j) {
+                u32 a0, a1, a2, a3;
+                cvt4<K_KIND>(r0[j], a0, a2);
+                cvt4<K_KIND>(r1[j], a1, a3);
+                mma_f16(s, a0, a1, a2, a3, qf[j][0], qf[j][1]);
+            }
+            fk0 *= scale_at<K_SCALE>(st + SC_OFF, gi, ks_static);
+            fk1 *= scale_at<K_SCALE>(st + SC_OFF, gi + 8, ks_static);
+            fv0 = scale_at<V_SCALE>(st + SC_OFF + 64, gi, vs_static);
+            fv1 = scale_at<V_SCALE>(st + SC_OFF + 64, gi + 8, vs_static);
+        } else {
+#if HAS_HP
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            sv[e] = (t0 + tk[e] < end) ? sv[e] * sc[e] * qk_scale : NEG_INF;
-            tmax = fmaxf(tmax, sv[e]);
-        }
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
-        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
-        const float m_new = fmaxf(m_row, tmax);
-        const float alpha = exp2f(m_row - m_new);  // m_row = -inf at first: alpha = 0
-        float p[4], psum = 0.f;
+            for (int j2 = 0; j2 < KS; j2 += 4) {  // 4 k-steps (8 words of each row) at a time
+                u32 r0[8], r1[8];
+                lds<8>(r0, st + gi * RSH + 2 * QB * c + 8 * 4 * (j2 / 4));
+                lds<8>(r1, st + (gi + 8) * RSH + 2 * QB * c + 8 * 4 * (j2 / 4));
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            p[e] = exp2f(sv[e] - m_new);
-            psum += p[e];
+                for (int j = 0; j < 4 && j2 + j < KS; ++j)
+                    mma_hp(s, r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1], qh[j2 + j][0], qh[j2 + j][1]);
+            }
+#endif
         }
-        psum += __shfl_xor_sync(0xffffffffu, psum, 1);
-        psum += __shfl_xor_sync(0xffffffffu, psum, 2);
-        l_row = l_row * alpha + psum;
-        m_row = m_new;
-        // P as the A operand (row g: tokens 2c, 2c+1 | 2c+8, 2c+9), V's per-token scale folded in
-        const u32 pa[4] = {pack_half2(p[0] * pv_scale[0], p[1] * pv_scale[1]), 0u,
-                           pack_half2(p[2] * pv_scale[2], p[3] * pv_scale[3]), 0u};
+
+        // online softmax over this chunk's 16 tokens
+        const float x0 = ok0 ? s[0] * fk0 : NEG_INF, x1 = ok0 ? s[1] * fk0 : NEG_INF;
+        const float x2 = ok1 ? s[2] * fk1 : NEG_INF, x3 = ok1 ? s[3] * fk1 : NEG_INF;
+        float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            acc[i][0] *= alpha;
-            acc[i][1] *= alpha;
-            // byte i of the 16 loaded bytes of tokens (2c, 2c+1) and (2c+8, 2c+9)
-            const u32 w0 = word(cur.v0, i / 4), w1 = word(cur.v1, i / 4);
-            const u32 w8 = word(cur.v8, i / 4), w9 = word(cur.v9, i / 4);
-            const u32 sel = (i % 4) | ((4 + i % 4) << 4);
-            mma16816(acc[i], pa, cvt2<V_KIND>(__byte_perm(w0, w1, sel)), cvt2<V_KIND>(__byte_perm(w8, w9, sel)));
+        for (int o = 4; o < 32; o <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
         }
-        cur = nxt;
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float al0 = ex2(m0 - mn0), al1 = ex2(m1 - mn1);
+        m0 = mn0;
+        m1 = mn1;
+        const float p0 = ex2(x0 - mn0), p1 = ex2(x1 - mn1), p2 = ex2(x2 - mn0), p3 = ex2(x3 - mn1);
+        l0 = l0 * al0 + p0 + p2;
+        l1 = l1 * al1 + p1 + p3;
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+            acc[j][0] *= al0;
+            acc[j][1] *= al1;
+            acc[j][2] *= al0;
+            acc[j][3] *= al1;
+        }
+
+        // O^T += V^T . P^T, P^T from the S^T fragment (V's scales folded into P)
+        if (!hp) {
+            const u32 pb0 = trans8x8(pack_f16(p0 * fv0, p1 * fv0));
+            const u32 pb1 = trans8x8(pack_f16(p2 * fv1, p3 * fv1));
+            u32 v0[VB / 4], v1[VB / 4], v8[VB / 4], v9[VB / 4];
+            lds<VB / 4>(v0, st + (16 + 2 * c) * RS + VB * gi);
+            lds<VB / 4>(v1, st + (17 + 2 * c) * RS + VB * gi);
+            lds<VB / 4>(v8, st + (24 + 2 * c) * RS + VB * gi);
+            lds<VB / 4>(v9, st + (25 + 2 * c) * RS + VB * gi);
+#pragma unroll
+            for (int j = 0; j < KS; ++j) {
+                const int w = j >> 1, bb = (j & 1) * 2;
+                const u32 sel = bb | ((bb + 4) << 4) | ((bb + 1) << 8) | ((bb + 5) << 12);
+                u32 a0, a1, a2, a3;
+                cvt4<V_KIND>(__byte_perm(v0[w], v1[w], sel), a0, a1);
+                cvt4<V_KIND>(__byte_perm(v8[w], v9[w], sel), a2, a3);
+                mma_f16(acc[j], a0, a1, a2, a3, pb0, pb1);
+            }
+        } else {
+#if HAS_HP
+#if MODEL_BF16
+            const u32 pb0 = trans8x8(pack_bf16(p0, p1)), pb1 = trans8x8(pack_bf16(p2, p3));
+#else
+            const u32 pb0 = trans8x8(pack_f16(p0, p1)), pb1 = trans8x8(pack_f16(p2, p3));
+#endif
+#pragma unroll
+            for (int j2 = 0; j2 < KS; j2 += 8) {  // 8 m-tiles (8 words of each token) at a time
+                constexpr int NWD = KS < 8 ? KS : 8;
+                u32 v0[NWD], v1[NWD], v8[NWD], v9[NWD];
+                const int off = 2 * VB * gi + 4 * j2;
+                lds<NWD>(v0, st + (16 + 2 * c) * RSH + off);
+                lds<NWD>(v1, st + (17 + 2 * c) * RSH + off);
+                lds<NWD>(v8, st + (24 + 2 * c) * RSH + off);
+                lds<NWD>(v9, st + (25 + 2 * c) * RSH + off);
+#pragma unroll
+                for (int j = 0; j < NWD; ++j)
+                    mma_hp(acc[j2 + j], __byte_perm(v0[j], v1[j], 0x5410), __byte_perm(v0[j], v1[j], 0x7632),
+                           __byte_perm(v8[j], v9[j], 0x5410), __byte_perm(v8[j], v9[j], 0x7632), pb0, pb1);
+            }
+#endif
+        }
+    }
+    cp_wait<0>();
+
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, o);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, o);
     }
 
-    // This warp's partial for row g: acc[i][e] is channel 16 * (2c + e) + i.
-    if (g < GROUP) {
-        const int hq = h * GROUP + g;
-        const long row = ((long)b * H * GROUP + hq) * (4 * S) + (long)sp * 4 + warp;
-        const float inv = l_row > 0.f ? 1.f / l_row : 0.f;
-        float* out = po + row * D;
+    // ---- merge the warps: ms/ls [NWARPS][8], os [NWARPS][8][D] over the (now idle) rings
+    __syncthreads();
+    float* ms = reinterpret_cast<float*>(smem);
+    float* ls = ms + NWARPS * 8;
+    float* os = ls + NWARPS * 8;
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            out[16 * (2 * c) + i] = acc[i][0] * inv;
-            out[16 * (2 * c + 1) + i] = acc[i][1] * inv;
+    for (int e = 0; e < 2; ++e) {
+        const int qq = 2 * c + e;
+        if (qq < GROUP) {
+            float* dst = os + (warp * 8 + qq) * D + VB * gi;
+#pragma unroll
+            for (int j = 0; j < KS; ++j) {
+                dst[2 * j] = acc[j][e];
+                dst[2 * j + 1] = acc[j][2 + e];
+            }
+            if (gi == 0) {
+                ms[warp * 8 + qq] = e ? m1 : m0;
+                ls[warp * 8 + qq] = e ? l1 : l0;
+            }
         }
-        if (c == 0) plse[row] = l_row > 0.f ? m_row + log2f(l_row) : NEG_INF;
+    }
+    __syncthreads();
+    const int Hq = H * GROUP;
+    for (int e = threadIdx.x; e < GROUP * D; e += NWARPS * 32) {
+        const int qq = e / D, ch = e % D;
+        float M = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) M = fmaxf(M, ms[w * 8 + qq]);
+        float L = 0.f, O = 0.f;
+        if (M != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < NWARPS; ++w) {
+                const float f = ex2(ms[w * 8 + qq] - M);
+                L += ls[w * 8 + qq] * f;
+                O += os[(w * 8 + qq) * D + ch] * f;
+            }
+        }
+        const float o = L > 0.f ? O / L : 0.f;
+        const int hq = h * GROUP + qq;
+        if (S == 1) {
+            out[(i64)b * s_ob + (i64)hq * s_oh + ch] = float_to_model(o);
+        } else {
+            const i64 row = ((i64)b * Hq + hq) * S + sp;
+            po[row * D + ch] = o;
+            if (ch == 0) plse[row] = L > 0.f ? M + __log2f(L) : NEG_INF;
+        }
     }
 }

@@ -1,38 +1,61 @@
 """Launcher of the CUDA 8-bit paged decode kernel (decode8.cu), compiled with NVRTC.
 
 Serves K and V stored in 8 bits (FP8 e4m3 / e5m2 with static, per-token or
-per-block scales; INT8 per token and head) at head_dim 128, pages a multiple of
-16 tokens, up to 8 query heads per KV head, and tables without high-precision
-blocks.  Compilation goes through CuPy's NVRTC (CuPy is on the GPU machine;
-``available()`` says whether it is here).  The split-K partials are merged by
-the Triton reduce kernel of :mod:`kvq.attention.triton.decode`.
+per-block scales; INT8 with per-token scales), head dims 64/128/256, pages a
+multiple of 16 tokens, up to 8 query heads per KV head, bf16 or f16 queries,
+and tables that mix in high-precision blocks (sinks, recent window) in the
+same pass.  Compilation goes through CuPy's NVRTC (CuPy is on the GPU machine;
+:func:`unavailable_reason` says whether it runs here); the launch passes raw device
+pointers on torch's current stream, so it is captured by CUDA graphs like any
+torch kernel.  With more than one split the partials are merged by the Triton
+reduce kernel of :mod:`kvq.attention.triton.decode`; with one split the kernel
+writes the output itself.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
 
-from kvq.attention.triton.decode import _LOG2E, _decode_reduce_kernel, choose_splits
 from kvq.cache.pool import LayerKV
 from kvq.formats.spec import TensorFormat
 
 _SOURCE = Path(__file__).with_name("decode8.cu")
 _KIND = {"float8_e4m3fn": 0, "float8_e5m2": 1, "int8": 2}
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP = 8
+_LOG2E = 1.4426950408889634
+
+#: Launch shape (warps per CTA, pipeline stages per warp, CTAs per SM the registers must allow).
+NWARPS, NSTAGES, MIN_BLOCKS = 4, 3, 3
 
 
-def available() -> bool:
+def min_blocks_for(head_dim: int) -> int:
+    """CTAs per SM the register allocation is bounded for: head_dim 256 needs more
+    registers per thread (its accumulators double) than 3 CTAs per SM leave."""
+    return MIN_BLOCKS if head_dim <= 128 else 2
+
+
+def unavailable_reason() -> str | None:
+    """None if the kernel can run here, else why not."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
     try:
         import cupy  # noqa: F401
     except ImportError:
-        return False
-    return torch.cuda.is_available()
+        return "CuPy (NVRTC) is not installed"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"needs compute capability 9.0 or newer (got {major}.x)"
+    return None
 
 
-def _scale_mode(t: TensorFormat) -> int:
-    if t.scale == "static":
+def scale_mode(t: TensorFormat) -> int:
+    """The kernel's code for a tensor format's scales (see decode8.cu)."""
+    if t.scale in ("static", "none"):
         return 0
     if t.scale == "token_head":
         return 1 if t.scale_dtype == "float32" else 2
@@ -41,92 +64,158 @@ def _scale_mode(t: TensorFormat) -> int:
     raise ValueError(f"{t.name}: no 8-bit CUDA decode for scale {t.scale}")
 
 
-def unsupported_reason(layer: LayerKV, group: int, has_hp: bool) -> str | None:
-    """None if this kernel serves the layer, else why not."""
-    for t in (layer.fmt.k, layer.fmt.v):
-        if t.storage not in _KIND or t.bits != 8:
-            return f"{t.name} is not stored in 8 bits"
-        if t.scale not in ("static", "token_head", "block_head"):
-            return f"{t.name}: scale {t.scale} not folded by this kernel"
-    if layer.head_dim != 128:
-        return f"head_dim {layer.head_dim} (needs 128)"
-    if layer.block_size % 16:
-        return f"page {layer.block_size} is not a multiple of 16"
-    if group > 8:
-        return f"{group} query heads per KV head (at most 8)"
-    if has_hp:
-        return "tables hold high-precision blocks"
+def format_reason(t: TensorFormat) -> str | None:
+    """None if this kernel reads tensors of format ``t``, else why not."""
+    if t.storage not in _KIND or t.bits != 8:
+        return f"{t.name} is not stored in 8 bits"
+    if t.scale not in ("static", "none", "token_head", "block_head"):
+        return f"{t.name}: scale {t.scale} is not read by the 8-bit kernel"
+    if t.scale == "token_head" and t.scale_dtype not in ("float32", "float16"):
+        return f"{t.name}: scale dtype {t.scale_dtype}"
     return None
 
 
+def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str | None:
+    """None if this kernel serves decode over ``layer``, else why not."""
+    for t in (layer.fmt.k, layer.fmt.v):
+        why = format_reason(t)
+        if why:
+            return why
+    if layer.head_dim not in HEAD_DIMS:
+        return f"head_dim {layer.head_dim} not in {HEAD_DIMS}"
+    if layer.block_size % 16:
+        return f"page {layer.block_size} is not a multiple of 16"
+    if group > MAX_GROUP:
+        return f"{group} query heads per KV head (at most {MAX_GROUP})"
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        return f"queries must be bfloat16 or float16, not {q_dtype}"
+    return None
+
+
+def stage_bytes(head_dim: int, has_hp: bool) -> int:
+    """Shared memory of one pipeline stage (mirrors STAGE in decode8.cu)."""
+    row = 2 * head_dim + 16 if has_hp else head_dim + 16
+    return 32 * row + 144
+
+
+#: Shared memory one CTA may use on sm_90 (227 KiB).
+MAX_SMEM = 227 * 1024
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(page: int, group: int, k_kind: int, v_kind: int, k_scale: int, v_scale: int, min_blocks: int = 2):
+def _kernel(d: int, page: int, group: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool, bf16: bool,
+            nwarps: int, nstages: int, min_blocks: int):
     import cupy
 
-    opts = ("-std=c++17", "-DHEAD_DIM=128", f"-DPAGE={page}", f"-DGROUP={group}", f"-DK_KIND={k_kind}",
-            f"-DV_KIND={v_kind}", f"-DK_SCALE={k_scale}", f"-DV_SCALE={v_scale}", f"-DMIN_BLOCKS={min_blocks}")
-    module = cupy.RawModule(code=_SOURCE.read_text(), options=opts, backend="nvrtc")
-    return module.get_function("kvq_decode8")
+    opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DK_KIND={kk}",
+            f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
+            f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}")
+    smem = nwarps * nstages * stage_bytes(d, has_hp)
+    if smem > MAX_SMEM:
+        raise ValueError(f"{nwarps} warps x {nstages} stages need {smem} bytes of shared memory (at most {MAX_SMEM})")
+    kern = cupy.RawModule(code=_SOURCE.read_text(), options=opts, backend="nvrtc").get_function("kvq_decode8")
+    kern.max_dynamic_shared_size_bytes = smem
+    return kern, smem
 
 
-def _dev(t: torch.Tensor):
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_splits(batch_heads: int, max_len: int, num_sms: int, ctas_per_sm: int = MIN_BLOCKS,
+                  waves: int = 4, nwarps: int = NWARPS) -> int:
+    """Splits per sequence: about ``waves`` waves of CTAs over the GPU, each split at
+    least two chunks per warp (32 * nwarps tokens); 1 when the batch alone fills it."""
+    want = math.ceil(waves * ctas_per_sm * num_sms / max(batch_heads, 1))
+    most = max(1, math.ceil(max_len / (32 * nwarps)))
+    return max(1, min(want, most))
+
+
+class _TorchStream:
+    """A torch stream handle in CuPy's external-stream protocol."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return 0, self.ptr
+
+
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(ptr: int):
     import cupy
 
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        t = t.view(torch.uint8)
-    elif t.dtype in (torch.bfloat16, torch.float16):
-        t = t.view(torch.int16)
-    return cupy.asarray(t)
+    try:
+        return cupy.cuda.Stream.from_external(_TorchStream(ptr))
+    except (AttributeError, TypeError, ValueError):  # CuPy before the stream protocol
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return cupy.cuda.ExternalStream(ptr)
+
+
+def _ptr(t: torch.Tensor):
+    import numpy as np
+
+    return np.uint64(t.data_ptr())
 
 
 def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  sm_scale: float, max_seq_len: int | None = None, has_hp: bool | None = None,
-                 num_splits: int | None = None, min_blocks: int = 2) -> torch.Tensor:
-    """Same contract as :func:`kvq.attention.reference.paged_decode` (bf16 queries)."""
+                 num_splits: int | None = None, nwarps: int = NWARPS, nstages: int = NSTAGES,
+                 min_blocks: int | None = None) -> torch.Tensor:
+    """Same contract as :func:`kvq.attention.reference.paged_decode`.
+
+    ``max_seq_len`` (host int, an upper bound of ``seq_lens``) sizes the split grid
+    without a device sync; each sequence splits its own length over the splits, so
+    one launch shape serves any lengths (CUDA graphs).  ``has_hp=False`` compiles
+    out the high-precision path (no table holds an hp block)."""
     import cupy
     import numpy as np
     import triton
 
+    from kvq.attention.triton.decode import _decode_reduce_kernel
+
     B, Hq, D = q.shape
     H = layer.num_kv_heads
+    assert Hq % H == 0 and D == layer.head_dim, (Hq, H, D, layer.head_dim)
     group = Hq // H
-    has_hp = bool(has_hp) if has_hp is not None else False
-    why = unsupported_reason(layer, group, has_hp)
+    why = unsupported_reason(layer, group, q.dtype)
     if why is not None:
         raise ValueError(f"CUDA 8-bit decode cannot serve this: {why}")
-    assert q.dtype == torch.bfloat16 and q.stride(2) == 1, (q.dtype, q.stride())
+    assert q.is_cuda and q.stride(2) == 1 and q.stride(1) % 8 == 0 and q.stride(0) % 8 == 0, q.stride()
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    assert block_tables.stride(1) == 1
+    if has_hp is None:
+        has_hp = layer.k_hp.shape[0] > 0
+    min_blocks = min_blocks or min_blocks_for(D)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if num_splits is None:
-        # 4 warps of 16-token tiles per CTA: splits are whole multiples of 64 tokens
-        num_splits, tps = choose_splits(B * H, max_seq_len, 64, num_sms * min_blocks // 4 or 1, True)
-    else:
-        per_split = -(-max_seq_len // num_splits)
-        tps = -(-per_split // 64) * 64
-        num_splits = max(1, -(-max_seq_len // tps))
+        num_splits = choose_splits(B * H, max_seq_len, _num_sms(q.device.index or 0), min_blocks, nwarps=nwarps)
     fk, fv = layer.fmt.k, layer.fmt.v
-    kern = _kernel(layer.block_size, group, _KIND[fk.storage], _KIND[fv.storage], _scale_mode(fk), _scale_mode(fv),
-                   min_blocks)
-    po = torch.empty(B, Hq, 4 * num_splits, D, dtype=torch.float32, device=q.device)
-    plse = torch.empty(B, Hq, 4 * num_splits, dtype=torch.float32, device=q.device)
-    ks = layer.k.get("scale", layer.k_scale)
-    vs = layer.v.get("scale", layer.v_scale)
-    if fk.scale == "static":
-        ks = layer.k_scale
-    if fv.scale == "static":
-        vs = layer.v_scale
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream)
-    with stream:
-        kern((num_splits, H, B), (128,), (
-            _dev(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
-            _dev(layer.k["data"]), _dev(layer.v["data"]), _dev(ks), _dev(vs),
-            _dev(block_tables), np.int64(block_tables.stride(0)), _dev(seq_lens),
-            _dev(po), _dev(plse), np.int32(tps), np.float32(sm_scale * _LOG2E), np.int32(H),
-        ))
+    kern, smem = _kernel(D, layer.block_size, group, _KIND[fk.storage], _KIND[fv.storage], scale_mode(fk),
+                         scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages, min_blocks)
+    ks = layer.k_scale if scale_mode(fk) == 0 else layer.k["scale"]
+    vs = layer.v_scale if scale_mode(fv) == 0 else layer.v["scale"]
     out = torch.empty_like(q)
-    S4 = 4 * num_splits
-    _decode_reduce_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), S4, Hq,
-                                   S_PAD=max(2, triton.next_power_of_2(S4)), D=D, V_PER=1)
+    if num_splits > 1:
+        po = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+        plse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused by the kernel
+    stream = _cupy_stream(torch.cuda.current_stream(q.device).cuda_stream)
+    with cupy.cuda.Device(q.device.index or 0), stream:
+        kern((num_splits, H, B), (32 * nwarps,), (
+            _ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
+            _ptr(layer.k["data"]), _ptr(layer.v["data"]), _ptr(ks), _ptr(vs), _ptr(layer.k_hp), _ptr(layer.v_hp),
+            _ptr(block_tables), np.int64(block_tables.stride(0)), _ptr(seq_lens),
+            _ptr(po), _ptr(plse), _ptr(out), np.int64(out.stride(0)), np.int64(out.stride(1)),
+            np.float32(sm_scale * _LOG2E), np.int32(H),
+        ), shared_mem=smem)
+    if num_splits > 1:
+        _decode_reduce_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), num_splits, Hq,
+                                       S_PAD=max(2, triton.next_power_of_2(num_splits)), D=D, V_PER=1)
     return out
