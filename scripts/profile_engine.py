@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--host", action="store_true", help="also cProfile the host side")
     ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--prefill", action="store_true", help="profile the wave's prefill steps instead of decode")
     args = ap.parse_args()
     concs = [int(c) for c in args.concurrency.split(",")]
     eng = LLMEngine(EngineConfig(model=args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype,
@@ -48,7 +49,27 @@ def main():
         sp = SamplingParams(max_tokens=4 * args.steps + 8, ignore_eos=True)
         for _ in range(c):
             eng.add_request(torch.randint(0, vocab, (args.input_len,)).tolist(), sp)
-        while eng.scheduler.num_waiting or any(len(s.output_token_ids) == 0 for s in eng.scheduler._seqs.values()):
+        def prefill_pending():
+            return eng.scheduler.num_waiting or any(len(s.output_token_ids) == 0 for s in eng.scheduler._seqs.values())
+
+        if args.prefill:
+            steps, t = 0, time.perf_counter()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                while prefill_pending():
+                    eng.step()
+                    steps += 1
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+            dev = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+            print(f"\n=== {args.kv_cache_dtype} c={c} prefill: {steps} steps, wall {wall * 1e3:.1f} ms (profiled), "
+                  f"device kernels {dev:.1f} ms")
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.rows]:
+                print(f"  {e.self_device_time_total / 1e3:8.2f} ms  {e.count:6d} calls  {e.key[:70]}")
+            while eng.has_unfinished():
+                eng.step()
+            continue
+        while prefill_pending():
             eng.step()
         decode_steps(eng, 3)
         t = time.perf_counter()

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.attention.triton.decode import _LOG2E, _dot_dtype, layer_args
+from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype, layer_args
 from kvq.attention.triton.tiles import load_tile, tile_channel
 from kvq.cache.pool import LayerKV
 
@@ -90,8 +90,14 @@ def paged_attention(
     has_hp: bool | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    dot_f16: bool | None = None,
 ) -> torch.Tensor:
-    """Triton twin of :func:`kvq.attention.reference.paged_attention`."""
+    """Triton twin of :func:`kvq.attention.reference.paged_attention`.
+
+    ``dot_f16`` (default: when K and V are both stored in 8 bits) runs both
+    products in f16: every FP8/INT8 code is exact in f16 and e4m3 -> f16 is one
+    hardware conversion per two codes, where e4m3 -> bf16 takes three; bf16
+    queries and probabilities round to f16 (3 more mantissa bits, range to 65504)."""
     T, Hq, D = q.shape
     H = layer.num_kv_heads
     assert Hq % H == 0 and D == layer.head_dim, (Hq, H, D)
@@ -105,12 +111,15 @@ def paged_attention(
     if T == 0 or max_q_len == 0:
         return out
     args, meta = layer_args(layer)
+    if dot_f16 is None:
+        dot_f16 = layer.fmt.k.bits == 8 and layer.fmt.v.bits == 8 and not INTERPRET
+    dot = tl.float16 if dot_f16 else _dot_dtype(q.dtype)
     grid = (B, Hq, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), cu_seqlens_q, *args,
         block_tables, block_tables.stride(0), seq_lens, sm_scale * _LOG2E,
         GROUP=Hq // H, D=D, PAGE=layer.block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
-        KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=_dot_dtype(q.dtype),
+        KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=dot,
     )
     return out
