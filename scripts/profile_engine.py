@@ -50,7 +50,8 @@ def main():
         for _ in range(c):
             eng.add_request(torch.randint(0, vocab, (args.input_len,)).tolist(), sp)
         def prefill_pending():
-            return eng.scheduler.num_waiting or any(len(s.output_token_ids) == 0 for s in eng.scheduler._seqs.values())
+            seqs = eng.scheduler._seqs.values()
+            return eng.scheduler.num_waiting or any(len(s.output_token_ids) == 0 for s in seqs)
 
         if args.prefill:
             steps, t = 0, time.perf_counter()

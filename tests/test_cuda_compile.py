@@ -30,9 +30,10 @@ VARIANTS = [
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: "D{}p{}g{}k{}v{}ks{}vs{}hp{}bf{}".format(*v))
 def test_decode8_compiles(tmp_path, v):
     d, page, group, kk, vk, ks, vs, hp, bf = v
-    cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-Xptxas", "-v", f"-DHEAD_DIM={d}", f"-DPAGE={page}",
-           f"-DGROUP={group}", f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={ks}", f"-DV_SCALE={vs}",
-           f"-DHAS_HP={hp}", f"-DMODEL_BF16={bf}", f"-DMIN_BLOCKS={min_blocks_for(d)}", "-o", str(tmp_path / "k.cubin"), str(SRC)]
+    macros = dict(HEAD_DIM=d, PAGE=page, GROUP=group, K_KIND=kk, V_KIND=vk, K_SCALE=ks, V_SCALE=vs, HAS_HP=hp,
+                  MODEL_BF16=bf, MIN_BLOCKS=min_blocks_for(d))
+    cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-Xptxas", "-v",
+           *(f"-D{k}={v}" for k, v in macros.items()), "-o", str(tmp_path / "k.cubin"), str(SRC)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "0 bytes spill stores" in r.stderr, r.stderr[-2000:]

@@ -20,7 +20,8 @@ EIGHT_BIT = ["fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "fp8_per_block", "int
 
 
 def _fill(fmt, H, D, group, bs, nq, nhp, dtype, static, gen):
-    model = bare_model(1, H, D, num_attention_heads=H * group, dtype="bfloat16" if dtype == torch.bfloat16 else "float16")
+    model = bare_model(1, H, D, num_attention_heads=H * group,
+                       dtype="bfloat16" if dtype == torch.bfloat16 else "float16")
     plan = make_plan(model, fmt, block_size=bs, sink_tokens=0, residual_tokens=0)
     scales = None
     if static and plan.layers[0].k.scale == "static":
