@@ -17,6 +17,7 @@ from kvq.cache.pool import KVPool
 
 GPU = torch.cuda.is_available()
 EIGHT_BIT = ["fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "fp8_per_block", "int8", "int8_per_token_head"]
+KIVI = ["int4_kivi", "int2_kivi"]
 
 
 def _fill(fmt, H, D, group, bs, nq, nhp, dtype, static, gen):
@@ -64,7 +65,7 @@ CONFIGS = [dict(H=8, D=128, group=4, bs=16), dict(H=4, D=128, group=8, bs=32), d
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "H{H}D{D}g{group}bs{bs}".format(**c))
-@pytest.mark.parametrize("fmt", EIGHT_BIT)
+@pytest.mark.parametrize("fmt", EIGHT_BIT + KIVI)
 def test_cuda_decode_matches_reference(fmt, cfg):
     from kvq.attention.cuda import decode8
 
@@ -73,6 +74,10 @@ def test_cuda_decode_matches_reference(fmt, cfg):
         pytest.skip(why)
     gen = torch.Generator().manual_seed(11)
     H, D, group, bs = cfg["H"], cfg["D"], cfg["group"], cfg["bs"]
+    if fmt in KIVI:
+        bs = max(bs, 32)
+        if fmt == "int2_kivi" and D < 128:
+            pytest.skip("int2 KIVI needs head_dim >= 128 in this kernel")
     for dtype in (torch.bfloat16, torch.float16):
         layer = _fill(fmt, H, D, group, bs, nq=512, nhp=16, dtype=dtype, static=True, gen=gen)
         sm = D ** -0.5
@@ -98,9 +103,21 @@ def test_cuda_decode_matches_reference(fmt, cfg):
 def test_cuda_decode_support_rules():
     from kvq.attention.cuda import decode8
 
+    plan = make_plan(bare_model(1, 2, 128, num_attention_heads=8), "int4_per_token")
+    pool = KVPool.create(plan, 2, 2, "cpu")
+    assert "per token_group" in decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16)
+    plan = make_plan(bare_model(1, 2, 64, num_attention_heads=8), "int2_kivi")
+    pool = KVPool.create(plan, 2, 2, "cpu")
+    assert "needs 128 or 256" in decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16)
+    plan = make_plan(bare_model(1, 2, 128, num_attention_heads=8), "int4_kivi", group_size=64)
+    pool = KVPool.create(plan, 2, 2, "cpu")
+    assert "group size 64" in decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16)
     plan = make_plan(bare_model(1, 2, 128, num_attention_heads=8), "int4_kivi")
     pool = KVPool.create(plan, 2, 2, "cpu")
-    assert "not stored in 8 bits" in decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16)
+    assert decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16) is None
+    plan = make_plan(bare_model(1, 2, 128, num_attention_heads=8), k="int4_kivi", v="fp8_e4m3")
+    pool = KVPool.create(plan, 2, 2, "cpu")
+    assert "both KIVI" in decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16)
     plan = make_plan(bare_model(1, 2, 128, num_attention_heads=32), "fp8")
     pool = KVPool.create(plan, 2, 2, "cpu")
     assert "at most 8" in decode8.unsupported_reason(pool.layers[0], 16, torch.bfloat16)
@@ -131,7 +148,7 @@ def test_cuda_backend_is_chosen_only_where_it_serves():
         pytest.skip(decode8.unavailable_reason())
     _, choice = select_backend("auto", plan, "cuda", torch.bfloat16)
     assert choice.resolved == "cuda" and "1 of 2 layers" in choice.reason, choice
-    plan = make_plan(bare_model(2, 2, 128, num_attention_heads=8), "int4_kivi")
+    plan = make_plan(bare_model(2, 2, 128, num_attention_heads=8), "int4_per_token")
     _, choice = select_backend("auto", plan, "cuda", torch.bfloat16)
     assert choice.resolved == "triton" and "no layer is stored" in choice.reason, choice
     with pytest.raises(ValueError, match="no layer is stored"):

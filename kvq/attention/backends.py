@@ -88,20 +88,14 @@ def _load_triton():
 
 
 def _cuda_layers(plan: CachePlan, dtype: torch.dtype) -> tuple[list[int], str | None]:
-    """Layers whose decode the CUDA 8-bit kernel serves, and why the first other one is not."""
+    """Layers whose decode the CUDA kernel serves, and why the first other one is not."""
     from kvq.attention.cuda import decode8
 
     m = plan.model
     group = m.num_attention_heads // m.num_kv_heads
     served, why_not = [], None
     for i, f in enumerate(plan.layers):
-        why = decode8.format_reason(f.k) or decode8.format_reason(f.v)
-        if why is None and m.head_dim not in decode8.HEAD_DIMS:
-            why = f"head_dim {m.head_dim} not in {decode8.HEAD_DIMS}"
-        if why is None and plan.block_size % 16:
-            why = f"block size {plan.block_size} is not a multiple of 16"
-        if why is None and group > decode8.MAX_GROUP:
-            why = f"{group} query heads per KV head (at most {decode8.MAX_GROUP})"
+        why = decode8.layer_reason(f.k, f.v, m.head_dim, plan.block_size, group)
         if why is None:
             served.append(i)
         elif why_not is None:
@@ -120,7 +114,7 @@ def _cuda_check(plan: CachePlan, device: torch.device, dtype: torch.dtype) -> st
         return why
     served, why_not = _cuda_layers(plan, dtype)
     if not served:
-        return f"no layer is stored in a format the CUDA 8-bit decode reads ({why_not})"
+        return f"no layer is stored in a format the CUDA decode reads ({why_not})"
     return None
 
 
@@ -135,15 +129,15 @@ def describe_cuda(plan: CachePlan, dtype: torch.dtype) -> str:
     served, why_not = _cuda_layers(plan, dtype)
     n = len(plan.layers)
     if len(served) == n:
-        return f"CUDA 8-bit decode on all {n} layers"
-    return f"CUDA 8-bit decode on {len(served)} of {n} layers, Triton on the rest ({why_not})"
+        return f"CUDA decode on all {n} layers"
+    return f"CUDA decode on {len(served)} of {n} layers, Triton on the rest ({why_not})"
 
 
 _BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
     for b in (
-        AttentionBackend("cuda", "CUDA 8-bit decode (mma.sync, cp.async pipeline) where a layer is stored "
-                         "in 8 bits; Triton for prefill, writes and other layers", _cuda_check, _load_cuda),
+        AttentionBackend("cuda", "CUDA decode (mma.sync, cp.async pipeline) where a layer is stored in 8 bits "
+                         "or KIVI; Triton for prefill, writes and other layers", _cuda_check, _load_cuda),
         AttentionBackend("triton", "Triton kernels: fused dequant paged decode/prefill, quantize-on-store",
                          _triton_check, _load_triton),
         AttentionBackend("torch", "plain-torch reference (every format, every device; slow)", _torch_check,

@@ -1,9 +1,13 @@
-// Paged split-K decode attention over 8-bit K/V (FP8 e4m3 / e5m2, INT8), CUDA, mma.sync.
+// Paged split-K decode attention over quantized K/V, CUDA, mma.sync: 8-bit codes
+// (FP8 e4m3 / e5m2, INT8) or KIVI (K per channel over 32 tokens, V per token over
+// 32 channels, 4 or 2 bits, fp16 scale + zero, planar packing).
 //
 // Compiled at run time (NVRTC) with these macros, set by decode8.py:
 //   HEAD_DIM     64, 128 or 256
-//   PAGE         tokens per cache block, a multiple of 16
+//   PAGE         tokens per cache block, a multiple of 16 (KIVI: of 32)
 //   GROUP        query heads per KV head, 1..8
+//   KIVI_BITS    0: 8-bit codes, with K_KIND / V_KIND and K_SCALE / V_SCALE below;
+//                4 or 2: KIVI (the K_/V_ macros are unused)
 //   K_KIND, V_KIND     0 = e4m3, 1 = e5m2, 2 = int8
 //   K_SCALE, V_SCALE   0 = static per head f32 [H], 1 = per token f32 [NB, H, PAGE],
 //                      2 = per token f16 [NB, H, PAGE], 3 = per block f32 [NB, H]
@@ -39,9 +43,30 @@
 // P^T B fragment (tokens 2c.., query i) with one movmatrix transpose per 8x8 half.
 // Per-token K scales multiply S rows, per-token V scales multiply P rows: both
 // are the lane's own tokens i and i + 8.
+//
+// KIVI: the codes of a fragment register are dequantized in place (code + 1024
+// assembled in an f16 mantissa by one lop3, minus 1024, times scale plus zero:
+// hsub2 + hfma2 per two values).  Planar packing puts channels j, j + DP, ...
+// (DP = D / (8 / bits)) in one byte, so the channel maps differ (KB = DP / 4):
+//   QK, k-step s = w * PER + m, A columns {2c, 2c+1} / {2c+8, 2c+9}  <->  channels
+//      (x, x + 2) / (x + 1, x + 3) with x = m * DP + KB*c + 4w: bytes 0 and 2, then
+//      1 and 3, of the lane's word w, bit plane m;
+//   PV, m-tile (u * PER + m) * 2 + e, rows i / i + 8  <->  channels
+//      m * DP + 32u + 4i + 2e (+1): byte 2e (2e + 1) of word u of the lane's tokens,
+//      so every m-tile lies in one group of 32 channels (one V scale per token).
+// High-precision chunks use the same maps.
 
 #ifndef HAS_HP
 #define HAS_HP 0
+#endif
+#ifndef KIVI_BITS
+#define KIVI_BITS 0
+#endif
+#ifndef K_KIND
+#define K_KIND 0
+#define V_KIND 0
+#define K_SCALE 0
+#define V_SCALE 0
 #endif
 #ifndef MODEL_BF16
 #define MODEL_BF16 1
@@ -69,12 +94,29 @@ constexpr int QB = D / 4;                // bytes of an 8-bit K row that one lan
 constexpr int VB = D / 8;                // bytes of an 8-bit V row that one lane reads
 constexpr int RS = D + 16;               // shared row stride, 8-bit rows
 constexpr int RSH = 2 * D + 16;          // shared row stride, high-precision rows
-constexpr int KV_BYTES = HAS_HP ? 32 * RSH : 32 * RS;  // 16 K rows, then 16 V rows
-constexpr int SC_OFF = KV_BYTES;         // K scales (64 bytes), V scales (64 bytes)
-constexpr int BLK_OFF = KV_BYTES + 128;  // the chunk's signed block id
-constexpr int STAGE = KV_BYTES + 144;
+#if KIVI_BITS
+constexpr int PER = 8 / KIVI_BITS;       // codes per byte
+constexpr int DP = D / PER;              // packed bytes per row
+constexpr int KB = DP / 4;               // bytes of a K row that one lane reads
+constexpr int KW = KB / 4;
+constexpr int NU = DP / 32;              // words of a V row that one lane reads
+constexpr int NG = D / 32;               // V channel groups
+constexpr int RSK = DP <= 64 ? DP : DP + 16;          // conflict-free K fragment reads
+constexpr int RSV = ((DP + 47) / 64) * 64 + 16;       // conflict-free V fragment reads
+constexpr int VR_OFF = 16 * RSK;                      // V rows
+constexpr int KSC_OFF = VR_OFF + 16 * RSV;            // K scale row, K zero row of the chunk's group (f16 [D] each)
+constexpr int VSC_OFF = KSC_OFF + 4 * D;              // V scales, V zeros (f16 [16][NG] each)
+constexpr int Q_STAGE = VSC_OFF + 64 * NG;
+static_assert(DP >= 32, "KIVI: at least 32 packed bytes per row (int2 needs head_dim >= 128)");
+#else
+constexpr int SC_OFF = 32 * RS;          // K scales (64 bytes), V scales (64 bytes)
+constexpr int Q_STAGE = SC_OFF + 128;
+#endif
+constexpr int KV_BYTES = (HAS_HP && 32 * RSH > Q_STAGE) ? 32 * RSH : Q_STAGE;
+constexpr int BLK_OFF = KV_BYTES;        // the chunk's signed block id
+constexpr int STAGE = KV_BYTES + 16;
 static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
-static_assert(PAGE % 16 == 0, "pages hold whole 16-token chunks");
+static_assert(PAGE % (KIVI_BITS ? 32 : 16) == 0, "pages hold whole 16-token chunks (KIVI: 32-token groups)");
 static_assert(GROUP >= 1 && GROUP <= 8, "at most 8 query heads per KV head");
 static_assert(NSTAGES >= 2, "at least one chunk in flight while one is computed");
 static_assert(NWARPS * NSTAGES * STAGE >= NWARPS * 8 * (D + 2) * 4, "the merge reuses the rings");
@@ -161,9 +203,74 @@ __device__ __forceinline__ void cvt4(u32 x, u32& lo, u32& hi) {
     }
 }
 
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+#if KIVI_BITS
+// Bit plane m of a word: codes of bytes 0 and 2 -> e, of bytes 1 and 3 -> o, each
+// dequantized (code * scale + zero, f16x2) with the scale/zero pairs given.
+__device__ __forceinline__ void kivi_pair(u32 x, int m, u32 se, u32 so, u32 ze, u32 zo, u32& e, u32& o) {
+    constexpr u32 MASK = ((1u << KIVI_BITS) - 1u) * 0x00010001u;
+    const u32 y = x >> (KIVI_BITS * m);
+    const u32 te = (y & MASK) | 0x64006400u, to = ((y >> 8) & MASK) | 0x64006400u;  // 1024 + code
+    e = hfma2(hsub2(te, 0x64006400u), se, ze);
+    o = hfma2(hsub2(to, 0x64006400u), so, zo);
+}
+#endif
+
+// Channel of row `row` (0..7; row + 8 is the next channel) of PV m-tile j.
+__device__ __forceinline__ int v_channel(int j, int row) {
+#if KIVI_BITS
+    const int e = j & 1, m = (j >> 1) % PER, u = (j >> 1) / PER;
+    return m * DP + 32 * u + 4 * row + 2 * e;
+#else
+    return VB * row + 2 * j;
+#endif
+}
+
+// First channel of the 4 that QK k-step s of lane column c covers.
+__device__ __forceinline__ int k_channel(int s, int c) {
+#if KIVI_BITS
+    return (s % PER) * DP + KB * c + 4 * (s / PER);
+#else
+    return QB * c + 4 * s;
+#endif
+}
+
+// The A/B fragment pairs of 4 channels given as two words (x, x+1 | x+2, x+3):
+// 8-bit maps pair neighbours, KIVI maps pair (x, x+2) and (x+1, x+3).
+__device__ __forceinline__ void pair_words(u32 w0, u32 w1, u32& p0, u32& p1) {
+#if KIVI_BITS
+    p0 = __byte_perm(w0, w1, 0x5410);
+    p1 = __byte_perm(w0, w1, 0x7632);
+#else
+    p0 = w0;
+    p1 = w1;
+#endif
+}
+
+// cp.async of 16 rows of `row_bytes` (a multiple of 16) to rows `dst_stride` apart.
+template <int ROW_BYTES, int DST_STRIDE>
+__device__ __forceinline__ void copy_rows(u8* dst, const u8* src, i64 src_stride, int lane) {
+    constexpr int PPR = ROW_BYTES / 16;
+#pragma unroll
+    for (int p = lane; p < 16 * PPR; p += 32) cp16(dst + (p / PPR) * DST_STRIDE + (p % PPR) * 16,
+                                                   src + (p / PPR) * src_stride + (p % PPR) * 16);
+}
+
 template <int NW>
 __device__ __forceinline__ void lds(u32* w, const u8* p) {  // NW words from 16-byte (NW = 2: 8-byte) aligned shared memory
-    if constexpr (NW == 2) {
+    if constexpr (NW == 1) {
+        w[0] = *reinterpret_cast<const u32*>(p);
+    } else if constexpr (NW == 2) {
         const uint2 v = *reinterpret_cast<const uint2*>(p);
         w[0] = v.x;
         w[1] = v.y;
@@ -205,8 +312,9 @@ __device__ __forceinline__ void copy_scales(u8* dst, const u8* base, i64 blk, in
 
 extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode8(
     const u16* __restrict__ q, i64 s_qb, i64 s_qh,            // [B, Hq, D] model dtype
-    const u8* __restrict__ kd, const u8* __restrict__ vd,     // [NB, H, PAGE, D] 8-bit codes
-    const u8* __restrict__ ks, const u8* __restrict__ vs,     // scales, per K_SCALE / V_SCALE
+    const u8* __restrict__ kd, const u8* __restrict__ vd,     // [NB, H, PAGE, D or DP] codes
+    const u8* __restrict__ ks, const u8* __restrict__ vs,     // scales, per K_SCALE / V_SCALE (KIVI: planes)
+    const u8* __restrict__ kz, const u8* __restrict__ vz,     // KIVI zero planes (unused for 8-bit)
     const u8* __restrict__ khp, const u8* __restrict__ vhp,   // [NHP, H, PAGE, D] model dtype
     const int* __restrict__ tables, i64 s_tb,                 // [B, max_blocks] signed block ids
     const int* __restrict__ seq_lens,                         // [B]
@@ -223,48 +331,40 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     const int nw = c1 - c0 - warp > 0 ? (c1 - c0 - warp + NWARPS - 1) / NWARPS : 0;
     const int* table = tables + (i64)b * s_tb;
     u8* ring = smem + warp * (NSTAGES * STAGE);
+#if !KIVI_BITS
     const float ks_static = K_SCALE == 0 ? reinterpret_cast<const float*>(ks)[h] : 1.f;
     const float vs_static = V_SCALE == 0 ? reinterpret_cast<const float*>(vs)[h] : 1.f;
+#endif
 
-    // ---- the query group as B fragments: qf in f16 for the 8-bit chunks, qh in the model dtype for hp ones
+    // ---- the query group as B fragments (k_channel's map): qf in f16 for the quantized
+    // chunks, qh in the model dtype for the high-precision ones
     u32 qf[KS][2];
 #if HAS_HP && MODEL_BF16
     u32 qh[KS][2];
 #elif HAS_HP
-    u32(&qh)[KS][2] = qf;  // f16 model: the hp blocks use the same fragments
+    u32(&qh)[KS][2] = qf;  // f16 model: the hp chunks use the same fragments
 #endif
     {
-        u32 w[QB / 2];  // channels [QB*c, QB*c + QB) of query row gi, two per word
-        if (gi < GROUP) {
-            const u8* row = reinterpret_cast<const u8*>(q + (i64)b * s_qb + (i64)(h * GROUP + gi) * s_qh) + 2 * QB * c;
+        const u8* row = reinterpret_cast<const u8*>(q + (i64)b * s_qb + (i64)(h * GROUP + (gi < GROUP ? gi : 0)) * s_qh);
 #pragma unroll
-            for (int k = 0; k < QB / 8; ++k) {
-                const uint4 v = reinterpret_cast<const uint4*>(row)[k];
-                w[4 * k] = v.x;
-                w[4 * k + 1] = v.y;
-                w[4 * k + 2] = v.z;
-                w[4 * k + 3] = v.w;
-            }
-        } else {
-#pragma unroll
-            for (int k = 0; k < QB / 2; ++k) w[k] = 0u;
-        }
-#pragma unroll
-        for (int j = 0; j < KS; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const u32 x = w[2 * j + e];
+        for (int s = 0; s < KS; ++s) {
+            const uint2 v = *reinterpret_cast<const uint2*>(row + 2 * k_channel(s, c));
+            u32 p0, p1;
+            pair_words(gi < GROUP ? v.x : 0u, gi < GROUP ? v.y : 0u, p0, p1);
 #if MODEL_BF16
-                qf[j][e] = pack_f16(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+            qf[s][0] = pack_f16(__uint_as_float(p0 << 16), __uint_as_float(p0 & 0xffff0000u));
+            qf[s][1] = pack_f16(__uint_as_float(p1 << 16), __uint_as_float(p1 & 0xffff0000u));
 #if HAS_HP
-                qh[j][e] = x;
+            qh[s][0] = p0;
+            qh[s][1] = p1;
 #endif
 #else
-                qf[j][e] = x;
+            qf[s][0] = p0;
+            qf[s][1] = p1;
 #endif
-            }
         }
     }
+
     // ---- producer: chunk k of this warp -> stage k % NSTAGES (an empty group past the end)
     int tb = 0;  // signed block ids of this warp's chunks k0 + lane, k0 = k & ~31
     auto issue = [&](int k) {
@@ -279,24 +379,32 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             u8* st = ring + (k % NSTAGES) * STAGE;
             if (lane == 0) *reinterpret_cast<int*>(st + BLK_OFF) = blk;
             if (!HAS_HP || blk >= 0) {
-                const i64 base = (((i64)blk * H + h) * PAGE + poff) * D;
-#pragma unroll
-                for (int r = 0; r < D / 32; ++r) {  // 16 rows x D/16 pieces of 16 bytes, for K and V
-                    const int p = lane + 32 * r, row = p / (D / 16), col = (p % (D / 16)) * 16;
-                    cp16(st + row * RS + col, kd + base + row * D + col);
-                    cp16(st + (16 + row) * RS + col, vd + base + row * D + col);
+                const i64 bh = (i64)blk * H + h;
+#if KIVI_BITS
+                copy_rows<DP, RSK>(st, kd + (bh * PAGE + poff) * DP, DP, lane);
+                copy_rows<DP, RSV>(st + VR_OFF, vd + (bh * PAGE + poff) * DP, DP, lane);
+                // K: the scale and zero rows of the chunk's 32-token group; V: 16 tokens' scales and zeros
+                const i64 krow = (bh * (PAGE / 32) + poff / 32) * (2 * D);
+                for (int p = lane; p < D / 4; p += 32) {
+                    const int half = p / (D / 8), col = (p % (D / 8)) * 16;
+                    cp16(st + KSC_OFF + half * 2 * D + col, (half ? kz : ks) + krow + col);
                 }
+                const i64 vrow = (bh * PAGE + poff) * (2 * NG);
+                if (lane < 4 * NG) {
+                    const int half = lane / (2 * NG), col = (lane % (2 * NG)) * 16;
+                    cp16(st + VSC_OFF + half * 32 * NG + col, (half ? vz : vs) + vrow + col);
+                }
+#else
+                copy_rows<D, RS>(st, kd + (bh * PAGE + poff) * D, D, lane);
+                copy_rows<D, RS>(st + 16 * RS, vd + (bh * PAGE + poff) * D, D, lane);
                 copy_scales<K_SCALE>(st + SC_OFF, ks, blk, h, H, poff, lane, 0);
                 copy_scales<V_SCALE>(st + SC_OFF + 64, vs, blk, h, H, poff, lane, 4);
+#endif
             } else {
 #if HAS_HP
                 const i64 base = (((i64)(-blk - 1) * H + h) * PAGE + poff) * (2 * D);
-#pragma unroll
-                for (int r = 0; r < D / 16; ++r) {  // 16 rows x D/8 pieces
-                    const int p = lane + 32 * r, row = p / (D / 8), col = (p % (D / 8)) * 16;
-                    cp16(st + row * RSH + col, khp + base + row * (2 * D) + col);
-                    cp16(st + (16 + row) * RSH + col, vhp + base + row * (2 * D) + col);
-                }
+                copy_rows<2 * D, RSH>(st, khp + base, 2 * D, lane);
+                copy_rows<2 * D, RSH>(st + 16 * RSH, vhp + base, 2 * D, lane);
 #endif
             }
         }
@@ -325,6 +433,26 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         float s[4] = {0.f, 0.f, 0.f, 0.f};
         float fk0 = qk_scale, fk1 = qk_scale, fv0 = 1.f, fv1 = 1.f;
         if (!hp) {
+#if KIVI_BITS
+            u32 r0[KW], r1[KW];
+            lds<KW>(r0, st + gi * RSK + KB * c);
+            lds<KW>(r1, st + (gi + 8) * RSK + KB * c);
+#pragma unroll
+            for (int m = 0; m < PER; ++m) {
+                u32 sw[KB / 2], zw[KB / 2];  // scales / zeros of channels m * DP + KB*c + [0, KB)
+                lds<KB / 2>(sw, st + KSC_OFF + 2 * (m * DP + KB * c));
+                lds<KB / 2>(zw, st + KSC_OFF + 2 * D + 2 * (m * DP + KB * c));
+#pragma unroll
+                for (int w = 0; w < KW; ++w) {
+                    u32 se, so, ze, zo, a0, a1, a2, a3;
+                    pair_words(sw[2 * w], sw[2 * w + 1], se, so);
+                    pair_words(zw[2 * w], zw[2 * w + 1], ze, zo);
+                    kivi_pair(r0[w], m, se, so, ze, zo, a0, a2);
+                    kivi_pair(r1[w], m, se, so, ze, zo, a1, a3);
+                    mma_f16(s, a0, a1, a2, a3, qf[w * PER + m][0], qf[w * PER + m][1]);
+                }
+            }
+#else
             u32 r0[KS], r1[KS];
             lds<KS>(r0, st + gi * RS + QB * c);
             lds<KS>(r1, st + (gi + 8) * RS + QB * c);
@@ -339,16 +467,18 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             fk1 *= scale_at<K_SCALE>(st + SC_OFF, gi + 8, ks_static);
             fv0 = scale_at<V_SCALE>(st + SC_OFF + 64, gi, vs_static);
             fv1 = scale_at<V_SCALE>(st + SC_OFF + 64, gi + 8, vs_static);
+#endif
         } else {
 #if HAS_HP
 #pragma unroll
-            for (int j2 = 0; j2 < KS; j2 += 4) {  // 4 k-steps (8 words of each row) at a time
-                u32 r0[8], r1[8];
-                lds<8>(r0, st + gi * RSH + 2 * QB * c + 8 * 4 * (j2 / 4));
-                lds<8>(r1, st + (gi + 8) * RSH + 2 * QB * c + 8 * 4 * (j2 / 4));
-#pragma unroll
-                for (int j = 0; j < 4 && j2 + j < KS; ++j)
-                    mma_hp(s, r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1], qh[j2 + j][0], qh[j2 + j][1]);
+            for (int j = 0; j < KS; ++j) {
+                const int x = 2 * k_channel(j, c);
+                const uint2 w0 = *reinterpret_cast<const uint2*>(st + gi * RSH + x);
+                const uint2 w1 = *reinterpret_cast<const uint2*>(st + (gi + 8) * RSH + x);
+                u32 a0, a1, a2, a3;
+                pair_words(w0.x, w0.y, a0, a2);
+                pair_words(w1.x, w1.y, a1, a3);
+                mma_hp(s, a0, a1, a2, a3, qh[j][0], qh[j][1]);
             }
 #endif
         }
@@ -377,10 +507,54 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             acc[j][3] *= al1;
         }
 
-        // O^T += V^T . P^T, P^T from the S^T fragment (V's scales folded into P)
+        // O^T += V^T . P^T, P^T from the S^T fragment (8-bit: V's scales folded into P)
         if (!hp) {
             const u32 pb0 = trans8x8(pack_f16(p0 * fv0, p1 * fv0));
             const u32 pb1 = trans8x8(pack_f16(p2 * fv1, p3 * fv1));
+#if KIVI_BITS
+            u32 v0[NU], v1[NU], v8[NU], v9[NU];
+#pragma unroll
+            for (int u = 0; u < NU; ++u) {
+                const int x = 4 * gi + 32 * u;
+                v0[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c) * RSV + x);
+                v1[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c + 1) * RSV + x);
+                v8[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c + 8) * RSV + x);
+                v9[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c + 9) * RSV + x);
+            }
+            // scales / zeros of tokens 2c, 2c+1, 2c+8, 2c+9: NG f16 each
+            constexpr int NGW = (NG + 1) / 2;
+            u32 s0[NGW], s1[NGW], s8[NGW], s9[NGW], z0[NGW], z1[NGW], z8[NGW], z9[NGW];
+            const u8* vsc = st + VSC_OFF;
+            const u8* vzr = vsc + 32 * NG;
+            lds<NGW>(s0, vsc + (2 * c) * 2 * NG);
+            lds<NGW>(s1, vsc + (2 * c + 1) * 2 * NG);
+            lds<NGW>(s8, vsc + (2 * c + 8) * 2 * NG);
+            lds<NGW>(s9, vsc + (2 * c + 9) * 2 * NG);
+            lds<NGW>(z0, vzr + (2 * c) * 2 * NG);
+            lds<NGW>(z1, vzr + (2 * c + 1) * 2 * NG);
+            lds<NGW>(z8, vzr + (2 * c + 8) * 2 * NG);
+            lds<NGW>(z9, vzr + (2 * c + 9) * 2 * NG);
+#pragma unroll
+            for (int u = 0; u < NU; ++u) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    // bytes 2e, 2e+1 of the two tokens of each pair: [A.2e, A.2e+1, B.2e, B.2e+1]
+                    const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
+                    const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
+#pragma unroll
+                    for (int m = 0; m < PER; ++m) {
+                        const int g = m * NU + u;  // channel group of this m-tile
+                        const u32 hs = (g & 1) ? 0x7632 : 0x5410;
+                        const u32 sA = __byte_perm(s0[g / 2], s1[g / 2], hs), sB = __byte_perm(s8[g / 2], s9[g / 2], hs);
+                        const u32 zA = __byte_perm(z0[g / 2], z1[g / 2], hs), zB = __byte_perm(z8[g / 2], z9[g / 2], hs);
+                        u32 a0, a1, a2, a3;
+                        kivi_pair(tA, m, sA, sA, zA, zA, a0, a1);
+                        kivi_pair(tB, m, sB, sB, zB, zB, a2, a3);
+                        mma_f16(acc[(u * PER + m) * 2 + e], a0, a1, a2, a3, pb0, pb1);
+                    }
+                }
+            }
+#else
             u32 v0[VB / 4], v1[VB / 4], v8[VB / 4], v9[VB / 4];
             lds<VB / 4>(v0, st + (16 + 2 * c) * RS + VB * gi);
             lds<VB / 4>(v1, st + (17 + 2 * c) * RS + VB * gi);
@@ -395,6 +569,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 cvt4<V_KIND>(__byte_perm(v8[w], v9[w], sel), a2, a3);
                 mma_f16(acc[j], a0, a1, a2, a3, pb0, pb1);
             }
+#endif
         } else {
 #if HAS_HP
 #if MODEL_BF16
@@ -402,19 +577,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #else
             const u32 pb0 = trans8x8(pack_f16(p0, p1)), pb1 = trans8x8(pack_f16(p2, p3));
 #endif
+            const u8* vr = st + 16 * RSH;
 #pragma unroll
-            for (int j2 = 0; j2 < KS; j2 += 8) {  // 8 m-tiles (8 words of each token) at a time
-                constexpr int NWD = KS < 8 ? KS : 8;
-                u32 v0[NWD], v1[NWD], v8[NWD], v9[NWD];
-                const int off = 2 * VB * gi + 4 * j2;
-                lds<NWD>(v0, st + (16 + 2 * c) * RSH + off);
-                lds<NWD>(v1, st + (17 + 2 * c) * RSH + off);
-                lds<NWD>(v8, st + (24 + 2 * c) * RSH + off);
-                lds<NWD>(v9, st + (25 + 2 * c) * RSH + off);
-#pragma unroll
-                for (int j = 0; j < NWD; ++j)
-                    mma_hp(acc[j2 + j], __byte_perm(v0[j], v1[j], 0x5410), __byte_perm(v0[j], v1[j], 0x7632),
-                           __byte_perm(v8[j], v9[j], 0x5410), __byte_perm(v8[j], v9[j], 0x7632), pb0, pb1);
+            for (int j = 0; j < KS; ++j) {  // channels (x, x+1) of tokens 2c, 2c+1, 2c+8, 2c+9
+                const int x = 2 * v_channel(j, gi);
+                const u32 w0 = *reinterpret_cast<const u32*>(vr + (2 * c) * RSH + x);
+                const u32 w1 = *reinterpret_cast<const u32*>(vr + (2 * c + 1) * RSH + x);
+                const u32 w8 = *reinterpret_cast<const u32*>(vr + (2 * c + 8) * RSH + x);
+                const u32 w9 = *reinterpret_cast<const u32*>(vr + (2 * c + 9) * RSH + x);
+                mma_hp(acc[j], __byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
+                       __byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632), pb0, pb1);
             }
 #endif
         }
@@ -436,11 +608,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     for (int e = 0; e < 2; ++e) {
         const int qq = 2 * c + e;
         if (qq < GROUP) {
-            float* dst = os + (warp * 8 + qq) * D + VB * gi;
+            float* dst = os + (warp * 8 + qq) * D;
 #pragma unroll
             for (int j = 0; j < KS; ++j) {
-                dst[2 * j] = acc[j][e];
-                dst[2 * j + 1] = acc[j][2 + e];
+                const int ch = v_channel(j, gi);
+                dst[ch] = acc[j][e];
+                dst[ch + 1] = acc[j][2 + e];
             }
             if (gi == 0) {
                 ms[warp * 8 + qq] = e ? m1 : m0;

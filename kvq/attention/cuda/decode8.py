@@ -1,10 +1,11 @@
-"""Launcher of the CUDA 8-bit paged decode kernel (decode8.cu), compiled with NVRTC.
+"""Launcher of the CUDA paged decode kernel for quantized caches (decode8.cu), compiled with NVRTC.
 
 Serves K and V stored in 8 bits (FP8 e4m3 / e5m2 with static, per-token or
-per-block scales; INT8 with per-token scales), head dims 64/128/256, pages a
-multiple of 16 tokens, up to 8 query heads per KV head, bf16 or f16 queries,
-and tables that mix in high-precision blocks (sinks, recent window) in the
-same pass.  Compilation goes through CuPy's NVRTC (CuPy is on the GPU machine;
+per-block scales; INT8 with per-token scales) or as KIVI (int4_kivi /
+int2_kivi: K per channel over 32 tokens, V per token over 32 channels), head
+dims 64/128/256 (KIVI-2: 128/256), pages a multiple of 16 tokens (KIVI: 32),
+up to 8 query heads per KV head, bf16 or f16 queries, and tables that mix in
+high-precision blocks (sinks, recent window) in the same pass.  Compilation goes through CuPy's NVRTC (CuPy is on the GPU machine;
 :func:`unavailable_reason` says whether it runs here); the launch passes raw device
 pointers on torch's current stream, so it is captured by CUDA graphs like any
 torch kernel.  With more than one split the partials are merged by the Triton
@@ -54,8 +55,8 @@ def unavailable_reason() -> str | None:
 
 
 def scale_mode(t: TensorFormat) -> int:
-    """The kernel's code for a tensor format's scales (see decode8.cu)."""
-    if t.scale in ("static", "none"):
+    """The kernel's code for a tensor format's scales (see decode8.cu); 0 for KIVI (unused)."""
+    if t.scale in ("static", "none") or t.family == "kivi":
         return 0
     if t.scale == "token_head":
         return 1 if t.scale_dtype == "float32" else 2
@@ -64,10 +65,27 @@ def scale_mode(t: TensorFormat) -> int:
     raise ValueError(f"{t.name}: no 8-bit CUDA decode for scale {t.scale}")
 
 
+KIVI_GROUP = 32
+
+
+def kivi_bits(t: TensorFormat) -> int:
+    """4 or 2 for the KIVI formats this kernel reads (``t``'s role decides the axis), else 0."""
+    want = "channel_group" if t.role == "k" else "token_group"
+    if t.family == "kivi" and t.scale == want and t.bits in (2, 4) and t.group_size == KIVI_GROUP:
+        return t.bits
+    return 0
+
+
 def format_reason(t: TensorFormat) -> str | None:
     """None if this kernel reads tensors of format ``t``, else why not."""
+    if t.family == "kivi":
+        if t.group_size != KIVI_GROUP:
+            return f"{t.name}: group size {t.group_size} (the kernel reads groups of {KIVI_GROUP})"
+        if not kivi_bits(t):
+            return f"{t.name}: {t.role.upper()} scaled per {t.scale} (the kernel reads KIVI's K per channel, V per token)"
+        return None
     if t.storage not in _KIND or t.bits != 8:
-        return f"{t.name} is not stored in 8 bits"
+        return f"{t.name} is neither stored in 8 bits nor KIVI"
     if t.scale not in ("static", "none", "token_head", "block_head"):
         return f"{t.name}: scale {t.scale} is not read by the 8-bit kernel"
     if t.scale == "token_head" and t.scale_dtype not in ("float32", "float16"):
@@ -75,27 +93,46 @@ def format_reason(t: TensorFormat) -> str | None:
     return None
 
 
-def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str | None:
-    """None if this kernel serves decode over ``layer``, else why not."""
-    for t in (layer.fmt.k, layer.fmt.v):
+def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: int, group: int) -> str | None:
+    """None if this kernel serves decode over a layer of these formats and shape, else why not."""
+    for t in (k, v):
         why = format_reason(t)
         if why:
             return why
-    if layer.head_dim not in HEAD_DIMS:
-        return f"head_dim {layer.head_dim} not in {HEAD_DIMS}"
-    if layer.block_size % 16:
-        return f"page {layer.block_size} is not a multiple of 16"
+    bits = kivi_bits(k), kivi_bits(v)
+    if bits[0] != bits[1]:
+        return f"K is {k.name} and V {v.name}: both 8-bit, or both KIVI of one width"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} not in {HEAD_DIMS}"
+    if bits[0] == 2 and head_dim < 128:
+        return f"int2 KIVI at head_dim {head_dim} (needs 128 or 256)"
+    page = 32 if bits[0] else 16
+    if block_size % page:
+        return f"page {block_size} is not a multiple of {page}"
     if group > MAX_GROUP:
         return f"{group} query heads per KV head (at most {MAX_GROUP})"
-    if q_dtype not in (torch.bfloat16, torch.float16):
-        return f"queries must be bfloat16 or float16, not {q_dtype}"
     return None
 
 
-def stage_bytes(head_dim: int, has_hp: bool) -> int:
+def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str | None:
+    """None if this kernel serves decode over ``layer``, else why not."""
+    why = layer_reason(layer.fmt.k, layer.fmt.v, layer.head_dim, layer.block_size, group)
+    if why is None and q_dtype not in (torch.bfloat16, torch.float16):
+        why = f"queries must be bfloat16 or float16, not {q_dtype}"
+    return why
+
+
+def stage_bytes(head_dim: int, has_hp: bool, kivi: int = 0) -> int:
     """Shared memory of one pipeline stage (mirrors STAGE in decode8.cu)."""
-    row = 2 * head_dim + 16 if has_hp else head_dim + 16
-    return 32 * row + 144
+    if kivi:
+        dp = head_dim * kivi // 8
+        rsk = dp if dp <= 64 else dp + 16
+        rsv = (dp + 47) // 64 * 64 + 16
+        q_stage = 16 * rsk + 16 * rsv + 4 * head_dim + 64 * (head_dim // 32)
+    else:
+        q_stage = 32 * (head_dim + 16) + 128
+    hp_stage = 32 * (2 * head_dim + 16)
+    return (max(q_stage, hp_stage) if has_hp else q_stage) + 16
 
 
 #: Shared memory one CTA may use on sm_90 (227 KiB).
@@ -103,14 +140,14 @@ MAX_SMEM = 227 * 1024
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(d: int, page: int, group: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool, bf16: bool,
-            nwarps: int, nstages: int, min_blocks: int):
+def _kernel(d: int, page: int, group: int, kivi: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool,
+            bf16: bool, nwarps: int, nstages: int, min_blocks: int):
     import cupy
 
-    opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DK_KIND={kk}",
-            f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
+    opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DKIVI_BITS={kivi}",
+            f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
             f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}")
-    smem = nwarps * nstages * stage_bytes(d, has_hp)
+    smem = nwarps * nstages * stage_bytes(d, has_hp, kivi)
     if smem > MAX_SMEM:
         raise ValueError(f"{nwarps} warps x {nstages} stages need {smem} bytes of shared memory (at most {MAX_SMEM})")
     kern = cupy.RawModule(code=_SOURCE.read_text(), options=opts, backend="nvrtc").get_function("kvq_decode8")
@@ -164,7 +201,7 @@ def _ptr(t: torch.Tensor):
 
 def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  sm_scale: float, max_seq_len: int | None = None, has_hp: bool | None = None,
-                 num_splits: int | None = None, nwarps: int = NWARPS, nstages: int = NSTAGES,
+                 num_splits: int | None = None, nwarps: int = NWARPS, nstages: int | None = None,
                  min_blocks: int | None = None) -> torch.Tensor:
     """Same contract as :func:`kvq.attention.reference.paged_decode`.
 
@@ -191,15 +228,21 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     if has_hp is None:
         has_hp = layer.k_hp.shape[0] > 0
     min_blocks = min_blocks or min_blocks_for(D)
+    # stages of hp-sized rows: 2 keep 3 CTAs per SM within the shared memory
+    nstages = nstages or (2 if has_hp else NSTAGES)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
     if num_splits is None:
         num_splits = choose_splits(B * H, max_seq_len, _num_sms(q.device.index or 0), min_blocks, nwarps=nwarps)
     fk, fv = layer.fmt.k, layer.fmt.v
-    kern, smem = _kernel(D, layer.block_size, group, _KIND[fk.storage], _KIND[fv.storage], scale_mode(fk),
-                         scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages, min_blocks)
-    ks = layer.k_scale if scale_mode(fk) == 0 else layer.k["scale"]
-    vs = layer.v_scale if scale_mode(fv) == 0 else layer.v["scale"]
+    kivi = kivi_bits(fk)
+    kern, smem = _kernel(D, layer.block_size, group, kivi, _KIND.get(fk.storage, 0), _KIND.get(fv.storage, 0),
+                         scale_mode(fk), scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages,
+                         min_blocks)
+    ks = layer.k_scale if scale_mode(fk) == 0 and not kivi else layer.k["scale"]
+    vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
+    kz = layer.k["zero"] if kivi else ks
+    vz = layer.v["zero"] if kivi else vs
     out = torch.empty_like(q)
     if num_splits > 1:
         po = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
@@ -210,7 +253,8 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     with cupy.cuda.Device(q.device.index or 0), stream:
         kern((num_splits, H, B), (32 * nwarps,), (
             _ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
-            _ptr(layer.k["data"]), _ptr(layer.v["data"]), _ptr(ks), _ptr(vs), _ptr(layer.k_hp), _ptr(layer.v_hp),
+            _ptr(layer.k["data"]), _ptr(layer.v["data"]), _ptr(ks), _ptr(vs), _ptr(kz), _ptr(vz),
+            _ptr(layer.k_hp), _ptr(layer.v_hp),
             _ptr(block_tables), np.int64(block_tables.stride(0)), _ptr(seq_lens),
             _ptr(po), _ptr(plse), _ptr(out), np.int64(out.stride(0)), np.int64(out.stride(1)),
             np.float32(sm_scale * _LOG2E), np.int32(H),

@@ -1,8 +1,8 @@
 """The ``cuda`` backend's kernels under the reference's names (see kvq.attention.reference).
 
-Decode over layers stored in 8 bits runs the CUDA kernel of decode8.cu; decode
-over any other layer (bf16 skip layers, KIVI), prefill, write and seal run the
-Triton kernels.  Which kernel serves a layer depends only on its format, so a
+Decode over layers stored in 8 bits or as KIVI runs the CUDA kernel of
+decode8.cu; decode over any other layer (bf16 skip layers, per-token 4/2-bit
+baselines), prefill, write and seal run the Triton kernels.  Which kernel serves a layer depends only on its format, so a
 plan's choice is fixed when the backend is selected (backends.py reports it).
 """
 
