@@ -72,6 +72,7 @@ class Engine:
         self.mem = {"q": [[None] * self.bs for _ in range(nq)], "hp": [[None] * self.bs for _ in range(nhp)]}
         self.seqs: dict[int, Sequence] = {}
         self.num_preempted = 0
+        self.tables: dict[int, list] = {}  # the runner's mirror, built only from scheduler outputs
 
     def add(self, sid, prompt, **params) -> Sequence:
         seq = Sequence(sid, prompt, SamplingParams(**params), arrival_time=self.clock.t)
@@ -90,12 +91,26 @@ class Engine:
                 assert self.mem["hp"][op.src_hp_block] == expect, "a seal read an incomplete hp block"
                 self.mem["q"][op.dst_q_block] = list(self.mem["hp"][op.src_hp_block])
 
+    def mirror(self, out) -> None:
+        """Apply an output's released sequences and table deltas to the mirror; it must equal
+        the block manager's tables, and each item's slots must be the manager's slots."""
+        for sid in out.released:
+            self.tables.pop(sid, None)
+        for item in out.scheduled:
+            t = self.tables.setdefault(item.seq_id, [])
+            assert item.table_start <= len(t), "a delta must start inside the mirrored table"
+            t[item.table_start:] = item.table_refs
+            assert len(t) == item.table_len
+            assert t == self.bm.block_table(item.seq_id), "the mirror drifted from the block manager"
+            end = item.start + item.num_new_tokens
+            assert list(item.slots) == self.bm.slots(item.seq_id, item.start, end)
+
     def forward(self, item) -> int | None:
         seq = self.seqs[item.seq_id]
         toks, start, end = seq.all_token_ids, item.start, item.start + item.num_new_tokens
         assert start == seq.num_computed_tokens and end <= len(toks)
         kv, written = kv_chain(toks), {}
-        for pos, (pool, bid, off) in zip(range(start, end), self.bm.slots(item.seq_id, start, end)):
+        for pos, (pool, bid, off) in zip(range(start, end), item.slots):
             self.mem[pool][bid][off] = kv[pos]
             written.setdefault((pool, bid), set()).add(off)
         if not self.policy.write_direct:
@@ -106,7 +121,8 @@ class Engine:
         assert item.sample == (end == len(toks))
         if not item.sample:
             return None
-        got = [self.mem[p][b][o] for p, b, o in self.bm.slots(item.seq_id, 0, end)]
+        table = self.tables[item.seq_id]
+        got = [self.mem[table[i // self.bs].pool][table[i // self.bs].block_id][i % self.bs] for i in range(end)]
         assert got == kv, f"seq {item.seq_id} samples over KV that is not its own"
         return next_token(toks)
 
@@ -122,6 +138,7 @@ class Engine:
         self.s.check_integrity()
         stalled = [q for q in self.seqs.values() if q.status is SeqStatus.PREFILL and q.seq_id not in ids]
         assert not stalled, f"a running prefill got no chunk: {stalled}"  # the policy's no-stall claim
+        self.mirror(out)
         if not out.scheduled:
             return out, []
         if abort_one is not None:  # an abort between schedule() and update()

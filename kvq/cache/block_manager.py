@@ -90,7 +90,7 @@ Op = SealOp | CopyOp
 class _Seq:
     """Mutable per-sequence state; private to the manager."""
 
-    __slots__ = ("hashes", "num_computed", "num_registered", "num_settled", "seal_from", "table", "tokens")
+    __slots__ = ("changed", "hashes", "num_computed", "num_registered", "num_settled", "seal_from", "table", "tokens")
 
     def __init__(self, tokens: list[int], table: list[BlockRef], num_computed: int, hashes: list[int], sink: int):
         self.tokens = tokens  # ids of all tokens with reserved slots
@@ -100,11 +100,12 @@ class _Seq:
         self.num_registered = len(hashes)  # leading full blocks already offered to the prefix index
         self.hashes = hashes  # chained hashes of leading full blocks (a cache)
         self.seal_from = sink  # blocks [sink, seal_from) are known to be q
+        self.changed = 0  # table entries [changed, len) changed since the last table_delta()
 
     def clone(self) -> _Seq:
         s = _Seq(list(self.tokens), list(self.table), self.num_computed, list(self.hashes), 0)
         s.num_settled, s.num_registered, s.seal_from = self.num_settled, self.num_registered, self.seal_from
-        return s
+        return s  # changed = 0: the clone's table is new to whoever mirrors it
 
 
 class BlockManager:
@@ -151,6 +152,15 @@ class BlockManager:
 
     def block_table(self, seq_id: SeqId) -> list[BlockRef]:
         return list(self._seq(seq_id).table)
+
+    def table_delta(self, seq_id: SeqId) -> tuple[int, tuple[BlockRef, ...], int]:
+        """``(start, refs, length)``: the table entries ``[start, length)`` that changed since
+        the previous call for this sequence (all of them on the first call), so a mirror of
+        the table stays equal to :meth:`block_table` by overwriting ``[start, length)``."""
+        seq = self._seq(seq_id)
+        start, n = seq.changed, len(seq.table)
+        seq.changed = n
+        return start, tuple(seq.table[start:]), n
 
     def num_tokens(self, seq_id: SeqId) -> int:
         return len(self._seq(seq_id).tokens)
@@ -345,6 +355,7 @@ class BlockManager:
                     q.register(dst, seq.hashes[i], self._block_tokens(seq.tokens, i))
                 ops.append(SealOp(seq_id, i, src, dst))
             seq.table[i] = BlockRef("q", dst)
+            seq.changed = min(seq.changed, i)
             hp.free(src)
         seq.seal_from = seal_from
         if k and n_old % bs:
@@ -356,7 +367,9 @@ class BlockManager:
                 ops.append(CopyOp(tail, new))
                 pool.free(tail.block_id)
                 seq.table[j] = new
+                seq.changed = min(seq.changed, j)
         n_new = n_old + k
+        seq.changed = min(seq.changed, len(seq.table))
         for i in range(len(seq.table), -(-n_new // bs)):
             pool = block_state(i, n_new, self.policy)
             seq.table.append(BlockRef(pool, self._alloc[pool].allocate()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvq.cache.block_manager import BlockManager, CopyOp, SealOp
@@ -62,10 +63,13 @@ def _full_blocks(slots: list[int], block_size: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class HostStep:
-    """A step's metadata as host lists (what :class:`StepMetadata` holds on the device)."""
+    """A step's metadata on the host (what :class:`StepMetadata` holds on the device).
+
+    ``tables`` is a list of signed tables, or a ``[B, W]`` int32 numpy array whose
+    rows hold 0 past each table's end (the runner's gathered mirror)."""
 
     slots: list[int]
-    tables: list[list[int]]
+    tables: list[list[int]] | np.ndarray
     seq_lens: list[int]
     num_new: list[int]
 
@@ -102,18 +106,28 @@ def build_metadata(
     return to_device(host_step(manager, seq_ids, num_new, starts), manager.block_size, device)
 
 
+def table_array(tables: list[list[int]] | np.ndarray) -> np.ndarray:
+    """Signed tables as a ``[B, W]`` int32 array, rows padded with 0."""
+    if isinstance(tables, np.ndarray):
+        return tables
+    width = max((len(t) for t in tables), default=0)
+    out = np.zeros((len(tables), width), np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
 def to_device(step: HostStep, block_size: int, device: torch.device | str) -> StepMetadata:
-    tables, num_new = step.tables, step.num_new
+    num_new = step.num_new
     cu = [0]
     for k in num_new:
         cu.append(cu[-1] + k)
-    width = max((len(t) for t in tables), default=0)
-    has_hp = any(t and min(t) < 0 for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
+    table = table_array(step.tables)
+    has_hp = bool((table < 0).any())
     pin = torch.device(device).type == "cuda"
 
     def to_dev(x, dtype):
-        t = torch.tensor(x, dtype=dtype)
+        t = torch.from_numpy(x) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=dtype)
         return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
 
     fb = _full_blocks(step.slots, block_size)
@@ -122,7 +136,7 @@ def to_device(step: HostStep, block_size: int, device: torch.device | str) -> St
         slots=to_dev(step.slots, torch.int64),
         full_blocks=to_dev(fb, torch.int64).reshape(-1, 2),
         cu_seqlens_q=to_dev(cu, torch.int32),
-        block_tables=to_dev(padded, torch.int32).reshape(len(tables), width),
+        block_tables=to_dev(np.ascontiguousarray(table), torch.int32),
         seq_lens=to_dev(step.seq_lens, torch.int32),
         max_q_len=max(num_new, default=0),
         max_seq_len=max(step.seq_lens, default=0),

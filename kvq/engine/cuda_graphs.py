@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from kvq.cache.step import HostStep, StepMetadata
+from kvq.cache.step import HostStep, StepMetadata, table_array
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -98,10 +98,10 @@ class DecodeGraphs:
         b = len(ids)
         g = self.sizes[bisect.bisect_left(self.sizes, b)]
         pad = g - b
-        w = max(len(t) for t in step.tables)
-        nb = self.null_block
-        flat = [e for row in step.tables for e in (row + [nb] * (w - len(row)) if len(row) < w else row)]
-        table = torch.tensor(flat + [nb] * (pad * w), dtype=torch.int32).view(g, w)
+        rows = table_array(step.tables)  # entries past a table's end are never read
+        w = rows.shape[1]
+        table = torch.full((g, w), self.null_block, dtype=torch.int32)  # padding rows: the null block
+        table[:b] = torch.from_numpy(rows)
         longs = torch.tensor([ids + [0] * pad, positions + [0] * pad, step.slots + [self.null_slot] * pad],
                              dtype=torch.int64)
         lens = torch.tensor(step.seq_lens + [1] * pad, dtype=torch.int32)

@@ -14,6 +14,7 @@ the resolved backend, and the pool capacity in blocks and tokens).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     seed: int = 0
     progress: bool = True
+    freeze_gc: bool | None = None  # gc.freeze() once built (default: on CUDA), see LLMEngine
 
 
 @dataclass
@@ -78,7 +80,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: int
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # shared by every output of the request (not copied per step)
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
@@ -153,7 +155,7 @@ class LLMEngine:
             graphs = DecodeGraphs(self.model, self.pool, self.kernels, self.device, cfg.max_num_seqs,
                                   self.max_model_len, null_block=int(num_q), has_hp=num_hp > 0)
             graphs.capture()
-        self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.kernels, self.device, graphs)
+        self.runner = ModelRunner(self.model, self.pool, self.kernels, self.device, graphs, cfg.max_num_seqs)
         self.sampler = Sampler()
         self.seed_state = SeedState()
         self._ids = itertools.count()
@@ -175,6 +177,13 @@ class LLMEngine:
             "cuda_graphs": {"batch_sizes": graphs.sizes, "capture_seconds": round(graphs.capture_seconds, 2)}
             if graphs else None,
         }
+        # Everything built so far (model, tokenizer, graphs: ~10^5-10^6 tracked objects) lives as long
+        # as the engine; frozen, the collector stops re-scanning it, which otherwise stalls a step for
+        # ~170 ms every few dozen steps at 256 sequences (benchmarks/bench_host_step.py).  Off by
+        # default on the CPU, where tests build many short-lived engines.
+        if cfg.freeze_gc if cfg.freeze_gc is not None else self.device.type == "cuda":
+            gc.collect()
+            gc.freeze()
 
     def _kv_memory(self) -> int:
         cfg = self.config
@@ -314,7 +323,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.seq_id,
             prompt=self._prompts.get(seq.seq_id),
-            prompt_token_ids=list(seq.prompt_token_ids),
+            prompt_token_ids=seq.prompt_ids,
             outputs=[CompletionOutput(0, self._texts.get(seq.seq_id, ""), list(seq.output_token_ids),
                                       seq.finish_reason, seq.stop_reason, self._logprobs.get(seq.seq_id))],
             finished=seq.is_finished,

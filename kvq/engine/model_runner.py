@@ -1,48 +1,59 @@
 """Turns a scheduler decision into one forward pass over the paged cache.
 
-Host-side metadata is built in one place (:func:`kvq.cache.step.host_step`)
-and copied to the device once; the seal/copy ops the block manager returned
-run before any K/V of the step is written (its ordering contract).  Pure decode
-steps replay a CUDA graph when the engine captured them
-(:mod:`kvq.engine.cuda_graphs`).
+The scheduler's output is the whole input: each scheduled sequence carries its
+new tokens' cache slots and the block-table entries that changed, which the
+runner applies to its mirror of the tables (:mod:`kvq.engine.block_tables`);
+the runner never reads the block manager.  Host metadata is built here and
+copied to the device once; the seal/copy ops run before any K/V of the step is
+written (the block manager's ordering contract).  Pure decode steps replay a
+CUDA graph when the engine captured them (:mod:`kvq.engine.cuda_graphs`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvq.cache.step import apply_ops, host_step, to_device
+from kvq.cache.pool import encode_slots
+from kvq.cache.step import HostStep, apply_ops, to_device
+from kvq.engine.block_tables import BlockTables
 
 
 class ModelRunner:
-    def __init__(self, model, pool, block_manager, kernels, device: torch.device, graphs=None):
-        self.model, self.pool, self.block_manager, self.kernels, self.device = model, pool, block_manager, kernels, device
+    def __init__(self, model, pool, kernels, device: torch.device, graphs=None, max_num_seqs: int = 64):
+        self.model, self.pool, self.kernels, self.device = model, pool, kernels, device
+        self.block_size = pool.plan.block_size
         self.graphs = graphs  # DecodeGraphs or None (eager)
         self.graph_steps = 0
+        self.tables = BlockTables(rows=max_num_seqs)
 
     def execute(self, sched, seqs: dict) -> tuple[torch.Tensor | None, list[int]]:
         """Run the step; -> (logits [S, V] of the rows that sample, their sequence ids in order)."""
         ids: list[int] = []
         positions: list[int] = []
-        seq_ids, starts, nums, logits_rows, sample_ids = [], [], [], [], []
+        slots: list[tuple[str, int, int]] = []
+        seq_ids, lens, nums, logits_rows, sample_ids = [], [], [], [], []
+        tables = self.tables
+        tables.release(sched.released)
         for item in sched.scheduled:
-            seq = seqs[item.seq_id]
-            tokens = seq.token_ids(item.start, item.start + item.num_new_tokens)
-            assert len(tokens) == item.num_new_tokens, (item, seq.num_tokens)
+            seq, end = seqs[item.seq_id], item.start + item.num_new_tokens
+            tokens = seq.token_ids(item.start, end)
+            assert len(tokens) == item.num_new_tokens == len(item.slots), (item, seq.num_tokens)
             ids += tokens
-            positions += range(item.start, item.start + item.num_new_tokens)
+            positions += range(item.start, end)
+            slots += item.slots
+            tables.update(item.seq_id, item.table_start, item.table_refs, item.table_len)
             seq_ids.append(item.seq_id)
-            starts.append(item.start)
+            lens.append(end)
             nums.append(item.num_new_tokens)
             if item.sample:
                 logits_rows.append(len(ids) - 1)
                 sample_ids.append(item.seq_id)
         apply_ops(self.pool, self.kernels, sched.ops)
-        step = host_step(self.block_manager, seq_ids, nums, starts=starts)
+        step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums)
         if self.graphs is not None and len(logits_rows) == len(seq_ids) and self.graphs.serves(step):
             self.graph_steps += 1
             return self.graphs.run(ids, positions, step), sample_ids
-        meta = to_device(step, self.block_manager.block_size, self.device)
+        meta = to_device(step, self.block_size, self.device)
         pin = self.device.type == "cuda"
 
         def dev(x):

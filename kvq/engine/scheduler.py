@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvq.cache.block_manager import BlockManager, Op
+from kvq.cache.block_manager import BlockManager, BlockRef, Op
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
 from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
 
@@ -98,13 +98,23 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """One sequence's work in a step: compute KV of positions ``[start, start + num_new_tokens)``."""
+    """One sequence's work in a step: compute KV of positions ``[start, start + num_new_tokens)``.
+
+    It carries what the runner needs from the block manager, so nobody else reads
+    the manager: the cache slot of each new token, and the block-table entries
+    ``[table_start, table_len)`` that changed since the sequence was last
+    scheduled (its whole table the first time, and after a preemption).
+    """
 
     seq_id: int
     num_new_tokens: int
     start: int
     is_prefill: bool
     sample: bool  # this step yields its next token (decodes; the prefill chunk that ends the prompt)
+    slots: tuple[tuple[str, int, int], ...] = ()  # (pool, block, offset) of each new token
+    table_start: int = 0
+    table_refs: tuple[BlockRef, ...] = ()  # the table's entries [table_start, table_len)
+    table_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,7 @@ class SchedulerOutput:
     ops: tuple[Op, ...] = ()
     preempted: tuple[int, ...] = ()
     num_batched_tokens: int = 0
+    released: tuple[int, ...] = ()  # sequences whose blocks were freed since the previous output
 
 
 class Scheduler:
@@ -147,6 +158,7 @@ class Scheduler:
         self._running: list[Sequence] = []  # PREFILL / DECODE, in arrival order
         self._inflight: SchedulerOutput | None = None  # scheduled work not yet update()d
         self._inflight_seqs: dict[int, Sequence] = {}
+        self._released: list[int] = []  # sequences whose blocks were freed since the last schedule()
 
     # -- queries ----------------------------------------------------------------------------
     def get(self, seq_id: int) -> Sequence:
@@ -238,8 +250,10 @@ class Scheduler:
 
         def take(seq: Sequence, n: int, is_prefill: bool) -> None:
             nonlocal budget
-            start = seq.num_computed_tokens
-            scheduled.append(ScheduledSeq(seq.seq_id, n, start, is_prefill, start + n == seq.num_tokens))
+            start, sid = seq.num_computed_tokens, seq.seq_id
+            t0, refs, tlen = bm.table_delta(sid)
+            scheduled.append(ScheduledSeq(sid, n, start, is_prefill, start + n == seq.num_tokens,
+                                          tuple(bm.slots(sid, start, start + n)), t0, refs, tlen))
             budget -= n
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -281,7 +295,10 @@ class Scheduler:
             assert n > 0, "a prefix hit only shortens the chunk's remainder"
             take(seq, n, is_prefill=True)
 
-        out = SchedulerOutput(tuple(scheduled), tuple(ops), tuple(preempted), sum(s.num_new_tokens for s in scheduled))
+        released = tuple(dict.fromkeys(self._released))  # a sequence preempted, rescheduled and finished: once
+        self._released.clear()
+        out = SchedulerOutput(tuple(scheduled), tuple(ops), tuple(preempted), sum(s.num_new_tokens for s in scheduled),
+                              released)
         self._check_output(out)
         if scheduled:
             self._inflight = out
@@ -341,6 +358,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the KV, keep every token, requeue in arrival order."""
         self.block_manager.free(seq.seq_id)  # computed full blocks stay in the prefix cache
+        self._released.append(seq.seq_id)
         self._running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
@@ -361,6 +379,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         if seq.seq_id in self.block_manager:
             self.block_manager.free(seq.seq_id)
+            self._released.append(seq.seq_id)
         (self._running if seq.is_running else self._waiting).remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason  # type: ignore[assignment]

@@ -54,6 +54,7 @@ class Sequence:
                  arrival_time: float | None = None):
         self.seq_id = seq_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.prompt_ids: tuple[int, ...] = tuple(self.prompt_token_ids)  # the same, shared with every output
         self.output_token_ids: list[int] = []
         self.params = params if params is not None else SamplingParams()
         self.status = SeqStatus.WAITING
