@@ -56,7 +56,8 @@ class _Timed:
             self.total += time.perf_counter() - t
 
 
-def build(concurrency: int, prompt: int, steps: int, kv_cache_dtype: str, freeze_gc: bool = False):
+def build(concurrency: int, prompt: int, steps: int, kv_cache_dtype: str, freeze_gc: bool = False,
+          stop: bool = False):
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.engine.sampling_params import SamplingParams
 
@@ -72,11 +73,19 @@ def build(concurrency: int, prompt: int, steps: int, kv_cache_dtype: str, freeze
     vocab = TINY["vocab_size"]
 
     def stub(ids, positions, pool, meta, kernels, rows):  # the forward pass, minus the arithmetic
-        return torch.zeros(rows.shape[0], vocab)
+        logits = torch.zeros(rows.shape[0], vocab)  # greedy next token: a function of the last one, so
+        nxt = (ids[rows] * 7 + 13) % (vocab - 300) + 300  # outputs vary and avoid special tokens
+        logits[torch.arange(rows.shape[0]), nxt] = 1.0
+        return logits
 
     eng.runner.model = stub
+    if stop:  # detokenize every step (the default model's tokenizer) for a stop string that never matches
+        from kvq.models.loader import load_tokenizer
+
+        eng.tokenizer = load_tokenizer("default")
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=extra + 16, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=extra + 16, ignore_eos=True, temperature=0.0,
+                            stop=["<never in this output>"] if stop else None)
     for _ in range(concurrency):
         eng.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(), params)
     while any(len(s.output_token_ids) == 0 for s in eng.scheduler._seqs.values()) or eng.scheduler.num_waiting:
@@ -86,7 +95,8 @@ def build(concurrency: int, prompt: int, steps: int, kv_cache_dtype: str, freeze
 
 def measure(eng, steps: int) -> dict:
     parts = {"schedule": (eng.scheduler, "schedule"), "runner": (eng.runner, "execute"),
-             "sampler": (eng, "sampler"), "update": (eng.scheduler, "update"), "outputs": (eng, "_output")}
+             "sampler": (eng, "sampler"), "update": (eng.scheduler, "update"), "outputs": (eng, "_output"),
+             "detokenize": (eng, "_check_stop_strings")}
     timers = {}
     for name, (obj, attr) in parts.items():
         timers[name] = _Timed(getattr(obj, attr))
@@ -117,15 +127,18 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", default="fp8_e4m3")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (pinned: the machine is shared)")
     ap.add_argument("--freeze-gc", action="store_true", help="the engine's gc.freeze() (its default on CUDA)")
+    ap.add_argument("--stop", action="store_true", help="a stop string per request: detokenize every step")
     ap.add_argument("--label", default="current")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "host_step_cpu.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     kw = {"freeze_gc": True} if args.freeze_gc else {}  # an older engine has no such option
+    if args.stop:
+        kw["stop"] = True
     eng = build(args.concurrency, args.prompt, args.steps, args.kv_cache_dtype, **kw)
     res = measure(eng, args.steps)
     res.update(label=args.label, concurrency=args.concurrency, prompt=args.prompt, kv_cache_dtype=args.kv_cache_dtype,
-               freeze_gc=args.freeze_gc,
+               freeze_gc=args.freeze_gc, stop_strings=args.stop,
                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                machine={"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "torch_threads": args.threads, "python": platform.python_version(),

@@ -27,6 +27,7 @@ from kvq.cache.plan import CachePlan, make_plan
 from kvq.cache.pool import KVPool
 from kvq.cache.step import HostStep, to_device
 from kvq.engine.cuda_graphs import DecodeGraphs
+from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.model_runner import ModelRunner
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
@@ -162,6 +163,7 @@ class LLMEngine:
         self._prompts: dict[int, str | None] = {}
         self._texts: dict[int, str] = {}
         self._logprobs: dict[int, list[dict]] = {}
+        self._detok: dict[int, IncrementalDetokenizer] = {}
         self.info = {
             "model": src.name,
             "device": str(self.device),
@@ -258,7 +260,7 @@ class LLMEngine:
 
     def _forget(self, request_id: int) -> None:
         """Drop a finished request's text and logprobs (a long-running server must not keep them)."""
-        for d in (self._prompts, self._texts, self._logprobs):
+        for d in (self._prompts, self._texts, self._logprobs, self._detok):
             d.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -300,23 +302,17 @@ class LLMEngine:
         return outputs
 
     def _check_stop_strings(self, seq: Sequence) -> None:
+        """Detokenize the new token and finish on a stop string (a stop string completed by
+        the final token of an already finished sequence still cuts its text)."""
         if self.tokenizer is None:
             return
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        if not seq.is_finished:
-            for s in seq.params.stop:
-                idx = text.find(s)
-                if idx >= 0:
-                    text = text[:idx]
-                    self.scheduler.finish(seq.seq_id, "stop", s)
-                    break
-        else:
-            for s in seq.params.stop:  # a stop string completed by the final token
-                idx = text.find(s)
-                if idx >= 0:
-                    text = text[:idx]
-                    break
-        self._texts[seq.seq_id] = text
+        detok = self._detok.get(seq.seq_id)
+        if detok is None:
+            detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
+        detok.add(seq.output_token_ids[len(detok.ids):])
+        if detok.stop_hit is not None and not seq.is_finished:
+            self.scheduler.finish(seq.seq_id, "stop", detok.stop_hit)
+        self._texts[seq.seq_id] = detok.text
 
     def _output(self, seq: Sequence) -> RequestOutput:
         m = {"ttft": seq.ttft(), "tpot": seq.tpot(), "itl": seq.itls(), "num_preemptions": seq.num_preemptions}
