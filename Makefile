@@ -19,8 +19,9 @@ demo: install
 	$(PY) -m kvq.cli formats --model default
 	$(PY) -m kvq.cli eval --model default --out kvq-eval
 
-# The test suite (what CI runs).
+# Lint (the repo's ruff config) and the test suite: what CI runs.
 test: install-test
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.

@@ -404,7 +404,7 @@ def measure_copy(cfg: Config, device: torch.device, timer: Timer, res: Results) 
         t = timer(lambda: dst.copy_(src), cfg.copy_iters, 2)
         nbytes = 2 * cfg.copy_bytes
         row = {"bytes": nbytes, **t, "GBps": bw(nbytes, t["us"])}
-        del src, dst
+        src = dst = None  # free (the timed lambda above refers to them)
     except Exception as e:
         row = {"error": err_str(e)}
     res.doc["copy"] = row
@@ -473,7 +473,8 @@ def measure_write(fmt_name: str, cfg: Config, device: torch.device, timer: Timer
         del rpool, rlayer
     except Exception as e:
         row["check"] = {"error": err_str(e), "ok": False}
-    del pool, layer, k, v
+    del pool
+    layer = k = v = None  # free before the next format (the timed closure refers to them)
     free(device)
     return row
 
@@ -551,7 +552,8 @@ def run_kvq_format(fmt_name, shapes, smallest, cfg, device, timer, res, copy_gbp
                 row["error"] = err_str(e)
                 log(f"  {impl} {fmt_name} {B}x{L} FAILED: {row['error']}")
             res.add("decode", row)
-    del pool, layer
+    del pool
+    layer = None  # the timed closures refer to it
     free(device)
 
 
@@ -906,7 +908,7 @@ def main(argv=None) -> int:
 
     out_path = Path(args.out)
     doc = {"benchmark": "kvq paged decode + write_kv", "argv": sys.argv, "env": environment(device),
-           "config": {**asdict(cfg), "shapes": [f"{b}x{l}" for b, l in shapes], "formats": formats,
+           "config": {**asdict(cfg), "shapes": [f"{b}x{n}" for b, n in shapes], "formats": formats,
                       "smallest_shape": f"{smallest[0]}x{smallest[1]}", "sleep_cycles": SLEEP_CYCLES,
                       "flag_rel_err": FLAG_REL_ERR, "smoke": args.smoke},
            "notes": NOTES, "copy": None, "write": [], "decode": [], "errors": []}

@@ -178,7 +178,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
             else:
                 print(f"[kvq {fmt}] {inp}/{out} c={c}: {r['output_tok_per_s']:.0f} tok/s, TTFT p50 "
                       f"{r['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms "
-                      f"(roofline {1e3 * (r['roofline_step_s'] or 0):.2f} ms), step {1e3 * (r['decode_step_mean_s'] or 0):.2f}"
+                      f"(roofline {1e3 * (r['roofline_step_s'] or 0):.2f} ms), "
+                      f"step {1e3 * (r['decode_step_mean_s'] or 0):.2f}"
                       f" ms, preempt {r['preemptions']} [{time.perf_counter() - t:.0f}s]", flush=True)
     del engine
     gc.collect()
@@ -212,7 +213,8 @@ def bench_hf(args, res: Results, model_dir: Path, workloads, concs, device) -> N
             gen = transformers.GenerationConfig(max_new_tokens=out, min_new_tokens=out, do_sample=False,
                                                 cache_implementation="static", eos_token_id=None, pad_token_id=0,
                                                 disable_compile=args.hf_eager)
-            run = {"system": "hf_generate_static_eager" if args.hf_eager else "hf_generate_static", "kv_cache_dtype": "bfloat16", "input_len": inp, "output_len": out,
+            run = {"system": "hf_generate_static_eager" if args.hf_eager else "hf_generate_static",
+                   "kv_cache_dtype": "bfloat16", "input_len": inp, "output_len": out,
                    "concurrency": c}
             try:
                 with torch.inference_mode():
@@ -301,7 +303,8 @@ def main(argv=None) -> int:
     src = resolve_model(model)
     shape = model_shape(src)
     cfg = json.loads((Path(src.path) / "config.json").read_text()) if Path(src.path).is_dir() else {}
-    h, inter, L, V = cfg.get("hidden_size"), cfg.get("intermediate_size"), cfg.get("num_hidden_layers"), cfg.get("vocab_size")
+    h, inter = cfg.get("hidden_size"), cfg.get("intermediate_size")
+    L, V = cfg.get("num_hidden_layers"), cfg.get("vocab_size")
     heads, kvh = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     hd = cfg.get("head_dim") or (h // heads)
     params = L * (h * hd * (heads + 2 * kvh) + heads * hd * h + 3 * h * inter + 2 * h) + 2 * V * h + h
@@ -311,12 +314,14 @@ def main(argv=None) -> int:
 
     meta = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "transformers": transformers.__version__, "model": model if not args.smoke else "smoke",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "model": model if not args.smoke else "smoke",
             "model_shape": {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
             "weight_bytes": weight_bytes, "copy_bandwidth_Bps": bw,
             "method": "wave of c requests submitted at once; random token prompts; ignore_eos; greedy"}
     res = Results(Path(args.out), meta)
-    print(f"device {meta['device']}, copy bandwidth {bw / 1e9 if bw else 0:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB",
+    print(f"device {meta['device']}, copy bandwidth {bw / 1e9 if bw else 0:.0f} GB/s, "
+          f"weights {weight_bytes / 1e9:.2f} GB",
           flush=True)
     if args.hf:
         bench_hf(args, res, Path(src.path), workloads, concs, device)

@@ -49,7 +49,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvq.server.loadgen import LoadSpec, run_load
+from kvq.server.loadgen import LoadSpec, run_load  # noqa: E402 (after the path)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from kvq.cache.plan import CachePlan, bare_model, make_plan
+from kvq.cache.plan import CachePlan, KVCacheConfig, bare_model, make_plan
 from kvq.formats.registry import entries, resolve_kv
 from kvq.models.source import DEFAULT_MODEL, model_shape
 from kvq.units import format_bytes, parse_bytes
@@ -64,18 +64,16 @@ def shape_from_args(args: argparse.Namespace):
     return model_shape(args.model or DEFAULT_MODEL)
 
 
+def kv_config_from_args(args: argparse.Namespace) -> KVCacheConfig:
+    """The KV flags as one object (what the plan and the engine take)."""
+    return KVCacheConfig(dtype=args.kv_cache_dtype, k=args.kv_cache_dtype_k, v=args.kv_cache_dtype_v,
+                         skip_layers=tuple(args.kv_cache_dtype_skip_layers or ()), sink_tokens=args.kv_sink_tokens,
+                         residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
+                         block_size=args.block_size)
+
+
 def plan_from_args(args: argparse.Namespace, shape=None) -> CachePlan:
-    return make_plan(
-        shape if shape is not None else shape_from_args(args),
-        args.kv_cache_dtype,
-        k=args.kv_cache_dtype_k,
-        v=args.kv_cache_dtype_v,
-        block_size=args.block_size,
-        skip_layers=args.kv_cache_dtype_skip_layers,
-        sink_tokens=args.kv_sink_tokens,
-        residual_tokens=args.kv_residual_tokens,
-        group_size=args.kivi_group_size,
-    )
+    return kv_config_from_args(args).plan(shape if shape is not None else shape_from_args(args))
 
 
 # -- kvq formats ---------------------------------------------------------------------------------
@@ -98,7 +96,8 @@ def cmd_formats(args: argparse.Namespace) -> int:
             plan = make_plan(shape, e.name, residual_tokens=0, sink_tokens=0)
             row["model"] = shape.name
             row["bytes_per_token"] = plan.bytes_per_token
-            row["bits_per_value"] = 8 * plan.bytes_per_token / (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim)
+            values = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
+            row["bits_per_value"] = 8 * plan.bytes_per_token / values
             row["ratio_vs_model_dtype"] = plan.ratio_vs_model_dtype
         rows.append(row)
     if args.json:
@@ -148,8 +147,7 @@ def plan_record(plan: CachePlan, memory: int, context_len: int | None) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    plan = plan_from_args(args)
-    plan.check_numerics()
+    plan = plan_from_args(args)  # arithmetic only: no torch (the FP8 numerics check runs where pools are made)
     rec = plan_record(plan, parse_bytes(args.memory), args.context_len)
     if args.json:
         print(json.dumps(rec, indent=2))
@@ -163,7 +161,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"bytes per block  {rec['bytes_per_block']}  (model dtype: {rec['hp_bytes_per_block']}, "
           f"{rec['ratio_vs_model_dtype']:.3f}x the tokens)")
     print(f"bytes per token  {rec['bytes_per_token']:.1f}")
-    print(f"memory           {format_bytes(cap['memory_bytes'])}: {cap['num_blocks']} blocks, {cap['num_tokens']} tokens")
+    print(f"memory           {format_bytes(cap['memory_bytes'])}: {cap['num_blocks']} blocks, "
+          f"{cap['num_tokens']} tokens")
     if plan.sink_tokens or plan.residual_tokens:
         print(f"windows          {plan.sink_tokens} sink + {plan.residual_tokens} recent tokens in {plan.hp.name}")
     print(f"at context {cap['context_len']:<6}{cap['sequences']} sequences ({cap['tokens_at_context']} tokens; "
@@ -196,10 +195,7 @@ def engine_config_from_args(args: argparse.Namespace):
     from kvq.engine.llm_engine import EngineConfig
 
     return EngineConfig(
-        model=args.model or DEFAULT_MODEL, kv_cache_dtype=args.kv_cache_dtype, kv_cache_dtype_k=args.kv_cache_dtype_k,
-        kv_cache_dtype_v=args.kv_cache_dtype_v, kv_cache_dtype_skip_layers=tuple(args.kv_cache_dtype_skip_layers),
-        kv_sink_tokens=args.kv_sink_tokens, kv_residual_tokens=args.kv_residual_tokens,
-        kivi_group_size=args.kivi_group_size, block_size=args.block_size, attention_backend=args.attention_backend,
+        model=args.model or DEFAULT_MODEL, kv_cache=kv_config_from_args(args), attention_backend=args.attention_backend,
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,

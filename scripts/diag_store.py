@@ -32,7 +32,8 @@ def main():
     print("div: differ", int((y != yt).sum()))
     ct = x.clamp(-448, 448).to(torch.float8_e4m3fn)
     d = c.view(torch.uint8) != ct.view(torch.uint8)
-    print("cast fp32->e4m3: differ", int(d.sum()), x[d][:5].tolist(), c[d][:5].float().tolist(), ct[d][:5].float().tolist())
+    print("cast fp32->e4m3: differ", int(d.sum()), x[d][:5].tolist(), c[d][:5].float().tolist(),
+          ct[d][:5].float().tolist())
     qt = yt.clamp(-448, 448).to(torch.float8_e4m3fn)
     d = q.view(torch.uint8) != qt.view(torch.uint8)
     print("div+cast: differ", int(d.sum()), yt[d][:5].tolist(), q[d][:5].float().tolist(), qt[d][:5].float().tolist())

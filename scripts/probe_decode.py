@@ -58,7 +58,7 @@ def main():
     t = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qq, k, v, enable_gqa=True))
     dense_bytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
     print(f"sdpa dense bf16 {B}x{L}: {t:.1f} us  {dense_bytes / t / 1e3:.0f} GB/s", flush=True)
-    del k, v
+    k = v = None  # free
     for fmt in args.formats.split(","):
         bs = 32 if "kivi" in fmt else 16
         plan = make_plan(bare_model(1, H, D, num_attention_heads=Hq), fmt, block_size=bs, sink_tokens=0,
@@ -117,7 +117,8 @@ def main():
                         continue
                     print(f"{fmt:20s} CUDA w={nw} s={ns} mb={mb} splits={sp or 'auto':>4}: {t:7.1f} us  "
                           f"{total / t / 1e3:6.0f} GB/s  err {cerr:.1e}", flush=True)
-        del pool, layer
+        del pool
+        layer = None  # the timed closures refer to it
         torch.cuda.empty_cache()
 
 

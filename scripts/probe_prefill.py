@@ -47,7 +47,8 @@ def main():
                                               has_hp=False, dot_f16=f16), iters=20)
             print(f"{fmt:22s} dot {'f16 ' if f16 else 'bf16'} B={B} past={args.past} chunk={args.chunk}: "
                   f"{t:8.1f} us  {flops / t / 1e6:6.1f} TFLOP/s  err {err:.1e}", flush=True)
-        del pool, layer
+        del pool
+        layer = None  # the timed closures refer to it
         torch.cuda.empty_cache()
 
 

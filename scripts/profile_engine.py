@@ -84,7 +84,8 @@ def main():
               f"graph steps {eng.runner.graph_steps}")
         rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.rows]
         for e in rows:
-            print(f"  {e.self_device_time_total / args.steps / 1e3:7.3f} ms/step  {e.count / args.steps:6.1f} calls/step"
+            print(f"  {e.self_device_time_total / args.steps / 1e3:7.3f} ms/step  "
+                  f"{e.count / args.steps:6.1f} calls/step"
                   f"  {e.key[:70]}")
         if not args.host:
             while eng.has_unfinished():

@@ -59,7 +59,8 @@ def compile_recorded() -> int:
             continue
         seen.add(key)
         triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-        print("compiled", fn.__name__, {n: str(bound[n]) for n in fn.arg_names if fn.arg_names.index(n) in fn.constexprs})
+        consts = {n: str(bound[n]) for n in fn.arg_names if fn.arg_names.index(n) in fn.constexprs}
+        print("compiled", fn.__name__, consts)
     return len(seen)
 
 

@@ -78,3 +78,14 @@ def test_plan_default_model(capsys):
     assert rec["model"] == "default" and rec["block_size"] == 32
     assert rec["bytes_per_block"] == 30 * 2 * (3 * 32 * 32 + 2 * 2 * 3 * 64)
     assert rec["capacity"]["hp_blocks_per_sequence"] == 5
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["formats"], ["plan", "--num-layers", "36", "--num-kv-heads", "2",
+                                                             "--head-dim", "128", "--block-size", "16"],
+                                  ["generate", "--help"], ["serve", "--help"], ["eval", "--help"]])
+def test_cli_help_formats_and_plan_import_no_torch(argv):
+    """The commands that only print or do arithmetic start fast: torch is not imported."""
+    code = ("import sys\nimport kvq.cli\nsys.argv = ['kvq'] + %r\ntry:\n    kvq.cli.main()\nexcept SystemExit:\n"
+            "    pass\nassert 'torch' not in sys.modules, 'torch was imported'\n" % argv)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

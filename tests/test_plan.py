@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from kvq.cache.plan import bare_model, make_plan
 from kvq.formats.registry import entries
-from kvq.models.source import ModelShape
+from kvq.cache.shape import ModelShape
 
 QWEN3B = bare_model(36, 2, 128)  # Qwen2.5-3B: 36 layers, 2 KV heads, head_dim 128
 CANONICAL = [e.name for e in entries()]
@@ -85,3 +85,32 @@ def test_ratios():
     assert make_plan(QWEN3B, "fp8").ratio_vs_model_dtype == 2.0
     assert make_plan(QWEN3B, "int4_kivi").ratio_vs_model_dtype == pytest.approx(3.2)
     assert make_plan(QWEN3B, "int2_kivi").ratio_vs_model_dtype == pytest.approx(16 / 3)
+
+
+def test_plan_name_and_describe_skip_layer_zero():
+    """Reports name the stored format, not layer 0's (which a skip list may keep in bf16)."""
+    from kvq.cache.plan import bare_model, make_plan
+
+    plan = make_plan(bare_model(4, 2, 64), "fp8_e4m3", skip_layers=[0, 3])
+    d = plan.describe()
+    assert (d["k"], d["v"]) == ("fp8_e4m3", "fp8_e4m3") and d["skip_layers"] == [0, 3]
+    assert d["per_layer"] == ["bfloat16", "fp8_e4m3", "fp8_e4m3", "bfloat16"]
+    assert plan.name == "fp8_e4m3 (layers 0,3 in bfloat16)" == d["name"]
+    plan = make_plan(bare_model(2, 2, 64), k="int8", v="fp8_e5m2")
+    assert plan.describe()["k"] == "int8" and plan.describe()["v"] == "fp8_e5m2"
+    assert make_plan(bare_model(2, 2, 64), "int4_kivi").name == "int4_kivi"
+
+
+def test_kv_cache_config_travels_whole():
+    from kvq.cache.plan import KVCacheConfig, bare_model, make_plan
+    from kvq.engine.llm_engine import EngineConfig
+
+    m = bare_model(4, 2, 128)
+    kv = KVCacheConfig(dtype="int4_kivi", skip_layers=(0,), sink_tokens=8, residual_tokens=64, block_size=64)
+    assert kv.plan(m) == make_plan(m, "int4_kivi", skip_layers=[0], sink_tokens=8, residual_tokens=64, block_size=64)
+    assert EngineConfig(kv_cache=kv).kv_cache_config is kv
+    flat = EngineConfig(kv_cache_dtype="int4_kivi", kv_cache_dtype_skip_layers=(0,), kv_sink_tokens=8,
+                        kv_residual_tokens=64, block_size=64)
+    assert flat.kv_cache_config == kv  # the vLLM-style fields build the same object
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(kv_cache=kv, kv_cache_dtype="fp8")

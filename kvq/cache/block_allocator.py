@@ -293,7 +293,8 @@ class BlockAllocator:
         if any(rc < 0 for rc in self._refcount):
             fail("negative refcount")
         if free & cached or free & used or cached & used:
-            fail(f"state sets overlap: free&cached={free & cached}, free&used={free & used}, cached&used={cached & used}")
+            fail(f"state sets overlap: free&cached={free & cached}, free&used={free & used}, "
+                 f"cached&used={cached & used}")
         if len(free) + len(cached) + len(used) != n:
             missing = set(range(n)) - free - cached - used
             fail(f"free {len(free)} + cached {len(cached)} + used {len(used)} != total {n}; missing {sorted(missing)}")

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 from kvq.cache.window import WindowPolicy, rule_counts
 from kvq.formats.registry import default_window, resolve_kv
-from kvq.formats.fp8 import check_fp8_numerics
 from kvq.formats.spec import FP8_MAX, KVFormat
-from kvq.models.source import ModelShape
+from kvq.cache.shape import ModelShape
 
 DEFAULT_BLOCK_SIZE = 16
 SKIP_KEYWORDS = ("sliding_window",)
@@ -73,7 +72,8 @@ class CachePlan:
     @property
     def hp_bytes_per_block(self) -> int:
         """One high-precision block across all layers."""
-        return self.model.num_layers * self.hp.block_bytes(self.model.num_kv_heads, self.model.head_dim, self.block_size)
+        m = self.model
+        return m.num_layers * self.hp.block_bytes(m.num_kv_heads, m.head_dim, self.block_size)
 
     @property
     def bytes_per_token(self) -> float:
@@ -127,12 +127,38 @@ class CachePlan:
 
     def check_numerics(self, device="cpu") -> None:
         """Start-up check of every FP8 encoding the plan stores (seed 001)."""
+        from kvq.formats.fp8 import check_fp8_numerics  # torch: only where tensors are made
+
         for storage in sorted({t.storage for f in self.layers for t in (f.k, f.v)}):
             if storage in FP8_MAX:
                 check_fp8_numerics(storage, device)
 
     def layer_names(self) -> list[str]:
         return [f.name for f in self.layers]
+
+    @property
+    def stored_layers(self) -> tuple[int, ...]:
+        """Layers stored in the chosen format (all but the skipped ones)."""
+        return tuple(i for i in range(len(self.layers)) if i not in self.skip_layers)
+
+    @property
+    def name(self) -> str:
+        """The plan in one string: its format (``k=...,v=...`` when they differ), with the
+        skipped layers, e.g. ``fp8_e4m3 (layers 0,31 in bfloat16)``."""
+        ref = self.layers[self.stored_layers[0]] if self.stored_layers else self.hp
+        base = ref.name
+        if self.skip_layers and self.stored_layers:
+            which = ",".join(str(i) for i in self.skip_layers)
+            base += f" (layer{'s' if len(self.skip_layers) > 1 else ''} {which} in {self.hp.name})"
+        return base
+
+    def describe(self) -> dict:
+        """What every report names: the plan's name, K and V of its stored layers (not of layer
+        0, which may be skipped), per-layer formats, windows and block size."""
+        ref = self.layers[self.stored_layers[0]] if self.stored_layers else self.hp
+        return {"name": self.name, "k": ref.k.name, "v": ref.v.name, "per_layer": self.layer_names(),
+                "skip_layers": list(self.skip_layers), "sink_tokens": self.sink_tokens,
+                "residual_tokens": self.residual_tokens, "block_size": self.block_size}
 
 
 def _skip_set(model: ModelShape, skip_layers) -> tuple[int, ...]:
@@ -153,6 +179,29 @@ def _skip_set(model: ModelShape, skip_layers) -> tuple[int, ...]:
             raise ValueError(f"--kv-cache-dtype-skip-layers: layer {idx} out of range 0..{model.num_layers - 1}")
         out.add(idx)
     return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The user's KV-cache choices, whole, from the CLI or the API to the plan.
+
+    Field names follow what users type (``--kv-cache-dtype``, ``--kv-cache-dtype-k``...);
+    :meth:`plan` resolves them against a model (every bad choice raises ValueError
+    naming what is valid).  Nothing downstream of the plan reads this again."""
+
+    dtype: str = "auto"
+    k: str | None = None
+    v: str | None = None
+    skip_layers: tuple = ()
+    sink_tokens: int | None = None
+    residual_tokens: int | None = None
+    group_size: int | None = None
+    block_size: int | None = None
+
+    def plan(self, model: ModelShape) -> CachePlan:
+        return make_plan(model, self.dtype, k=self.k, v=self.v, block_size=self.block_size,
+                         skip_layers=self.skip_layers, sink_tokens=self.sink_tokens,
+                         residual_tokens=self.residual_tokens, group_size=self.group_size)
 
 
 def make_plan(

@@ -53,7 +53,8 @@ def _full_blocks(slots: list[int], block_size: int) -> list[tuple[int, int]]:
     out, i = [], 0
     while i < len(slots):
         s = slots[i]
-        if s >= 0 and s % block_size == 0 and i + block_size <= len(slots) and slots[i + block_size - 1] == s + block_size - 1:
+        last = i + block_size - 1
+        if s >= 0 and s % block_size == 0 and last < len(slots) and slots[last] == s + block_size - 1:
             out.append((s // block_size, i))
             i += block_size
         else:

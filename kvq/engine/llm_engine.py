@@ -23,7 +23,7 @@ import torch
 
 from kvq.attention.backends import select_backend
 from kvq.cache.block_manager import BlockManager
-from kvq.cache.plan import CachePlan, make_plan
+from kvq.cache.plan import CachePlan, KVCacheConfig
 from kvq.cache.pool import KVPool
 from kvq.cache.step import HostStep, to_device
 from kvq.engine.cuda_graphs import DecodeGraphs
@@ -65,6 +65,23 @@ class EngineConfig:
     seed: int = 0
     progress: bool = True
     freeze_gc: bool | None = None  # gc.freeze() once built (default: on CUDA), see LLMEngine
+    kv_cache: KVCacheConfig | None = None  # the KV choices as one object (instead of the kv_* fields above)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache is not None and self.kv_cache_config_fields() != KVCacheConfig():
+            raise ValueError("give the KV cache choices either as kv_cache=KVCacheConfig(...) or as the "
+                             "kv_cache_dtype* / kv_*_tokens / kivi_group_size / block_size fields, not both")
+
+    def kv_cache_config_fields(self) -> KVCacheConfig:
+        return KVCacheConfig(dtype=self.kv_cache_dtype, k=self.kv_cache_dtype_k, v=self.kv_cache_dtype_v,
+                             skip_layers=tuple(self.kv_cache_dtype_skip_layers), sink_tokens=self.kv_sink_tokens,
+                             residual_tokens=self.kv_residual_tokens, group_size=self.kivi_group_size,
+                             block_size=self.block_size)
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        """The KV choices as one object: ``kv_cache`` if given, else the vLLM-style fields."""
+        return self.kv_cache if self.kv_cache is not None else self.kv_cache_config_fields()
 
 
 @dataclass
@@ -119,10 +136,8 @@ class LLMEngine:
         self.dtype = _resolve_dtype(cfg.dtype, self.device)
         src = resolve_model(cfg.model)
         shape = model_shape(src)
-        self.plan = make_plan(shape, cfg.kv_cache_dtype, k=cfg.kv_cache_dtype_k, v=cfg.kv_cache_dtype_v,
-                              block_size=cfg.block_size, skip_layers=cfg.kv_cache_dtype_skip_layers,
-                              sink_tokens=cfg.kv_sink_tokens, residual_tokens=cfg.kv_residual_tokens,
-                              group_size=cfg.kivi_group_size)
+        self.kv_cache = cfg.kv_cache_config
+        self.plan = self.kv_cache.plan(shape)
         backend, self.backend_choice = select_backend(cfg.attention_backend, self.plan, self.device, self.dtype)
         self.kernels = backend.kernels()
         self.max_model_len = cfg.max_model_len or shape.max_position_embeddings
@@ -168,8 +183,7 @@ class LLMEngine:
             "model": src.name,
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
-            "kv_cache_dtype": {"requested": cfg.kv_cache_dtype, "k": self.plan.layers[0].k.name,
-                               "v": self.plan.layers[0].v.name, "per_layer": self.plan.layer_names()},
+            "kv_cache_dtype": {"requested": self.kv_cache.dtype, **self.plan.describe()},
             "attention_backend": {"requested": self.backend_choice.requested,
                                   "resolved": self.backend_choice.resolved, "reason": self.backend_choice.reason},
             "block_size": self.plan.block_size,

@@ -98,7 +98,8 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
             kv = r["kv_cache_dtype"]
             kvs = kv["k"] if kv["k"] == kv["v"] else f"{kv['k']} / {kv['v']}"
             greedy = f"{q['greedy_prefix_match']}/{q['greedy_tokens']}" if "greedy_tokens" in q else "-"
-            pk = f"{q['passkey_accuracy']:.2f} ({q['passkey_accuracy_baseline']:.2f})" if "passkey_accuracy" in q else "-"
+            pk = (f"{q['passkey_accuracy']:.2f} ({q['passkey_accuracy_baseline']:.2f})"
+                  if "passkey_accuracy" in q else "-")
             status = r["status"] + (f" ({'; '.join(r['status_reasons'])})" if r["status_reasons"] else "")
             out.append(f"| `{name}` | {kvs} | {r['context_length_bin']} | {c['bytes_per_token']:.0f} | "
                        f"{c['ratio_vs_baseline']:.2f} | {c['sequences_at_bin']} | {q['ppl']:.3f} | "
@@ -166,7 +167,8 @@ def plot_all(result: dict, out_dir: Path) -> dict[str, str]:
     positive = [_q(r)["kl_mean"] for r in at_last.values() if _q(r)["kl_mean"] > 0]
     floor = min(positive, default=1e-3) / 10  # where KL 0 (the baseline) is drawn
     pts = []
-    for i, (name, r) in enumerate(sorted(at_last.items(), key=lambda kv: kv[1]["kv_cache_capacity"]["bytes_per_token"])):
+    by_size = sorted(at_last.items(), key=lambda kv: kv[1]["kv_cache_capacity"]["bytes_per_token"])
+    for i, (name, r) in enumerate(by_size):
         x, y = r["kv_cache_capacity"]["bytes_per_token"], max(_q(r)["kl_mean"], floor)
         pts.append((x, y, name))
         ax.scatter([x], [y], color=style[name]["color"], marker=style[name]["marker"])

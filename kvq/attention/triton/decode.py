@@ -206,7 +206,8 @@ def paged_decode(
     without a device sync; pass it from the scheduler (a CUDA graph passes the
     longest length it serves).  Each sequence splits its own length over the
     ``num_splits`` programs.  ``g_pad`` pads the query group to that many rows
-    (default 16, the smallest MMA; 64 makes Triton use wgmma, measured slower).  ``has_hp=False`` compiles out the high-precision
+    (default 16, the smallest MMA; 64 makes Triton use wgmma, measured slower).
+    ``has_hp=False`` compiles out the high-precision
     path when no table holds an hp block.
     """
     B, Hq, D = q.shape

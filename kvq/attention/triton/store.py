@@ -62,7 +62,8 @@ def _quant_store(
         tl.store(data_ptr + d_row[:, None] + p[None, :], x.to(data_ptr.dtype.element_ty), mask=m2)
     elif FMT == FP8_STATIC:
         s = tl.load(static_ptr + head)
-        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(tl.math.div_rn(x, s + tl.zeros_like(x)), data_ptr, QMAX),
+        codes = _codes(tl.math.div_rn(x, s + tl.zeros_like(x)), data_ptr, QMAX)
+        tl.store(data_ptr + d_row[:, None] + p[None, :], codes,
                  mask=m2)
     elif FMT == TOKEN_SCALE:
         amax = tl.max(tl.abs(x), axis=1)
