@@ -122,3 +122,22 @@ def test_cli_generate_streams_text():
     r = subprocess.run([sys.executable, "-m", "kvq.cli", "generate", "--kv-cache-dtype", "nope", "hi"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "valid formats" in r.stderr
+
+
+def test_profile_step_runs_through_the_runner(tmp_path):
+    """The memory profiler's step (largest prefill, max_num_seqs scored rows) goes through a
+    ModelRunner like every other forward; on the CPU it runs, only the peak is CUDA's."""
+    import json
+
+    from kvq.engine.llm_engine import EngineConfig, LLMEngine
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=128,
+               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+               torch_dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", kv_cache_dtype="int4_kivi",
+                                 max_num_seqs=3, max_num_batched_tokens=100, kv_cache_memory="8MiB", progress=False))
+    runner, step, seqs = eng.profile_step()
+    logits, rows = runner.execute(step, seqs)
+    assert logits.shape == (3, 512) and rows == [0, 0, 0] and torch.isfinite(logits).all()

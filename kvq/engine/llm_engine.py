@@ -22,16 +22,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvq.attention.backends import select_backend
-from kvq.cache.block_manager import BlockManager
+from kvq.cache.block_manager import BlockManager, BlockRef
 from kvq.cache.plan import CachePlan, KVCacheConfig
 from kvq.cache.pool import KVPool
-from kvq.cache.step import HostStep, to_device
 from kvq.engine.cuda_graphs import DecodeGraphs
 from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.model_runner import ModelRunner
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
-from kvq.engine.scheduler import Scheduler, SchedulerConfig
+from kvq.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from kvq.engine.sequence import Sequence
 from kvq.models.builder import build_model
 from kvq.models.source import model_shape, resolve_model
@@ -102,6 +101,16 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+
+
+class _Zeros:
+    """Token ids of a profiling step: all 0."""
+
+    def __init__(self, n: int):
+        self.num_tokens = n
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return [0] * (end - start)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -224,26 +233,30 @@ class LLMEngine:
         self.profiled_activation_bytes = act
         return budget
 
-    def _profile_forward_bytes(self) -> int:
-        """Peak memory of the largest step (a ``max_num_batched_tokens`` prefill that scores
-        ``max_num_seqs`` rows), measured by running it on a scratch pool."""
+    def profile_step(self):
+        """(runner, step, seqs) of the largest step: a ``max_num_batched_tokens`` prefill that
+        scores ``max_num_seqs`` rows, through a runner on a scratch pool of its own."""
         cfg, bs = self.config, self.plan.block_size
         T = min(cfg.max_num_batched_tokens, self.max_model_len)
         nb = math.ceil(T / bs)
         scratch = KVPool.create(self.plan, 1, nb, self.device)
-        step = HostStep(slots=[-i - 1 for i in range(T)], tables=[[-j - 1 for j in range(nb)]], seq_lens=[T],
-                        num_new=[T])
-        meta = to_device(step, bs, self.device)
-        ids = torch.zeros(T, dtype=torch.int64, device=self.device)
-        pos = torch.arange(T, dtype=torch.int64, device=self.device)
-        rows = torch.arange(T - min(T, cfg.max_num_seqs), T, device=self.device)
+        runner = ModelRunner(self.model, scratch, self.kernels, self.device, max_num_seqs=1)
+        item = ScheduledSeq(0, T, 0, is_prefill=True, sample=False,
+                            slots=tuple(("hp", p // bs, p % bs) for p in range(T)), table_start=0,
+                            table_refs=tuple(BlockRef("hp", j) for j in range(nb)), table_len=nb,
+                            logit_rows=tuple(range(T - min(T, cfg.max_num_seqs), T)))
+        return runner, SchedulerOutput((item,), num_batched_tokens=T), {0: _Zeros(T)}
+
+    def _profile_forward_bytes(self) -> int:
+        """Peak memory of :meth:`profile_step`'s forward, measured by running it."""
+        runner, step, seqs = self.profile_step()
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.model(ids, pos, scratch, meta, self.kernels, rows)
+        runner.execute(step, seqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del scratch, meta
+        del runner
         torch.cuda.empty_cache()
         return int(peak * 1.1)
 

@@ -27,7 +27,9 @@ class ModelRunner:
         self.tables = BlockTables(rows=max_num_seqs)
 
     def execute(self, sched, seqs: dict) -> tuple[torch.Tensor | None, list[int]]:
-        """Run the step; -> (logits [S, V] of the rows that sample, their sequence ids in order)."""
+        """Run the step; -> (logits [R, V] of every item's ``logit_rows``, in order, or None when
+        no item asks for any; the sequence id of each row).  ``seqs[seq_id].token_ids(a, b)``
+        gives the tokens of positions [a, b)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[tuple[str, int, int]] = []
@@ -45,12 +47,13 @@ class ModelRunner:
             seq_ids.append(item.seq_id)
             lens.append(end)
             nums.append(item.num_new_tokens)
-            if item.sample:
-                logits_rows.append(len(ids) - 1)
+            base = len(ids) - item.num_new_tokens
+            for off in item.logit_rows:
+                logits_rows.append(base + off)
                 sample_ids.append(item.seq_id)
         apply_ops(self.pool, self.kernels, sched.ops)
         step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums)
-        if self.graphs is not None and len(logits_rows) == len(seq_ids) and self.graphs.serves(step):
+        if self.graphs is not None and logits_rows == list(range(len(ids))) and self.graphs.serves(step):
             self.graph_steps += 1
             return self.graphs.run(ids, positions, step), sample_ids
         meta = to_device(step, self.block_size, self.device)

@@ -115,6 +115,7 @@ class ScheduledSeq:
     table_start: int = 0
     table_refs: tuple[BlockRef, ...] = ()  # the table's entries [table_start, table_len)
     table_len: int = 0
+    logit_rows: tuple[int, ...] = ()  # offsets among the new tokens whose logits the step returns
 
 
 @dataclass(frozen=True)
@@ -252,8 +253,9 @@ class Scheduler:
             nonlocal budget
             start, sid = seq.num_computed_tokens, seq.seq_id
             t0, refs, tlen = bm.table_delta(sid)
-            scheduled.append(ScheduledSeq(sid, n, start, is_prefill, start + n == seq.num_tokens,
-                                          tuple(bm.slots(sid, start, start + n)), t0, refs, tlen))
+            sample = start + n == seq.num_tokens
+            scheduled.append(ScheduledSeq(sid, n, start, is_prefill, sample, tuple(bm.slots(sid, start, start + n)),
+                                          t0, refs, tlen, (n - 1,) if sample else ()))
             budget -= n
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now

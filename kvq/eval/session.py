@@ -1,16 +1,17 @@
 """Teacher-forced and greedy passes through one engine's paged, quantized cache.
 
-:class:`CacheSession` drives an :class:`~kvq.engine.llm_engine.LLMEngine`'s
-block manager, pool, kernels and model directly (the scheduler is idle and its
-block manager empty), so the evaluation can keep logits at any position it
-chooses while using exactly the engine's cache path::
+:class:`CacheSession` takes the place of an :class:`~kvq.engine.llm_engine.LLMEngine`'s
+scheduler (which stays idle, its block manager empty): it reserves slots with
+the engine's block manager and hands each chunk to the engine's own
+:class:`~kvq.engine.model_runner.ModelRunner` as a one-sequence step, so the
+evaluation can keep logits at any position it chooses while using exactly the
+engine's cache path::
 
     bm.allocate_prompt / bm.append_slots       reserve slots (window rule, lazy sealing)
-    apply_ops(pool, kernels, ops)              seal blocks that left the window, copy-on-write
-    build_metadata(...)                        signed slots and block tables
-    model(ids, positions, pool, meta, kernels, rows)
-        each layer writes the new K/V into the cache *in its stored format* first,
-        then attends over the cache as stored
+    SchedulerOutput(ScheduledSeq(slots, table delta, logit rows), ops)
+    runner.execute(...)                        seal/copy ops, metadata, forward: each layer
+        writes the new K/V into the cache *in its stored format* first, then attends over
+        the cache as stored
 
 so every query, including the scored ones, reads the quantized past (only the
 tokens the window rule keeps in high precision, sinks and a format's recent
@@ -25,7 +26,18 @@ from collections.abc import Sequence
 
 import torch
 
-from kvq.cache.step import apply_ops, build_metadata
+from kvq.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+
+class _Chunk:
+    """The tokens of one forward pass, as the runner asks a sequence for them."""
+
+    def __init__(self, start: int, tokens: Sequence[int]):
+        self.start, self.tokens = start, list(tokens)
+        self.num_tokens = start + len(self.tokens)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return self.tokens[start - self.start:end - self.start]
 
 
 class CacheSession:
@@ -42,18 +54,22 @@ class CacheSession:
         self.prefill_s = 0.0
         self.decode_tokens = 0
         self.decode_s = 0.0
+        self._released: list = []  # freed sequences the runner has not been told of
 
     def _forward(self, seq_id, tokens: Sequence[int], start: int, ops, rows: Sequence[int]) -> torch.Tensor:
         """Compute positions [start, start + len(tokens)) of ``seq_id``; logits [len(rows), V] float32 on the CPU."""
-        e = self.engine
-        apply_ops(e.pool, e.kernels, ops)
-        meta = build_metadata(self.bm, [seq_id], [len(tokens)], self.device, starts=[start])
-        ids = torch.tensor(list(tokens), dtype=torch.int64, device=self.device)
-        pos = torch.arange(start, start + len(tokens), dtype=torch.int64, device=self.device)
-        idx = torch.tensor(list(rows) or [len(tokens) - 1], dtype=torch.int64, device=self.device)
-        logits = e.model(ids, pos, e.pool, meta, e.kernels, idx)
-        self.bm.mark_computed(seq_id, start + len(tokens))
-        return logits[: len(rows)].float().cpu()
+        end = start + len(tokens)
+        t0, refs, tlen = self.bm.table_delta(seq_id)
+        item = ScheduledSeq(seq_id, len(tokens), start, is_prefill=len(tokens) > 1, sample=False,
+                            slots=tuple(self.bm.slots(seq_id, start, end)), table_start=t0, table_refs=refs,
+                            table_len=tlen, logit_rows=tuple(rows))
+        step = SchedulerOutput((item,), tuple(ops), (), len(tokens), tuple(self._released))
+        self._released.clear()
+        logits, _ = self.engine.runner.execute(step, {seq_id: _Chunk(start, tokens)})
+        self.bm.mark_computed(seq_id, end)
+        if logits is None:
+            return torch.empty(0, self.engine.model.config.vocab_size)
+        return logits.float().cpu()
 
     def _timed(self, kind: str, n: int, fn):
         if self.device.type == "cuda":
@@ -86,7 +102,7 @@ class CacheSession:
             start, ops = 0, []
             self.bm.allocate_prompt(seq_id, tokens)
             if self.bm.num_computed(seq_id):  # a prefix hit: recompute nothing twice, but keep it simple
-                self.bm.free(seq_id)
+                self.free(seq_id)
                 raise RuntimeError("CacheSession.append does not take prefix hits; use prefill()")
         return self._timed(kind, len(tokens), lambda: self._forward(seq_id, tokens, start, ops, rows))
 
@@ -121,11 +137,12 @@ class CacheSession:
                 lg = self.append(child, [out[-1]], rows=[0], kind="decode")
                 out.append(int(lg[0].argmax()))
         finally:
-            self.bm.free(child)
+            self.free(child)
         return out
 
     def free(self, seq_id) -> None:
         self.bm.free(seq_id)
+        self._released.append(seq_id)
 
     def throughput(self) -> dict:
         """Measured tokens per second of this session's prefill chunks and single-sequence decode steps."""
