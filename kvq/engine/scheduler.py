@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvq.cache.block_manager import BlockManager, BlockRef, Op
+from kvq.cache.block_manager import BlockManager, BlockRef, NoFreeBlocksError, Op
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
 from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
 
@@ -264,14 +264,17 @@ class Scheduler:
             if seq.status is not SeqStatus.DECODE:  # PREFILL, or preempted by an older decode
                 continue
             assert budget >= 1, "max_num_batched_tokens >= max_num_seqs leaves every decode a token"
-            while not bm.can_append_slots(seq.seq_id, 1):
-                victim = self._running[-1]  # the newest; `seq` itself when no newer one is left
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                if victim is seq:
+            while True:  # append_slots plans once and raises, the manager unchanged, when it cannot
+                try:
+                    ops.extend(bm.append_slots(seq.seq_id, [seq.last_token_id]))
                     break
+                except NoFreeBlocksError:
+                    victim = self._running[-1]  # the newest; `seq` itself when no newer one is left
+                    self._preempt(victim)
+                    preempted.append(victim.seq_id)
+                    if victim is seq:
+                        break
             if seq.status is SeqStatus.DECODE:
-                ops.extend(bm.append_slots(seq.seq_id, [seq.last_token_id]))
                 take(seq, 1, is_prefill=False)
 
         stalled = False
