@@ -173,7 +173,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # -- kvq generate --------------------------------------------------------------------------------
 def add_device_args(g) -> None:
     """--attention-backend, --device, --dtype: shared by every command that builds an engine."""
-    g.add_argument("--attention-backend", default="auto", help="auto, triton or torch (see docs/kernels.md)")
+    g.add_argument("--attention-backend", default="auto",
+                   help="auto, cuda, triton or torch; auto picks the first that serves the plan (docs/kernels.md)")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     g.add_argument("--dtype", default="auto", help="model compute dtype: auto, bfloat16, float16, float32")
 

@@ -89,3 +89,13 @@ def test_cli_help_formats_and_plan_import_no_torch(argv):
             "    pass\nassert 'torch' not in sys.modules, 'torch was imported'\n" % argv)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_help_names_every_attention_backend(capsys):
+    from kvq.attention.backends import backend_names
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in backend_names():
+        assert name in text.split("--attention-backend", 1)[1][:200], name
