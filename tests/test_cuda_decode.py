@@ -132,7 +132,7 @@ def test_cuda_decode_support_rules():
     assert decode8.choose_splits(32, 200, 132) == 2
 
 
-def test_cuda_backend_is_chosen_only_where_it_serves():
+def test_cuda_backend_choice():
     from kvq.attention.backends import select_backend
 
     plan = make_plan(bare_model(2, 2, 128, num_attention_heads=8), "fp8_e4m3", skip_layers=[0])
@@ -148,8 +148,12 @@ def test_cuda_backend_is_chosen_only_where_it_serves():
         pytest.skip(decode8.unavailable_reason())
     _, choice = select_backend("auto", plan, "cuda", torch.bfloat16)
     assert choice.resolved == "cuda" and "1 of 2 layers" in choice.reason, choice
-    plan = make_plan(bare_model(2, 2, 128, num_attention_heads=8), "int4_per_token")
+    # a plan with no layer the CUDA decode reads still resolves to the same backend (Triton kernels
+    # throughout), so an evaluation's formats all resolve alike and only a real fallback stands out
+    for fmt in ("int4_per_token", "bfloat16"):
+        plan = make_plan(bare_model(2, 2, 128, num_attention_heads=8), fmt)
+        _, choice = select_backend("auto", plan, "cuda", torch.bfloat16)
+        assert choice.resolved == "cuda" and "Triton kernels on all 2 layers" in choice.reason, choice
+    plan = make_plan(bare_model(2, 2, 128, num_attention_heads=8), "fp8_e4m3fnuz")
     _, choice = select_backend("auto", plan, "cuda", torch.bfloat16)
-    assert choice.resolved == "triton" and "no layer is stored" in choice.reason, choice
-    with pytest.raises(ValueError, match="no layer is stored"):
-        select_backend("cuda", plan, "cuda", torch.bfloat16)
+    assert choice.resolved == "torch", choice

@@ -104,18 +104,15 @@ def _cuda_layers(plan: CachePlan, dtype: torch.dtype) -> tuple[list[int], str | 
 
 
 def _cuda_check(plan: CachePlan, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The cuda backend serves what Triton serves (its other layers run the Triton kernels), so
+    every format of an evaluation resolves to the same backend name on one machine and a
+    fallback (to the torch reference) still stands out; it needs CuPy and sm_90."""
     why = _triton_check(plan, device, dtype)
     if why is not None:
         return why
     from kvq.attention.cuda import decode8
 
-    why = decode8.unavailable_reason()
-    if why is not None:
-        return why
-    served, why_not = _cuda_layers(plan, dtype)
-    if not served:
-        return f"no layer is stored in a format the CUDA decode reads ({why_not})"
-    return None
+    return decode8.unavailable_reason()
 
 
 def _load_cuda():
@@ -130,6 +127,8 @@ def describe_cuda(plan: CachePlan, dtype: torch.dtype) -> str:
     n = len(plan.layers)
     if len(served) == n:
         return f"CUDA decode on all {n} layers"
+    if not served:
+        return f"Triton kernels on all {n} layers (no layer stored in 8 bits or KIVI: {why_not})"
     return f"CUDA decode on {len(served)} of {n} layers, Triton on the rest ({why_not})"
 
 
@@ -137,7 +136,8 @@ _BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
     for b in (
         AttentionBackend("cuda", "CUDA decode (mma.sync, cp.async pipeline) where a layer is stored in 8 bits "
-                         "or KIVI; Triton for prefill, writes and other layers", _cuda_check, _load_cuda),
+                         "or KIVI; the Triton kernels for prefill, writes and every other layer", _cuda_check,
+                         _load_cuda),
         AttentionBackend("triton", "Triton kernels: fused dequant paged decode/prefill, quantize-on-store",
                          _triton_check, _load_triton),
         AttentionBackend("torch", "plain-torch reference (every format, every device; slow)", _torch_check,
