@@ -141,3 +141,26 @@ def test_profile_step_runs_through_the_runner(tmp_path):
     runner, step, seqs = eng.profile_step()
     logits, rows = runner.execute(step, seqs)
     assert logits.shape == (3, 512) and rows == [0, 0, 0] and torch.isfinite(logits).all()
+
+
+def test_freeze_gc_option(tmp_path):
+    """freeze_gc=True freezes the collector's view of the built engine (the CUDA default); off on the CPU."""
+    import gc
+    import json
+
+    from kvq.engine.llm_engine import EngineConfig, LLMEngine
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
+               intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False,
+               torch_dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    kw = dict(model=str(tmp_path), load_format="dummy", device="cpu", kv_cache_memory="4MiB", progress=False)
+    gc.unfreeze()
+    try:
+        LLMEngine(EngineConfig(**kw))
+        assert gc.get_freeze_count() == 0  # CPU default: off
+        LLMEngine(EngineConfig(freeze_gc=True, **kw))
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
