@@ -16,6 +16,9 @@ from kvq.cache.plan import bare_model, make_plan
 from kvq.cache.pool import KVPool
 
 
+SLEEP_CYCLES = 1_000_000  # ~0.5 ms of GPU sleep before each timed call, longer than any call's host time
+
+
 def bench(fn, iters=30):
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(3):
@@ -23,6 +26,7 @@ def bench(fn, iters=30):
     ts = []
     for _ in range(iters):
         flush.zero_()
+        torch.cuda._sleep(SLEEP_CYCLES)  # the GPU waits while the host enqueues fn: kernel time, not launch time
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()

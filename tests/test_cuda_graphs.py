@@ -4,7 +4,8 @@ CPU: a step that mixes decodes and prefill chunks sends its leading one-token
 sequences to the decode kernel and the rest to the prefill kernel; the result
 equals one prefill-kernel call over the whole step.  GPU: a decode step replayed
 from a CUDA graph gives the logits of the same step run eagerly, for a 16-bit,
-an 8-bit and a KIVI cache, with batches that need padding rows.
+an 8-bit and a KIVI cache, with batches that need padding rows (KIVI's block seals
+run inside the replayed graph).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
     for n in (3, 40, 150, 300, 17):  # 5 sequences: replays the graph of 8 with 3 padding rows
         ids = torch.randint(0, 4096, (n,), generator=g).tolist()
         eng.add_request(ids, SamplingParams(max_tokens=40, ignore_eos=True))
-    checked = 0
+    checked = sealed_in_graph = 0
     while eng.has_unfinished():
         sched = eng.scheduler.schedule()
         seqs = {s.seq_id: eng.scheduler.get(s.seq_id) for s in sched.scheduled}
@@ -110,7 +111,10 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
             torch.testing.assert_close(replayed, eager, rtol=2e-2, atol=2e-2)
             assert (replayed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.8
             checked += 1
+            sealed_in_graph += len(sched.ops)
         tokens = logits.argmax(-1).tolist() if logits is not None else []
         eng.scheduler.update(sched, dict(zip(sample_ids, tokens)))
     assert checked >= 30
+    if fmt == "int4_kivi":  # KIVI K blocks seal as they fill: inside the replayed graph
+        assert sealed_in_graph > 0
     eng.block_manager.check_integrity()

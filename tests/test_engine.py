@@ -164,3 +164,47 @@ def test_freeze_gc_option(tmp_path):
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("fmt", ["int4_kivi", "fp8_per_block"])
+def test_seals_run_inside_the_forward_like_apply_ops(tmp_path, monkeypatch, fmt):
+    """A step whose ops are all seals hands them to the forward, each layer sealing just
+    before its own K/V write; the tokens and every pool byte equal those of running the
+    ops first (the old order), and seals really happened."""
+    import json
+
+    from kvq.engine import model_runner
+    from kvq.engine.llm_engine import EngineConfig, LLMEngine
+    from kvq.engine.sampling_params import SamplingParams
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
+               intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+               torch_dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    def run(in_forward: bool):
+        if not in_forward:
+            monkeypatch.setattr(model_runner, "layer_seals", lambda ops: None)
+        eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", kv_cache_dtype=fmt,
+                                     kv_sink_tokens=0, kv_residual_tokens=40, max_num_seqs=4,
+                                     max_num_batched_tokens=64, kv_cache_memory="4MiB", progress=False, seed=0))
+        sealed = []
+        execute = eng.runner.execute
+        eng.runner.execute = lambda sched, seqs: (sealed.append(len(sched.ops)), execute(sched, seqs))[1]
+        for prompt in ([1, 2, 3] * 10, [5, 6] * 30):
+            eng.add_request(prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+        tokens = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+        monkeypatch.undo()
+        return tokens, eng.pool, sum(sealed)
+
+    tok_a, pool_a, n_a = run(True)
+    tok_b, pool_b, n_b = run(False)
+    assert n_a == n_b > 0
+    assert tok_a == tok_b
+    for la, lb in zip(pool_a.layers, pool_b.layers):
+        for ta, tb in zip(la.tensors(), lb.tensors()):
+            assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))

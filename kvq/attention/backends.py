@@ -34,7 +34,7 @@ class AttentionBackend:
     name: str
     description: str
     check: Callable[[CachePlan, torch.device, torch.dtype], str | None]  # None = supported, else why not
-    load: Callable[[], "object"]  # -> module with write_kv, seal_blocks, paged_attention, paged_decode
+    load: Callable[[], "object"]  # -> module with write_kv, seal_blocks, seal_pairs, paged_attention, paged_decode
 
     def unsupported_reason(self, plan: CachePlan, device, dtype: torch.dtype) -> str | None:
         return self.check(plan, torch.device(device), dtype)

@@ -88,6 +88,13 @@ def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
 
 
 # -- seal ----------------------------------------------------------------------------------------
+def seal_pairs(layer: LayerKV, pairs: torch.Tensor) -> None:
+    """:func:`seal_blocks` of ``pairs`` [S, 2] (hp block, q block); rows whose q block is
+    negative are padding and skipped."""
+    keep = pairs[:, 1] >= 0
+    seal_blocks(layer, pairs[keep, 0], pairs[keep, 1])
+
+
 def seal_blocks(layer: LayerKV, src_hp: torch.Tensor, dst_q: torch.Tensor) -> None:
     """Quantize whole hp blocks ``src_hp[i]`` into q blocks ``dst_q[i]`` (both [S] int64)."""
     if src_hp.numel() == 0:
@@ -127,10 +134,11 @@ def paged_attention(
     sm_scale: float,
     max_q_len: int | None = None,
     has_hp: bool | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over the paged cache (prefill chunks and decode).
 
-    ``max_q_len`` and ``has_hp`` are launch hints of the kernels, unused here."""
+    ``max_q_len``, ``has_hp`` and ``max_seq_len`` are launch hints of the kernels, unused here."""
     T, Hq, D = q.shape
     H = layer.num_kv_heads
     assert Hq % H == 0, (Hq, H)

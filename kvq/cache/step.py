@@ -34,6 +34,8 @@ class StepMetadata:
     max_q_len, max_seq_len, has_hp: host ints/bools for the launch (no device sync)
     num_decodes    leading sequences with one new token each: they go to the decode kernel
     prefill_cu     [B - num_decodes + 1] int32  cu_seqlens_q of the other sequences, from 0
+    seals          [S, 2] int64  (hp block, q block) seals each layer runs before its K/V
+                   write (rows with a negative q block are padding), or None
     """
 
     slots: torch.Tensor
@@ -46,6 +48,7 @@ class StepMetadata:
     has_hp: bool
     num_decodes: int = 0
     prefill_cu: torch.Tensor | None = None
+    seals: torch.Tensor | None = None
 
 
 def _full_blocks(slots: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -73,6 +76,7 @@ class HostStep:
     tables: list[list[int]] | np.ndarray
     seq_lens: list[int]
     num_new: list[int]
+    seals: list[tuple[int, int]] = ()  # (hp block, q block): sealed by each layer before its write
 
     @property
     def num_decodes(self) -> int:
@@ -144,7 +148,17 @@ def to_device(step: HostStep, block_size: int, device: torch.device | str) -> St
         has_hp=has_hp,
         num_decodes=nd,
         prefill_cu=to_dev([c - cu[nd] for c in cu[nd:]], torch.int32),
+        seals=to_dev(list(step.seals), torch.int64).reshape(-1, 2) if step.seals else None,
     )
+
+
+def layer_seals(ops: Sequence) -> list[tuple[int, int]] | None:
+    """The step's ops as (hp block, q block) pairs when they are all seals, which each layer
+    can then run just before writing its own K/V (:attr:`StepMetadata.seals`); None when
+    a copy is among them and :func:`apply_ops` must run the whole list first, in order."""
+    if not all(isinstance(op, SealOp) for op in ops):
+        return None
+    return [(op.src_hp_block, op.dst_q_block) for op in ops]
 
 
 def apply_ops(pool: KVPool, kernels, ops: Sequence) -> None:

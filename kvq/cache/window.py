@@ -78,3 +78,9 @@ def peak_blocks(first: int, last: int, policy: WindowPolicy) -> tuple[int, int]:
             hp += block_state(n // bs, n + 1, policy) == "hp"
         hp_peak = max(hp_peak, hp)
     return q_peak, hp_peak
+
+
+def can_seal(policy: WindowPolicy) -> bool:
+    """Whether a block can ever go hp -> q after it is written (a seal op): block-sealed
+    formats and recent windows; never for direct writes without a window."""
+    return not (policy.write_direct and policy.residual_tokens == 0)

@@ -16,7 +16,12 @@ What makes a step replayable:
   (a batch of 5 replays the graph of 8) write their K/V there and attend to it
   with length 1, so they never touch a sequence's blocks.
 
-Seal and copy ops of the step run eagerly before the replay (their count varies).
+* seals inside the graph, when the plan can seal (KIVI, per-block FP8, recent
+  windows): each layer's seal launch reads a static ``[batch, 2]`` list of
+  (hp block, q block) pairs, padded with q block -1 (skipped).  A decode step
+  seals at most one block per sequence; a step with more, or with a copy op,
+  runs eagerly.
+
 Prefill and mixed steps run eagerly.
 """
 
@@ -45,7 +50,7 @@ class DecodeGraphs:
     """Captured decode forwards for batch sizes up to ``max_batch``."""
 
     def __init__(self, model, pool, kernels, device: torch.device, max_batch: int, max_model_len: int,
-                 null_block: int, has_hp: bool):
+                 null_block: int, has_hp: bool, can_seal: bool = True):
         self.model, self.pool, self.kernels, self.device = model, pool, kernels, device
         self.sizes = capture_sizes(max_batch)
         self.max_model_len = max_model_len
@@ -63,6 +68,7 @@ class DecodeGraphs:
         self.cu = torch.arange(n + 1, **i32)
         self.rows = torch.arange(n, **i64)
         self.no_blocks = torch.empty(0, 2, **i64)
+        self.seals = torch.full((n, 2), -1, **i64) if can_seal else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -71,7 +77,7 @@ class DecodeGraphs:
         return StepMetadata(slots=self.slots[:b], full_blocks=self.no_blocks, cu_seqlens_q=self.cu[:b + 1],
                             block_tables=self.tables[:b], seq_lens=self.lens[:b], max_q_len=1,
                             max_seq_len=self.max_model_len, has_hp=self.has_hp, num_decodes=b,
-                            prefill_cu=self.cu[:1])
+                            prefill_cu=self.cu[:1], seals=None if self.seals is None else self.seals[:b])
 
     def _forward(self, b: int) -> torch.Tensor:
         return self.model(self.ids[:b], self.positions[:b], self.pool, self._meta(b), self.kernels, self.rows[:b])
@@ -91,7 +97,9 @@ class DecodeGraphs:
 
     def serves(self, step: HostStep) -> bool:
         n = len(step.num_new)
-        return 0 < n <= self.sizes[-1] and step.num_decodes == n and max(step.seq_lens) <= self.max_model_len
+        seals_fit = len(step.seals) <= n if self.seals is not None else not step.seals
+        return (0 < n <= self.sizes[-1] and step.num_decodes == n and max(step.seq_lens) <= self.max_model_len
+                and seals_fit)
 
     def run(self, ids: list[int], positions: list[int], step: HostStep) -> torch.Tensor:
         """Replay the smallest graph that holds the batch -> logits [B, V] (a view of its output)."""
@@ -110,5 +118,10 @@ class DecodeGraphs:
         self.slots[:g].copy_(longs[2], non_blocking=True)
         self.tables[:g, :w].copy_(table, non_blocking=True)
         self.lens[:g].copy_(lens, non_blocking=True)
+        if self.seals is not None:
+            seals = torch.full((g, 2), -1, dtype=torch.int64)
+            if step.seals:
+                seals[:len(step.seals)] = torch.tensor(step.seals, dtype=torch.int64)
+            self.seals[:g].copy_(seals, non_blocking=True)
         self.graphs[g].replay()
         return self.outputs[g][:b]

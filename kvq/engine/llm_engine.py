@@ -25,6 +25,7 @@ from kvq.attention.backends import select_backend
 from kvq.cache.block_manager import BlockManager, BlockRef
 from kvq.cache.plan import CachePlan, KVCacheConfig
 from kvq.cache.pool import KVPool
+from kvq.cache.window import can_seal
 from kvq.engine.cuda_graphs import DecodeGraphs
 from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.model_runner import ModelRunner
@@ -178,7 +179,8 @@ class LLMEngine:
         graphs = None
         if use_graphs:
             graphs = DecodeGraphs(self.model, self.pool, self.kernels, self.device, cfg.max_num_seqs,
-                                  self.max_model_len, null_block=int(num_q), has_hp=num_hp > 0)
+                                  self.max_model_len, null_block=int(num_q), has_hp=num_hp > 0,
+                                  can_seal=can_seal(self.plan.window_policy))
             graphs.capture()
         self.runner = ModelRunner(self.model, self.pool, self.kernels, self.device, graphs, cfg.max_num_seqs)
         self.sampler = Sampler()

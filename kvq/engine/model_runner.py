@@ -4,8 +4,11 @@ The scheduler's output is the whole input: each scheduled sequence carries its
 new tokens' cache slots and the block-table entries that changed, which the
 runner applies to its mirror of the tables (:mod:`kvq.engine.block_tables`);
 the runner never reads the block manager.  Host metadata is built here and
-copied to the device once; the seal/copy ops run before any K/V of the step is
-written (the block manager's ordering contract).  Pure decode steps replay a
+copied to the device once.  The block manager's ordering contract (a seal reads
+its hp block before any K/V of the step is written) holds per layer: a step whose
+ops are all seals hands them to the forward, where each layer seals just before
+its own write (inside the CUDA graph of a decode step); copies run before the
+forward.  Pure decode steps replay a
 CUDA graph when the engine captured them (:mod:`kvq.engine.cuda_graphs`).
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvq.cache.pool import encode_slots
-from kvq.cache.step import HostStep, apply_ops, to_device
+from kvq.cache.step import HostStep, apply_ops, layer_seals, to_device
 from kvq.engine.block_tables import BlockTables
 
 
@@ -51,8 +54,10 @@ class ModelRunner:
             for off in item.logit_rows:
                 logits_rows.append(base + off)
                 sample_ids.append(item.seq_id)
-        apply_ops(self.pool, self.kernels, sched.ops)
-        step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums)
+        seals = layer_seals(sched.ops)
+        if seals is None:
+            apply_ops(self.pool, self.kernels, sched.ops)
+        step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums, seals or ())
         if self.graphs is not None and logits_rows == list(range(len(ids))) and self.graphs.serves(step):
             self.graph_steps += 1
             return self.graphs.run(ids, positions, step), sample_ids

@@ -136,13 +136,13 @@ def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float) ->
     T, nd = q.shape[0], meta.num_decodes
     if nd == 0:
         return kernels.paged_attention(q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, scale,
-                                       max_q_len=meta.max_q_len, has_hp=meta.has_hp)
+                                       max_q_len=meta.max_q_len, has_hp=meta.has_hp, max_seq_len=meta.max_seq_len)
     dec = kernels.paged_decode(q[:nd], layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                                max_seq_len=meta.max_seq_len, has_hp=meta.has_hp)
     if nd == T:
         return dec
     pre = kernels.paged_attention(q[nd:], layer, meta.prefill_cu, meta.block_tables[nd:], meta.seq_lens[nd:], scale,
-                                  max_q_len=meta.max_q_len, has_hp=meta.has_hp)
+                                  max_q_len=meta.max_q_len, has_hp=meta.has_hp, max_seq_len=meta.max_seq_len)
     return torch.cat([dec, pre])
 
 
@@ -170,6 +170,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, positions)
         layer = pool.layers[self.index]
+        if meta.seals is not None:  # before the write, which may reuse a sealed hp block
+            kernels.seal_pairs(layer, meta.seals)
         kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)
         o = attend(kernels, q, layer, meta, self.scale)
         return self.o_proj(o.reshape(T, self.Hq * self.D))

@@ -12,9 +12,9 @@ from __future__ import annotations
 from kvq.attention.cuda import decode8
 from kvq.attention.triton import decode as triton_decode
 from kvq.attention.triton.prefill import paged_attention
-from kvq.attention.triton.store import seal_blocks, write_kv
+from kvq.attention.triton.store import seal_blocks, seal_pairs, write_kv
 
-__all__ = ["paged_attention", "paged_decode", "seal_blocks", "write_kv"]
+__all__ = ["paged_attention", "paged_decode", "seal_blocks", "seal_pairs", "write_kv"]
 
 
 def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None):

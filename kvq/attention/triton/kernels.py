@@ -2,6 +2,6 @@
 
 from kvq.attention.triton.decode import paged_decode
 from kvq.attention.triton.prefill import paged_attention
-from kvq.attention.triton.store import seal_blocks, write_kv
+from kvq.attention.triton.store import seal_blocks, seal_pairs, write_kv
 
-__all__ = ["paged_attention", "paged_decode", "seal_blocks", "write_kv"]
+__all__ = ["paged_attention", "paged_decode", "seal_blocks", "seal_pairs", "write_kv"]

@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq.attention.triton import dequant
 from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype, layer_args
-from kvq.attention.triton.tiles import load_tile, tile_channel
+from kvq.attention.triton.tiles import DENSE, load_tile, tile_channel
 from kvq.cache.pool import LayerKV
 
 
@@ -91,13 +92,22 @@ def paged_attention(
     block_m: int = 64,
     block_n: int = 64,
     dot_f16: bool | None = None,
+    max_seq_len: int | None = None,
+    dequant_first: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`kvq.attention.reference.paged_attention`.
 
     ``dot_f16`` (default: when K and V are both stored in 8 bits) runs both
     products in f16: every FP8/INT8 code is exact in f16 and e4m3 -> f16 is one
     hardware conversion per two codes, where e4m3 -> bf16 takes three; bf16
-    queries and probabilities round to f16 (3 more mantissa bits, range to 65504)."""
+    queries and probabilities round to f16 (3 more mantissa bits, range to 65504).
+
+    ``dequant_first`` (default: :func:`dequant_first_default`) dequantizes the
+    pages of the step's sequences once into an f16 scratch
+    (:mod:`kvq.attention.triton.dequant`) and runs the kernel over it as a dense
+    pool, f16 dot; it is skipped when the scratch would pass
+    ``dequant.SCRATCH_CAP_BYTES``.  ``max_seq_len`` (host int, longest
+    ``seq_lens``) sizes the scratch; without it the table width does."""
     T, Hq, D = q.shape
     H = layer.num_kv_heads
     assert Hq % H == 0 and D == layer.head_dim, (Hq, H, D)
@@ -111,6 +121,17 @@ def paged_attention(
     if T == 0 or max_q_len == 0:
         return out
     args, meta = layer_args(layer)
+    PAGE = layer.block_size
+    blocks = block_tables.shape[1]
+    if max_seq_len is not None:
+        blocks = min(blocks, triton.cdiv(max_seq_len, PAGE))
+    if dequant_first is None:
+        dequant_first = dequant_first_default(layer)
+    if dequant_first and dequant.scratch_bytes(B, blocks, H, PAGE, D) <= dequant.SCRATCH_CAP_BYTES:
+        k, v, block_tables = dequant.dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, PAGE, D)
+        args = [k, k, k, k, k, v, v, v, v, v, *k.stride()[:3], 0, 0, 0, *v.stride()[:3], 0, 0, 0, 0, 0, 0]
+        meta = dict(k_fmt=DENSE.value, k_per=1, v_fmt=DENSE.value, v_per=1, kivi_g=1)
+        has_hp, dot_f16 = False, not INTERPRET
     if dot_f16 is None:
         dot_f16 = layer.fmt.k.bits == 8 and layer.fmt.v.bits == 8 and not INTERPRET
     dot = tl.float16 if dot_f16 else _dot_dtype(q.dtype)
@@ -118,8 +139,15 @@ def paged_attention(
     _prefill_kernel[grid](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), cu_seqlens_q, *args,
         block_tables, block_tables.stride(0), seq_lens, sm_scale * _LOG2E,
-        GROUP=Hq // H, D=D, PAGE=layer.block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=Hq // H, D=D, PAGE=PAGE, BLOCK_M=block_m, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
         KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=dot,
     )
     return out
+
+
+def dequant_first_default(layer: LayerKV) -> bool:
+    """Whether prefill over this layer dequantizes its pages first: for every quantized
+    format but FP8 with a per-tensor scale, whose codes the kernel's f16 dot reads as
+    fast as bf16 (H200 sweep of scripts/probe_prefill.py in docs/kernels.md)."""
+    return any(f.is_quantized and not (f.family == "fp8" and f.scale == "static") for f in (layer.fmt.k, layer.fmt.v))

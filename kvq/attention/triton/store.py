@@ -7,9 +7,10 @@ round-half-to-even codes, saturating FP8 casts).
 * ``_write_kernel``: one program per (16 new tokens, KV head), K and V together.
   hp slots store the model dtype; q slots quantize the row (per-token formats;
   rows of block-sealed formats are skipped here and written by the seal kernel).
-* ``_seal_kernel``: one program per (block, KV head): quantizes a whole
-  ``[bs, D]`` tile, from the hp pool (seal) or from the new tokens themselves
-  (a prefill chunk that fills whole blocks of a block-sealed format).
+* ``_seal_hp_kernel``: one program per (hp block, KV head): quantizes its
+  ``[bs, D]`` K and V tiles into a q block (window or block seals).
+* ``_seal_kernel``: the same for one role, from the new tokens themselves (a
+  prefill chunk that fills whole blocks of a block-sealed format).
 """
 
 from __future__ import annotations
@@ -124,10 +125,13 @@ def _write_kernel(
     slot = tl.load(slots_ptr + t, mask=valid, other=0)
     p = tl.arange(0, D)
     src = t.to(tl.int64)[:, None] * s_xt + h * s_xh + p[None, :]
-    xk = tl.load(k_ptr + src, mask=valid[:, None], other=0.0).to(tl.float32)  # [TB, D]
-    xv = tl.load(v_ptr + src, mask=valid[:, None], other=0.0).to(tl.float32)
     is_hp = valid & (slot < 0)
     is_q = valid & (slot >= 0)
+    # a role written only by the seal kernel reads just its hp rows here
+    k_rows = (valid if K_DIRECT else is_hp)[:, None]
+    v_rows = (valid if V_DIRECT else is_hp)[:, None]
+    xk = tl.load(k_ptr + src, mask=k_rows, other=0.0).to(tl.float32)  # [TB, D]
+    xv = tl.load(v_ptr + src, mask=v_rows, other=0.0).to(tl.float32)
     hs = tl.where(slot < 0, -slot - 1, 0)
     hrow = (hs // PAGE) * s_hb + h * s_hh + (hs % PAGE) * s_ht
     tl.store(khp + hrow[:, None] + p[None, :], xk.to(khp.dtype.element_ty), mask=is_hp[:, None])
@@ -144,23 +148,62 @@ def _write_kernel(
 
 
 @triton.jit
-def _seal_kernel(
-    src_ptr, src_off_ptr, s_sh, s_st,  # source tiles: element offset of each block's [H, bs, D] origin
-    dst_ptr,  # [NB] destination q block ids
-    data_ptr, scale_ptr, zero_ptr, static_ptr,
-    s_db, s_dh, s_dt, s_sb, s_shd, s_sst,
-    PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, QMAX: tl.constexpr,
-):
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    base = tl.load(src_off_ptr + i)
-    blk = tl.load(dst_ptr + i).to(tl.int64)
+def _seal_tile(src_ptr, base, s_sh, s_st, blk, h, data_ptr, scale_ptr, zero_ptr, static_ptr,
+               s_db, s_dh, s_dt, s_sb, s_shd, s_sst,
+               PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr,
+               QMAX: tl.constexpr):
+    """Quantize the ``[PAGE, D]`` tile of head ``h`` at element ``base`` of ``src`` into q block ``blk``."""
     r = tl.arange(0, PAGE)
     p = tl.arange(0, D)
     x = tl.load(src_ptr + base + h * s_sh + r[:, None].to(tl.int64) * s_st + p[None, :]).to(tl.float32)
     d_row = blk * s_db + h * s_dh + r.to(tl.int64) * s_dt
     s_row = blk * s_sb + h * s_shd + r.to(tl.int64) * s_sst
     _quant_store(x, data_ptr, scale_ptr, zero_ptr, static_ptr, h, d_row, s_row, r >= 0, PAGE, D, FMT, PER, G, QMAX)
+
+
+@triton.jit
+def _seal_kernel(
+    src_ptr, src_ids, dst_ids, s_ids, s_src, s_sh, s_st,  # tile i: element src_ids[i * s_ids] * s_src of src
+    data_ptr, scale_ptr, zero_ptr, static_ptr,
+    s_db, s_dh, s_dt, s_sb, s_shd, s_sst,
+    PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, QMAX: tl.constexpr,
+):
+    """One role; one program per (block, KV head)."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    blk = tl.load(dst_ids + i * s_ids).to(tl.int64)
+    base = tl.load(src_ids + i * s_ids).to(tl.int64) * s_src
+    _seal_tile(src_ptr, base, s_sh, s_st, blk, h, data_ptr, scale_ptr, zero_ptr, static_ptr,
+               s_db, s_dh, s_dt, s_sb, s_shd, s_sst, PAGE, D, G, FMT, PER, QMAX)
+
+
+@triton.jit
+def _seal_hp_kernel(
+    pairs, s_pair, khp, vhp, s_hb, s_hh, s_ht,  # pairs [S, 2] (hp block, q block); q block < 0: skip
+    kd, ks, kz, kst, vd, vs, vz, vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    K_FMT: tl.constexpr, K_PER: tl.constexpr, K_QMAX: tl.constexpr,
+    V_FMT: tl.constexpr, V_PER: tl.constexpr, V_QMAX: tl.constexpr,
+):
+    """Seal hp blocks into q blocks, K and V in one launch; one program per (pair, KV head)."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    blk = tl.load(pairs + i * s_pair + 1)
+    if blk >= 0:
+        base = tl.load(pairs + i * s_pair) * s_hb
+        _seal_tile(khp, base, s_hh, s_ht, blk, h, kd, ks, kz, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
+                   PAGE, D, G, K_FMT, K_PER, K_QMAX)
+        _seal_tile(vhp, base, s_hh, s_ht, blk, h, vd, vs, vz, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+                   PAGE, D, G, V_FMT, V_PER, V_QMAX)
+
+
+def _warps(layer: LayerKV) -> int:
+    """Warps per program of the write and seal kernels, from the H200 sweep of
+    scripts/probe_write.py: 4, but 2 where a role is KIVI (its group reductions and
+    planar packing run 2-3x slower with 4 or 8 warps)."""
+    return 2 if "kivi" in (layer.fmt.k.family, layer.fmt.v.family) else 4
 
 
 def _role_args(layer: LayerKV, role: str) -> tuple[list, list, dict]:
@@ -177,15 +220,35 @@ def _role_args(layer: LayerKV, role: str) -> tuple[list, list, dict]:
     return ptrs, strides, meta
 
 
-def seal_from(layer: LayerKV, role: str, src: torch.Tensor, src_offsets: torch.Tensor, s_head: int, s_tok: int,
-              dst_q: torch.Tensor) -> None:
-    """Quantize whole blocks whose ``[H, bs, D]`` origins sit at ``src_offsets`` (elements) in ``src``."""
+def seal_from(layer: LayerKV, role: str, src: torch.Tensor, src_ids: torch.Tensor, s_src: int, s_head: int,
+              s_tok: int, dst_q: torch.Tensor, num_warps: int | None = None) -> None:
+    """Quantize whole blocks: tile ``i``'s ``[H, bs, D]`` origin is element ``src_ids[i] * s_src``
+    of ``src``; it goes to q block ``dst_q[i]`` (``src_ids``/``dst_q`` [S] integer, equal strides)."""
     if dst_q.numel() == 0:
         return
+    assert src_ids.stride(0) == dst_q.stride(0), "src_ids and dst_q must share a stride"
     ptrs, strides, meta = _role_args(layer, role)
     _seal_kernel[(dst_q.numel(), layer.num_kv_heads)](
-        src, src_offsets, s_head, s_tok, dst_q, ptrs[0], ptrs[1], ptrs[2], ptrs[4], *strides,
+        src, src_ids, dst_q, dst_q.stride(0), s_src, s_head, s_tok, ptrs[0], ptrs[1], ptrs[2], ptrs[4], *strides,
         PAGE=layer.block_size, D=layer.head_dim, G=meta["g"], FMT=meta["fmt"], PER=meta["per"], QMAX=meta["qmax"],
+        num_warps=num_warps or _warps(layer),
+    )
+
+
+def seal_pairs(layer: LayerKV, pairs: torch.Tensor, num_warps: int | None = None) -> None:
+    """Seal hp block ``pairs[i, 0]`` into q block ``pairs[i, 1]`` (K and V, one launch); rows
+    with a negative q block are skipped, so a CUDA graph can replay a padded list."""
+    if pairs.shape[0] == 0:
+        return
+    kp, ks, km = _role_args(layer, "k")
+    vp, vs, vm = _role_args(layer, "v")
+    hp = layer.k_hp.stride()
+    _seal_hp_kernel[(pairs.shape[0], layer.num_kv_heads)](
+        pairs, pairs.stride(0), layer.k_hp, layer.v_hp, hp[0], hp[1], hp[2],
+        kp[0], kp[1], kp[2], kp[4], vp[0], vp[1], vp[2], vp[4], *ks, *vs,
+        PAGE=layer.block_size, D=layer.head_dim, G=max(km["g"], vm["g"]),
+        K_FMT=km["fmt"], K_PER=km["per"], K_QMAX=km["qmax"], V_FMT=vm["fmt"], V_PER=vm["per"], V_QMAX=vm["qmax"],
+        num_warps=num_warps or _warps(layer),
     )
 
 
@@ -193,14 +256,12 @@ def seal_blocks(layer: LayerKV, src_hp: torch.Tensor, dst_q: torch.Tensor) -> No
     """Triton twin of :func:`kvq.attention.reference.seal_blocks`."""
     if dst_q.numel() == 0:
         return
-    for role in ("k", "v"):
-        hp = layer.hp(role)
-        offsets = src_hp.to(torch.int64) * hp.stride(0)
-        seal_from(layer, role, hp, offsets, hp.stride(1), hp.stride(2), dst_q)
+    seal_pairs(layer, torch.stack([src_hp.to(torch.int64), dst_q.to(torch.int64)], dim=1))
 
 
 def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-             full_blocks: torch.Tensor | None = None) -> None:
+             full_blocks: torch.Tensor | None = None, tokens_per_program: int = 16, num_warps: int | None = None,
+             seal_warps: int | None = None) -> None:
     """Triton twin of :func:`kvq.attention.reference.write_kv`.
 
     ``full_blocks`` [NB, 2] (q block, first token index) lists the q blocks that
@@ -214,12 +275,14 @@ def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
     kp, ks, km = _role_args(layer, "k")
     vp, vs, vm = _role_args(layer, "v")
     hp = layer.k_hp.stride()
-    TB = 16
+    TB = tokens_per_program
+    if num_warps is None:
+        num_warps = _warps(layer)
     _write_kernel[(triton.cdiv(T, TB), H)](
         k, v, k.stride(0), k.stride(1), T, slots, *kp, *vp, *ks, *vs, hp[0], hp[1], hp[2],
         PAGE=layer.block_size, D=D, G=max(km["g"], vm["g"]), TB=TB,
         K_FMT=km["fmt"], K_PER=km["per"], K_QMAX=km["qmax"], K_DIRECT=km["direct"],
-        V_FMT=vm["fmt"], V_PER=vm["per"], V_QMAX=vm["qmax"], V_DIRECT=vm["direct"],
+        V_FMT=vm["fmt"], V_PER=vm["per"], V_QMAX=vm["qmax"], V_DIRECT=vm["direct"], num_warps=num_warps,
     )
     if km["direct"] and vm["direct"]:
         return
@@ -229,8 +292,7 @@ def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
         full_blocks = full_block_writes(torch.where(slots < 0, -1, slots), layer.block_size)
     if full_blocks.numel() == 0:
         return
-    dst = full_blocks[:, 0].contiguous()
     for role, x, meta in (("k", k, km), ("v", v, vm)):
         if not meta["direct"]:
-            offsets = (full_blocks[:, 1].to(torch.int64) * x.stride(0)).contiguous()
-            seal_from(layer, role, x, offsets, x.stride(1), x.stride(0), dst)
+            seal_from(layer, role, x, full_blocks[:, 1], x.stride(0), x.stride(1), x.stride(0), full_blocks[:, 0],
+                      seal_warps)

@@ -25,6 +25,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kvq.formats.spec import TensorFormat
 
@@ -55,11 +56,15 @@ def format_code(fmt: TensorFormat) -> int:
 
 @triton.jit
 def _rne(y):
-    """Round half to even (torch.round), without libdevice."""
-    r = tl.floor(y + 0.5)
-    tie = (r - y) == 0.5
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(tie & odd, r - 1.0, r)
+    """Round half to even (torch.round): one ``cvt.rni`` on the GPU; under the CPU
+    interpreter the same rounding from floor."""
+    if INTERPRET:
+        r = tl.floor(y + 0.5)
+        tie = (r - y) == 0.5
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        return tl.where(tie & odd, r - 1.0, r)
+    else:
+        return libdevice.rint(y)
 
 
 @triton.jit

@@ -1,0 +1,125 @@
+"""Dequantize the pages a prefill step reads into a dense f16 scratch, once.
+
+The chunked-prefill kernel reads every K/V tile once per (query head, tile of
+``BLOCK_M`` queries): for a 1024-token chunk with GQA 4 that is 64 reads and
+64 dequantizations of the same tile.  For formats whose dequantization is more
+than a free conversion (KIVI's per-channel scale/zero, int8 codes) that work
+dominates the kernel.  This pass dequantizes each page of the step's sequences
+once into ``[B * blocks, H, PAGE, D]`` f16 (natural channel order, scales
+applied); the prefill kernel then reads the scratch as a dense bf16-like pool.
+Prefill is compute bound, so the extra pass (read the stored bytes, write 4
+bytes per element pair) costs a few microseconds per layer.
+
+f16, not the model's bf16: a dequantized value ``code * scale (+ zero)`` keeps
+11 significant bits, which is closer to the reference's fp32 than the in-loop
+bf16 dequantization of KIVI tiles, and K/V values are far inside f16's range.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq.attention.triton.tiles import KIVI_K, load_tile
+
+#: Scratch bytes (K and V together) above which the prefill dequantizes in its loop instead.
+SCRATCH_CAP_BYTES = 512 * 1024 * 1024
+
+
+@triton.jit
+def _packed_tile(data_ptr, scale_ptr, zero_ptr, qb, head, off,
+                 s_db, s_dh, s_dt, s_sb, s_sh, s_st,
+                 D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, G: tl.constexpr):
+    """[N, D] float32 of a KIVI-packed tile in natural channel order: each lane reads
+    the byte that holds its channel (planar packing: channel ``c`` is in byte
+    ``c % (D / PER)`` at bit ``(c // (D / PER)) * bits``), so no unpacked plane is
+    joined or re-laid out in registers."""
+    DP: tl.constexpr = D // PER
+    BITS: tl.constexpr = 8 // PER
+    c = tl.arange(0, D)
+    row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
+    byte = tl.load(data_ptr + row[:, None] + (c % DP)[None, :]).to(tl.int32)
+    code = ((byte >> ((c // DP) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    if FMT == KIVI_K:  # one scale/zero row per group of G tokens, per channel
+        srow = qb * s_sb + head * s_sh + (off // G) * s_st
+        sidx = srow[:, None] + c[None, :]
+    else:  # KIVI_V: per token, per group of G channels
+        srow = qb * s_sb + head * s_sh + off * s_st
+        sidx = srow[:, None] + (c // G)[None, :]
+    return code * tl.load(scale_ptr + sidx).to(tl.float32) + tl.load(zero_ptr + sidx).to(tl.float32)
+
+
+@triton.jit
+def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
+               s_db, s_dh, s_dt, s_sb, s_sh, s_st, s_hb, s_hh, s_ht,
+               bid, head, off, PAGE: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr,
+               G: tl.constexpr):
+    """[PAGE, D] float32, natural channel order, of one page (``bid`` a scalar signed block id)."""
+    c = tl.arange(0, D)
+    if bid < 0:  # a high-precision page (sinks, recent window)
+        hrow = (-bid - 1).to(tl.int64) * s_hb + head * s_hh + off.to(tl.int64) * s_ht
+        x = tl.load(hp_ptr + hrow[:, None] + c[None, :]).to(tl.float32)
+    elif PER == 1:
+        qb = bid.to(tl.int64) + tl.zeros((PAGE,), tl.int64)
+        raw, sc = load_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr, s_db, s_dh, s_dt, s_sb, s_sh, s_st,
+                            s_hb, s_hh, s_ht, qb, off, head, off >= 0, PAGE, D, FMT, PER, G, False, tl.float32)
+        x = raw * sc[:, None]
+    else:
+        qb = bid.to(tl.int64) + tl.zeros((PAGE,), tl.int64)
+        x = _packed_tile(data_ptr, scale_ptr, zero_ptr, qb, head, off, s_db, s_dh, s_dt, s_sb, s_sh, s_st,
+                         D, FMT, PER, G)
+    return x
+
+
+@triton.jit
+def _dequant_kernel(
+    kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_hb, s_hh, s_ht,
+    table_ptr, s_tb, lens_ptr, out_k, out_v, s_ob, s_oh, s_ot, NB,
+    D: tl.constexpr, PAGE: tl.constexpr,
+    K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr, KIVI_G: tl.constexpr,
+):
+    """One program per (sequence, page of its table, KV head)."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    h = tl.program_id(2)
+    n = tl.load(lens_ptr + b)
+    if j * PAGE < n:
+        bid = tl.load(table_ptr + b.to(tl.int64) * s_tb + j)
+        off = tl.arange(0, PAGE)
+        c = tl.arange(0, D)
+        dst = (b.to(tl.int64) * NB + j) * s_ob + h * s_oh + off[:, None].to(tl.int64) * s_ot + c[None, :]
+        k = _page_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
+                       bid, h, off, PAGE, D, K_FMT, K_PER, KIVI_G)
+        tl.store(out_k + dst, k.to(tl.float16))
+        v = _page_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
+                       bid, h, off, PAGE, D, V_FMT, V_PER, KIVI_G)
+        tl.store(out_v + dst, v.to(tl.float16))
+
+
+def scratch_bytes(batch: int, blocks: int, num_kv_heads: int, page: int, head_dim: int) -> int:
+    """Bytes of the K + V scratch for ``batch`` sequences of ``blocks`` pages each."""
+    return 2 * 2 * batch * blocks * num_kv_heads * page * head_dim
+
+
+def dequantize_pages(args: list, meta: dict, block_tables: torch.Tensor, seq_lens: torch.Tensor, blocks: int,
+                     num_kv_heads: int, page: int, head_dim: int, num_warps: int = 4):
+    """-> (k, v) f16 ``[B * blocks, H, page, D]`` and the identity table ``[B, blocks]``
+    that reads them: page ``j`` of sequence ``b`` sits at block ``b * blocks + j``.
+    ``args``/``meta`` are :func:`kvq.attention.triton.decode.layer_args` of the layer."""
+    B = seq_lens.shape[0]
+    dev = seq_lens.device
+    shape = (B * blocks, num_kv_heads, page, head_dim)
+    k = torch.empty(shape, dtype=torch.float16, device=dev)
+    v = torch.empty(shape, dtype=torch.float16, device=dev)
+    table = torch.arange(B * blocks, dtype=torch.int32, device=dev).view(B, blocks)
+    if B and blocks:
+        _dequant_kernel[(B, blocks, num_kv_heads)](
+            *args, block_tables, block_tables.stride(0), seq_lens, k, v, k.stride(0), k.stride(1), k.stride(2), blocks,
+            D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
+            V_PER=meta["v_per"], KIVI_G=meta["kivi_g"], num_warps=num_warps,
+        )
+    return k, v, table
