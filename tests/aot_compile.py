@@ -83,8 +83,9 @@ def main(formats: list[str]) -> None:
             q = torch.zeros(3, 2 * group, D, dtype=torch.bfloat16)
             tables = torch.zeros(2, 4, dtype=torch.int32)
             lens = torch.tensor([40, 3], dtype=torch.int32)
-            kernels.paged_attention(q, layer, torch.tensor([0, 2, 3], dtype=torch.int32), tables, lens, 0.1,
-                                    max_q_len=2, has_hp=True)
+            for first in (True, False):  # pages dequantized into a scratch first, or in the kernel's loop
+                kernels.paged_attention(q, layer, torch.tensor([0, 2, 3], dtype=torch.int32), tables, lens, 0.1,
+                                        max_q_len=2, has_hp=True, max_seq_len=40, dequant_first=first)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=False)
     n = compile_recorded()
