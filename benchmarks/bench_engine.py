@@ -144,7 +144,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
     engine = LLMEngine(EngineConfig(model=model, load_format="dummy", kv_cache_dtype=fmt,
                                     max_num_seqs=max(concs), max_num_batched_tokens=args.max_num_batched_tokens,
                                     gpu_memory_utilization=args.gpu_memory_utilization, progress=False,
-                                    kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager))
+                                    kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
+                                    async_scheduling=args.async_scheduling))
     info = engine.info
     plan = engine.plan
     res.data["capacity"][fmt] = {"q_blocks": info["kv_pool"]["q_blocks"], "hp_blocks": info["kv_pool"]["hp_blocks"],
@@ -171,7 +172,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                 r = {"error": f"{type(e).__name__}: {e}"}
             ctx = inp + out // 2
             r["roofline_step_s"] = roofline_step_s(weight_bytes, plan.bytes_per_token, c, ctx, bw)
-            run = {"system": "kvq", "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c, **r}
+            system = "kvq-async" if args.async_scheduling else "kvq"
+            run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c, **r}
             res.add(run)
             if "error" in r:
                 print(f"[kvq {fmt}] {inp}/{out} c={c}: {r['error']}", flush=True)
@@ -281,6 +283,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
     p.add_argument("--smoke", action="store_true", help="tiny model and workloads")
     p.add_argument("--out", default=str(ROOT / "docs/results/bench_engine.json"))
     args = p.parse_args(argv)

@@ -190,6 +190,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", help="auto (weights from disk) or dummy (random, real shapes)")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch each step before the previous step's tokens are read (outputs "
+                        "unchanged; the host prepares a step while the device runs the previous one)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -200,7 +203,7 @@ def engine_config_from_args(args: argparse.Namespace):
         device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
     )
 
 

@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--host", action="store_true", help="also cProfile the host side")
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--prefill", action="store_true", help="profile the wave's prefill steps instead of decode")
@@ -43,7 +44,7 @@ def main():
     concs = [int(c) for c in args.concurrency.split(",")]
     eng = LLMEngine(EngineConfig(model=args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype,
                                  max_num_seqs=max(concs), max_num_batched_tokens=8192, progress=False,
-                                 enforce_eager=args.enforce_eager))
+                                 enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling))
     vocab = eng.model.config.vocab_size
     for c in concs:
         sp = SamplingParams(max_tokens=4 * args.steps + 8, ignore_eos=True)

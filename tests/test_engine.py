@@ -191,7 +191,8 @@ def test_seals_run_inside_the_forward_like_apply_ops(tmp_path, monkeypatch, fmt)
                                      max_num_batched_tokens=64, kv_cache_memory="4MiB", progress=False, seed=0))
         sealed = []
         execute = eng.runner.execute
-        eng.runner.execute = lambda sched, seqs: (sealed.append(len(sched.ops)), execute(sched, seqs))[1]
+        eng.runner.execute = lambda sched, seqs, feed=None: (sealed.append(len(sched.ops)),
+                                                             execute(sched, seqs, feed))[1]
         for prompt in ([1, 2, 3] * 10, [5, 6] * 30):
             eng.add_request(prompt, SamplingParams(max_tokens=60, ignore_eos=True))
         tokens = {}
@@ -208,3 +209,29 @@ def test_seals_run_inside_the_forward_like_apply_ops(tmp_path, monkeypatch, fmt)
     for la, lb in zip(pool_a.layers, pool_b.layers):
         for ta, tb in zip(la.tensors(), lb.tensors()):
             assert torch.equal(ta.view(torch.uint8), tb.view(torch.uint8))
+
+
+def test_async_scheduling_gives_the_same_outputs(bf16):
+    """Asynchronous scheduling (step N+1 scheduled and launched before step N's tokens are
+    read, pending tokens fed from the sampler's output on the device) changes no output:
+    greedy and seeded sampling, a stop string one step late, chunked prefill and
+    preemption with tokens in flight, logprobs."""
+    params = [SamplingParams(max_tokens=48, temperature=0, logprobs=2),
+              SamplingParams(max_tokens=48, temperature=0.8, seed=7),
+              SamplingParams(max_tokens=48, temperature=0, stop=[" the"]),
+              SamplingParams(max_tokens=44, temperature=0)]
+    want = bf16.generate(PROMPTS, params, use_tqdm=False)
+    assert any(o.outputs[0].finish_reason == "stop" for o in want), "the stop string should end one request"
+    for kw in (dict(kv_cache_memory="128MiB", max_num_seqs=8),
+               dict(max_num_batched_tokens=8, max_num_seqs=4, kv_cache_memory=8 * bf16.engine.plan.bytes_per_block)):
+        llm = LLM("default", kv_cache_dtype="bfloat16", async_scheduling=True, progress=False, **kw)
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        for w, g in zip(want, got):
+            a, b = w.outputs[0], g.outputs[0]
+            assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == \
+                (a.token_ids, a.text, a.finish_reason, a.stop_reason), kw
+            assert [x["token_id"] for x in b.logprobs or []] == [x["token_id"] for x in a.logprobs or []]
+        eng = llm.engine
+        assert not eng.has_unfinished() and eng.block_manager.num_free_blocks("q") == eng.pool.num_q_blocks
+        if "max_num_batched_tokens" in kw:
+            assert sum(o.metrics["num_preemptions"] for o in got) > 0, "the small pool should force preemption"

@@ -60,7 +60,11 @@ class Clock:
 class Engine:
     """A fake engine around a real BlockManager and Scheduler."""
 
-    def __init__(self, policy: WindowPolicy, nq=64, nhp=16, prefix=True, eos=EOS, **cfg):
+    def __init__(self, policy: WindowPolicy, nq=64, nhp=16, prefix=True, eos=EOS, pipelined=False, **cfg):
+        if pipelined:  # asynchronous scheduling: step N+1 is scheduled and launched before step N's update
+            cfg["max_inflight"] = 2
+        self.pipelined = pipelined
+        self.pending = None  # (output, sampled) launched and not yet update()d
         cfg.setdefault("max_model_len", 64)
         cfg.setdefault("max_num_seqs", 4)
         cfg.setdefault("block_aligned_chunks", not policy.write_direct)
@@ -105,10 +109,15 @@ class Engine:
             end = item.start + item.num_new_tokens
             assert list(item.slots) == self.bm.slots(item.seq_id, item.start, end)
 
-    def forward(self, item) -> int | None:
+    def forward(self, item, prev: dict) -> int | None:
+        """``prev``: the previous launch's samples, which feed a pending token (the real runner
+        gathers them on the device)."""
         seq = self.seqs[item.seq_id]
         toks, start, end = seq.all_token_ids, item.start, item.start + item.num_new_tokens
-        assert start == seq.num_computed_tokens and end <= len(toks)
+        if end > len(toks):  # its last input is the previous step's sample, not update()d yet
+            assert self.pipelined and end == len(toks) + 1 and item.seq_id in prev, (item, seq)
+            toks = toks + [prev[item.seq_id]]
+        assert end == seq.num_scheduled_tokens and end <= len(toks)
         kv, written = kv_chain(toks), {}
         for pos, (pool, bid, off) in zip(range(start, end), item.slots):
             self.mem[pool][bid][off] = kv[pos]
@@ -140,22 +149,33 @@ class Engine:
         assert not stalled, f"a running prefill got no chunk: {stalled}"  # the policy's no-stall claim
         self.mirror(out)
         if not out.scheduled:
-            return out, []
+            return out, self.flush()
         if abort_one is not None:  # an abort between schedule() and update()
             assert self.s.abort(ids[abort_one % len(ids)])
         self.execute(out.ops)
+        prev = self.pending[1] if self.pending else {}
         sampled = {}
         for item in out.scheduled:
             if not self.seqs[item.seq_id].is_finished:
-                tok = self.forward(item)
+                tok = self.forward(item, prev)
                 if tok is not None:
                     sampled[item.seq_id] = tok
         self.clock.t += 1.0
-        return out, self.s.update(out, sampled)
+        if not self.pipelined:
+            return out, self.s.update(out, sampled)
+        finished = self.flush()
+        self.pending = (out, sampled)
+        return out, finished
+
+    def flush(self) -> list:
+        """update() the launched step, if any (pipelined mode)."""
+        pending, self.pending = self.pending, None
+        return self.s.update(*pending) if pending else []
 
     def run(self, max_steps=10_000) -> None:
         for _ in range(max_steps):
             if not self.s.has_unfinished():
+                self.flush()
                 return
             self.step()
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
@@ -347,7 +367,7 @@ def test_update_contract():
         e.s.update(out, {})
     e.s.check_integrity()
     e.s.update(out, {0: 1})
-    with pytest.raises(ValueError, match="latest"):
+    with pytest.raises(ValueError, match="oldest"):
         e.s.update(out, {0: 1})
     assert e.s.update(SchedulerOutput(), {}) == []  # an empty output needs no update
 
@@ -423,8 +443,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(bs=st.integers(1, 8), sink=st.integers(0, 2), res=st.integers(0, 10), direct=st.booleans(),
                 prefix=st.booleans(), mml=st.integers(8, 48), dq=st.integers(-3, 4), dhp=st.integers(-3, 3),
                 seqs=st.integers(1, 5), extra=st.sampled_from([0, 0, 1, 2, 3, 5, 8, 16]), chunked=st.booleans(),
-                aligned=st.booleans())
-    def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, aligned):
+                aligned=st.booleans(), pipelined=st.booleans())
+    def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, aligned, pipelined):
         policy = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=direct)
         # Pools around what one long request needs: sometimes too small (rejections), often contended.
         nb = -(-mml // bs)
@@ -433,7 +453,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         aligned = aligned or not direct
         budget = max(seqs, bs if chunked and aligned else 1, 1 if chunked else mml) + extra
         self.e = Engine(policy, nq=nq, nhp=nhp, prefix=prefix, max_model_len=mml, max_num_seqs=seqs,
-                        max_num_batched_tokens=budget, chunked_prefill=chunked, block_aligned_chunks=aligned)
+                        max_num_batched_tokens=budget, chunked_prefill=chunked, block_aligned_chunks=aligned,
+                        pipelined=pipelined)
+        event("pipelined" if pipelined else "synchronous")
         self.history: list[list[int]] = [[]]
         self.next_id = 0
         self.stopped: set[int] = set()  # finished by the engine (abort, stop string), not by the scheduler
@@ -528,7 +550,7 @@ def test_discard_inflight_after_a_failed_forward():
     assert len(out.scheduled) == 2
     with pytest.raises(RuntimeError, match="still running"):
         sched.discard_inflight()  # the forward failed, but nobody finished the sequences yet
-    with pytest.raises(RuntimeError, match="before update"):
+    with pytest.raises(RuntimeError, match="not yet update"):
         sched.schedule()
     sched.abort(1)
     sched.abort(2)

@@ -50,6 +50,9 @@ from dataclasses import dataclass
 from kvq.cache.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
 from kvq.cache.window import POOLS, Pool, WindowPolicy, block_state  # noqa: F401 (re-exported)
 
+#: Id of a token appended before it is known (see :meth:`BlockManager.set_token`).
+PENDING_TOKEN = -1
+
 SeqId = Hashable  # int or str in practice
 
 
@@ -376,6 +379,16 @@ class BlockManager:
         seq.tokens.extend(new_token_ids)
         seq.num_settled = n_old
         return ops
+
+    def set_token(self, seq_id: SeqId, position: int, token_id: int) -> None:
+        """Give the token at ``position``, appended as :data:`PENDING_TOKEN` (asynchronous
+        scheduling appends a token before the step that samples it has finished), its id.
+        Pending tokens are never hashed: they lie past every computed position."""
+        seq = self._seq(seq_id)
+        if not 0 <= position < len(seq.tokens) or seq.tokens[position] != PENDING_TOKEN:
+            raise ValueError(f"position {position} of {seq_id!r} holds no pending token")
+        assert position >= seq.num_computed, (position, seq.num_computed)
+        seq.tokens[position] = token_id
 
     def mark_computed(self, seq_id: SeqId, num_computed: int) -> None:
         """Declare the KV of the first ``num_computed`` tokens written (monotone; never lowers it).

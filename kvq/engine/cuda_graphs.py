@@ -101,8 +101,11 @@ class DecodeGraphs:
         return (0 < n <= self.sizes[-1] and step.num_decodes == n and max(step.seq_lens) <= self.max_model_len
                 and seals_fit)
 
-    def run(self, ids: list[int], positions: list[int], step: HostStep) -> torch.Tensor:
-        """Replay the smallest graph that holds the batch -> logits [B, V] (a view of its output)."""
+    def run(self, ids: list[int], positions: list[int], step: HostStep,
+            fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Replay the smallest graph that holds the batch -> logits [B, V] (a view of its output).
+        ``fed`` = (rows, device token ids) overrides those rows of ``ids`` on the device (tokens
+        the previous step sampled, not known on the host yet)."""
         b = len(ids)
         g = self.sizes[bisect.bisect_left(self.sizes, b)]
         pad = g - b
@@ -114,6 +117,8 @@ class DecodeGraphs:
                              dtype=torch.int64)
         lens = torch.tensor(step.seq_lens + [1] * pad, dtype=torch.int32)
         self.ids[:g].copy_(longs[0], non_blocking=True)
+        if fed is not None:
+            self.ids.index_copy_(0, *fed)
         self.positions[:g].copy_(longs[1], non_blocking=True)
         self.slots[:g].copy_(longs[2], non_blocking=True)
         self.tables[:g, :w].copy_(table, non_blocking=True)

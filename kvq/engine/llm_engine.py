@@ -65,6 +65,7 @@ class EngineConfig:
     seed: int = 0
     progress: bool = True
     freeze_gc: bool | None = None  # gc.freeze() once built (default: on CUDA), see LLMEngine
+    async_scheduling: bool = False  # schedule and launch step N+1 before step N's results are read
     kv_cache: KVCacheConfig | None = None  # the KV choices as one object (instead of the kv_* fields above)
 
     def __post_init__(self) -> None:
@@ -92,6 +93,22 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list[dict] | None = None
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are enqueued: what reading its results needs."""
+
+    sched: SchedulerOutput
+    seqs: dict
+    sample_ids: list[int]
+    token_ids: torch.Tensor | None  # [R] on the device: feeds the next step's pending tokens
+    host: list[torch.Tensor] | None  # token ids (and logprob tensors), copied to the host
+    event: object | None  # CUDA event after the copies; None on the CPU
+
+    def feed(self) -> tuple[torch.Tensor, dict[int, int]]:
+        """(sampled token ids on the device, their row per sequence id)."""
+        return self.token_ids, {sid: row for row, sid in enumerate(self.sample_ids)}
 
 
 @dataclass
@@ -174,7 +191,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                             max_model_len=self.max_model_len, block_size=self.plan.block_size,
-                            block_aligned_chunks=not self.plan.window_policy.write_direct),
+                            block_aligned_chunks=not self.plan.window_policy.write_direct,
+                            max_inflight=2 if cfg.async_scheduling else 1),
             self.block_manager, eos_token_id=eos)
         graphs = None
         if use_graphs:
@@ -190,6 +208,7 @@ class LLMEngine:
         self._texts: dict[int, str] = {}
         self._logprobs: dict[int, list[dict]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._inflight: _Launched | None = None  # launched, results not read (async_scheduling)
         self.info = {
             "model": src.name,
             "device": str(self.device),
@@ -293,34 +312,71 @@ class LLMEngine:
             d.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step -> the outputs of the sequences it sampled.
+
+        With ``async_scheduling`` the step schedules and launches the next forward
+        first, then reads the results of the one launched by the previous call (the
+        device runs one while the host prepares the other), so outputs trail the
+        forward by one call; :meth:`has_unfinished` stays true until the last is read."""
+        launched = self._launch()
+        if not self.config.async_scheduling:
+            return self._complete(launched) if launched is not None else []
+        done, self._inflight = self._inflight, launched
+        return self._complete(done) if done is not None else []
+
+    def _launch(self) -> _Launched | None:
+        """Schedule a step and enqueue its forward and sampling; nothing here waits for the device."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            return None
         seqs = {s.seq_id: self.scheduler.get(s.seq_id) for s in sched.scheduled}
-        logits, sample_ids = self.runner.execute(sched, seqs)
+        prev = self._inflight  # its samples feed the tokens this step schedules before they are known
+        logits, sample_ids = self.runner.execute(sched, seqs, prev.feed() if prev is not None else None)
+        if not sample_ids:
+            return _Launched(sched, seqs, [], None, None, None)
+        params = [seqs[i].params for i in sample_ids]
+        st = SamplingTensors.from_params(params, self.device, self.seed_state)
+        # each row's output index: tokens it has, plus those still in flight before this one
+        out = self.sampler(logits, st, [seqs[i].num_output_tokens + seqs[i].num_pending - 1 for i in sample_ids])
+        host = [out.token_ids]
+        if out.logprobs is not None:
+            lp = out.logprobs
+            host += [lp.top_logprobs, lp.top_ids, lp.sampled_logprobs]
+        if self.device.type == "cuda":  # pinned copies: the host goes on while they land
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in host]
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            event = None
+        return _Launched(sched, seqs, sample_ids, out.token_ids, host, event)
+
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's samples, update the scheduler, detokenize, build outputs."""
+        sched, seqs, sample_ids = launched.sched, launched.seqs, launched.sample_ids
         sampled: dict[int, int] = {}
         lp_rows = {}
         if sample_ids:
-            params = [seqs[i].params for i in sample_ids]
-            st = SamplingTensors.from_params(params, self.device, self.seed_state)
-            out = self.sampler(logits, st, [len(seqs[i].output_token_ids) for i in sample_ids])
-            tokens = out.token_ids.tolist()
+            if launched.event is not None:
+                launched.event.synchronize()
+            tokens = launched.host[0].tolist()
             sampled = dict(zip(sample_ids, tokens))
-            if out.logprobs is not None:
-                lp = out.logprobs
-                tops, ids, chosen = lp.top_logprobs.tolist(), lp.top_ids.tolist(), lp.sampled_logprobs.tolist()
+            if len(launched.host) > 1:
+                tops, ids, chosen = (t.tolist() for t in launched.host[1:])
                 for row, sid in enumerate(sample_ids):
                     k = seqs[sid].params.logprobs
                     if k is not None:
                         lp_rows[sid] = {"token_id": tokens[row], "logprob": chosen[row],
                                         "top": list(zip(ids[row][:k], tops[row][:k]))}
+        gone = {sid for sid in sample_ids if seqs[sid].is_finished}  # finished while the step ran: no output
         self.scheduler.update(sched, sampled)
         outputs = []
         for sid in sample_ids:
+            if sid in gone:
+                continue
             seq = seqs[sid]
             if sid in lp_rows:
                 self._logprobs.setdefault(sid, []).append(lp_rows[sid])
@@ -329,6 +385,11 @@ class LLMEngine:
             if seq.is_finished:
                 self._forget(sid)
         return outputs
+
+    def discard_inflight(self) -> None:
+        """Drop the launched step(s) after a failed step (every live request aborted first)."""
+        self._inflight = None
+        self.scheduler.discard_inflight()
 
     def _check_stop_strings(self, seq: Sequence) -> None:
         """Detokenize the new token and finish on a stop string (a stop string completed by

@@ -29,20 +29,32 @@ class ModelRunner:
         self.graph_steps = 0
         self.tables = BlockTables(rows=max_num_seqs)
 
-    def execute(self, sched, seqs: dict) -> tuple[torch.Tensor | None, list[int]]:
+    def execute(self, sched, seqs: dict, feed: tuple[torch.Tensor, dict] | None = None
+                ) -> tuple[torch.Tensor | None, list[int]]:
         """Run the step; -> (logits [R, V] of every item's ``logit_rows``, in order, or None when
         no item asks for any; the sequence id of each row).  ``seqs[seq_id].token_ids(a, b)``
-        gives the tokens of positions [a, b)."""
+        gives the tokens of positions [a, b).
+
+        ``feed`` (asynchronous scheduling): the previous step's sampled ids on the device
+        and their row per sequence.  A scheduled token not known on the host yet (the
+        last position of a sequence, sampled by that step) is read from there on the
+        device, so the step is enqueued without waiting for the previous one."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[tuple[str, int, int]] = []
         seq_ids, lens, nums, logits_rows, sample_ids = [], [], [], [], []
+        fed_at, fed_rows = [], []  # positions in ids, rows of feed[0]
         tables = self.tables
         tables.release(sched.released)
         for item in sched.scheduled:
             seq, end = seqs[item.seq_id], item.start + item.num_new_tokens
             tokens = seq.token_ids(item.start, end)
-            assert len(tokens) == item.num_new_tokens == len(item.slots), (item, seq.num_tokens)
+            assert item.num_new_tokens == len(item.slots), item
+            if len(tokens) < item.num_new_tokens:  # the last one is in flight
+                assert feed is not None and len(tokens) == item.num_new_tokens - 1, (item, seq.num_tokens)
+                fed_at.append(len(ids) + len(tokens))
+                fed_rows.append(feed[1][item.seq_id])
+                tokens = tokens + [0]
             ids += tokens
             positions += range(item.start, end)
             slots += item.slots
@@ -58,16 +70,20 @@ class ModelRunner:
         if seals is None:
             apply_ops(self.pool, self.kernels, sched.ops)
         step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums, seals or ())
-        if self.graphs is not None and logits_rows == list(range(len(ids))) and self.graphs.serves(step):
-            self.graph_steps += 1
-            return self.graphs.run(ids, positions, step), sample_ids
-        meta = to_device(step, self.block_size, self.device)
         pin = self.device.type == "cuda"
 
         def dev(x):
             t = torch.tensor(x, dtype=torch.int64)
             return t.pin_memory().to(self.device, non_blocking=True) if pin else t
 
+        fed = (dev(fed_at), feed[0].index_select(0, dev(fed_rows))) if fed_at else None
+        if self.graphs is not None and logits_rows == list(range(len(ids))) and self.graphs.serves(step):
+            self.graph_steps += 1
+            return self.graphs.run(ids, positions, step, fed), sample_ids
+        meta = to_device(step, self.block_size, self.device)
         rows = logits_rows or [len(ids) - 1]
-        logits = self.model(dev(ids), dev(positions), self.pool, meta, self.kernels, dev(rows))
+        ids_dev = dev(ids)
+        if fed is not None:
+            ids_dev.index_copy_(0, *fed)
+        logits = self.model(ids_dev, dev(positions), self.pool, meta, self.kernels, dev(rows))
         return (logits if logits_rows else None), sample_ids

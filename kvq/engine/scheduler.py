@@ -10,6 +10,17 @@ manager's only user). One engine step::
     finished = scheduler.update(out, {seq_id: token})   # an output with work must be updated before the next schedule
     engine: stop strings -> scheduler.finish(seq_id, "stop", matched)
 
+Asynchronous scheduling (``max_inflight=2``): the engine schedules and launches
+step N+1 *before* it update()s step N, so the host prepares a step while the
+device runs the previous one.  A sequence whose step-N token is still unknown is
+scheduled as a decode of that token: its slot is appended as
+``PENDING_TOKEN`` (the block manager learns the id in update(N)), and the
+forward reads the id from step N's sampler output on the device.  A sequence
+that the pending token ends by length is not scheduled; one it ends by EOS, a
+stop token or a stop string was, and update() skips that step's result for it.
+Updates stay in schedule order; a sequence preempted with a token in flight
+gets the token through update() before it can be re-admitted.
+
 Policy of :meth:`Scheduler.schedule`, per step, with a token budget of
 ``max_num_batched_tokens``:
 
@@ -50,7 +61,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvq.cache.block_manager import BlockManager, BlockRef, NoFreeBlocksError, Op
+from kvq.cache.block_manager import PENDING_TOKEN, BlockManager, BlockRef, NoFreeBlocksError, Op
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
 from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
 
@@ -66,6 +77,8 @@ class SchedulerConfig:
     chunked_prefill         split prompts over steps; without it a prompt runs in one step
     block_aligned_chunks    every prefill chunk but a prompt's last ends on a block boundary
                             (needed when the KV format writes whole blocks: write_direct=False)
+    max_inflight            scheduled outputs not yet update()d: 1 (schedule after each update),
+                            or 2: asynchronous scheduling, step N+1 decided while step N runs
     """
 
     max_num_seqs: int = 64
@@ -74,8 +87,12 @@ class SchedulerConfig:
     block_size: int
     chunked_prefill: bool = True
     block_aligned_chunks: bool = False
+    max_inflight: int = 1
 
     def __post_init__(self) -> None:
+        if self.max_inflight not in (1, 2):
+            raise ValueError(f"SchedulerConfig.max_inflight must be 1 (synchronous) or 2 (asynchronous scheduling), "
+                             f"got {self.max_inflight!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -157,8 +174,7 @@ class Scheduler:
         self._next_rank = 0
         self._waiting: list[Sequence] = []  # WAITING, in arrival order
         self._running: list[Sequence] = []  # PREFILL / DECODE, in arrival order
-        self._inflight: SchedulerOutput | None = None  # scheduled work not yet update()d
-        self._inflight_seqs: dict[int, Sequence] = {}
+        self._inflight: list[tuple[SchedulerOutput, dict[int, Sequence]]] = []  # not yet update()d, oldest first
         self._released: list[int] = []  # sequences whose blocks were freed since the last schedule()
 
     # -- queries ----------------------------------------------------------------------------
@@ -227,21 +243,20 @@ class Scheduler:
         return self.finish(seq_id, "abort")
 
     def discard_inflight(self) -> None:
-        """Forget the step :meth:`schedule` started when its forward failed and :meth:`update`
-        will never come.  Every sequence of that step must be finished first (e.g. aborted):
-        their blocks are already free and whatever the step half-wrote is never read."""
-        if self._inflight is None:
-            return
-        live = [s.seq_id for s in self._inflight.scheduled if self._inflight_seqs[s.seq_id].is_running]
+        """Forget the steps :meth:`schedule` started when their forward failed and :meth:`update`
+        will never come.  Every sequence of those steps must be finished first (e.g. aborted):
+        their blocks are already free and whatever the steps half-wrote is never read."""
+        live = [s.seq_id for out, seqs in self._inflight for s in out.scheduled if not seqs[s.seq_id].is_finished]
         if live:
             raise RuntimeError(f"sequences {live} of the in-flight step are still running: finish them first")
-        self._inflight, self._inflight_seqs = None, {}
+        self._inflight = []
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decide the next step (policy: module docstring). Empty output when nothing can run."""
-        if self._inflight is not None:
-            raise RuntimeError("schedule() called before update() of the previous output")
+        if len(self._inflight) >= self.config.max_inflight:
+            raise RuntimeError(f"schedule() called with {len(self._inflight)} output(s) not yet update()d "
+                               f"(max_inflight={self.config.max_inflight})")
         cfg, bm = self.config, self.block_manager
         now = self._clock()
         budget = cfg.max_num_batched_tokens
@@ -251,22 +266,29 @@ class Scheduler:
 
         def take(seq: Sequence, n: int, is_prefill: bool) -> None:
             nonlocal budget
-            start, sid = seq.num_computed_tokens, seq.seq_id
+            start, sid = seq.num_scheduled_tokens, seq.seq_id
             t0, refs, tlen = bm.table_delta(sid)
-            sample = start + n == seq.num_tokens
+            sample = start + n == seq.num_tokens + seq.num_pending
             scheduled.append(ScheduledSeq(sid, n, start, is_prefill, sample, tuple(bm.slots(sid, start, start + n)),
                                           t0, refs, tlen, (n - 1,) if sample else ()))
             budget -= n
+            seq.num_scheduled_tokens = start + n
+            if sample:  # its next token is sampled by this step: a decode from now on
+                seq.num_pending += 1
+                seq.status = SeqStatus.DECODE
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
 
         for seq in list(self._running):  # 1. decodes
             if seq.status is not SeqStatus.DECODE:  # PREFILL, or preempted by an older decode
                 continue
+            if self._finishes_when_known(seq):
+                continue
             assert budget >= 1, "max_num_batched_tokens >= max_num_seqs leaves every decode a token"
+            token = seq.last_token_id if seq.num_pending == 0 else PENDING_TOKEN
             while True:  # append_slots plans once and raises, the manager unchanged, when it cannot
                 try:
-                    ops.extend(bm.append_slots(seq.seq_id, [seq.last_token_id]))
+                    ops.extend(bm.append_slots(seq.seq_id, [token]))
                     break
                 except NoFreeBlocksError:
                     victim = self._running[-1]  # the newest; `seq` itself when no newer one is left
@@ -280,7 +302,7 @@ class Scheduler:
         stalled = False
         for seq in self._running:  # 2. prompt chunks of running sequences
             if seq.status is SeqStatus.PREFILL:
-                n = self._chunk(seq.num_computed_tokens, seq.num_tokens, budget)
+                n = self._chunk(seq.num_scheduled_tokens, seq.num_tokens, budget)
                 if n == 0:
                     stalled = True
                     break
@@ -291,12 +313,13 @@ class Scheduler:
             tokens = seq.all_token_ids
             if self._chunk(0, len(tokens), budget) == 0 or not bm.can_allocate(len(tokens), tokens):
                 break
+            assert seq.num_pending == 0, "a sequence re-admitted before its in-flight token arrived"
             hit = bm.allocate_prompt(seq.seq_id, tokens)
             self._waiting.pop(0)
             seq.status = SeqStatus.PREFILL
-            seq.num_computed_tokens = hit.num_cached_tokens
+            seq.num_computed_tokens = seq.num_scheduled_tokens = hit.num_cached_tokens
             self._insort(self._running, seq)
-            n = self._chunk(seq.num_computed_tokens, seq.num_tokens, budget)
+            n = self._chunk(seq.num_scheduled_tokens, seq.num_tokens, budget)
             assert n > 0, "a prefix hit only shortens the chunk's remainder"
             take(seq, n, is_prefill=True)
 
@@ -306,8 +329,7 @@ class Scheduler:
                               released)
         self._check_output(out)
         if scheduled:
-            self._inflight = out
-            self._inflight_seqs = {s.seq_id: self._seqs[s.seq_id] for s in scheduled}
+            self._inflight.append((out, {s.seq_id: self._seqs[s.seq_id] for s in scheduled}))
         return out
 
     def update(self, output: SchedulerOutput, sampled: dict[int, int], now: float | None = None) -> list[Sequence]:
@@ -320,25 +342,32 @@ class Scheduler:
         """
         if not output.scheduled:
             return []
-        if output is not self._inflight:
-            raise ValueError("update() takes the output of the latest schedule(), once")
-        live = [s for s in output.scheduled if self._inflight_seqs[s.seq_id].is_running]
+        if not self._inflight or output is not self._inflight[0][0]:
+            raise ValueError("update() takes the oldest output of schedule() not yet update()d, once")
+        seqs = self._inflight[0][1]
+        live = [s for s in output.scheduled if not seqs[s.seq_id].is_finished]
         missing = [s.seq_id for s in live if s.sample and s.seq_id not in sampled]
         if missing:
             raise ValueError(f"no sampled token for sequences {missing} (scheduled with sample=True)")
         now = self._clock() if now is None else now
-        seqs, self._inflight, self._inflight_seqs = self._inflight_seqs, None, {}
+        self._inflight.pop(0)
+        bm = self.block_manager
         finished: list[Sequence] = []
         for s in live:
             seq = seqs[s.seq_id]
-            assert seq.num_computed_tokens == s.start, (seq, s)
-            seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.mark_computed(seq.seq_id, seq.num_computed_tokens)
+            end = s.start + s.num_new_tokens
+            if seq.is_running:  # not preempted since it was scheduled (that dropped the KV)
+                assert seq.num_computed_tokens == s.start and seq.num_scheduled_tokens >= end, (seq, s)
+                seq.num_computed_tokens = end
+                bm.mark_computed(seq.seq_id, end)
             if not s.sample:
                 continue
-            assert seq.num_computed_tokens == seq.num_tokens, (seq, s)
-            seq.append_token(int(sampled[s.seq_id]), now)
-            seq.status = SeqStatus.DECODE
+            assert end == seq.num_tokens and seq.num_pending >= 1, (seq, s)
+            seq.num_pending -= 1
+            token = int(sampled[s.seq_id])
+            if seq.is_running and bm.num_tokens(seq.seq_id) > end:  # a later step already took its slot
+                bm.set_token(seq.seq_id, end, token)
+            seq.append_token(token, now)
             stop = self._stop_condition(seq)
             if stop is not None:
                 self._finish(seq, *stop)
@@ -360,13 +389,21 @@ class Scheduler:
                 n = max(0, (start + n) // bs * bs - start)
         return max(n, 0)
 
+    def _finishes_when_known(self, seq: Sequence) -> bool:
+        """Its in-flight token ends it by length (max_tokens, max_model_len): not worth a step."""
+        if seq.num_pending == 0:
+            return False
+        return (seq.num_output_tokens + seq.num_pending >= seq.params.max_tokens
+                or seq.num_tokens + seq.num_pending >= self.config.max_model_len)
+
     def _preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: drop the KV, keep every token, requeue in arrival order."""
+        """Preemption by recompute: drop the KV, keep every token (an in-flight one still
+        arrives through :meth:`update`), requeue in arrival order."""
         self.block_manager.free(seq.seq_id)  # computed full blocks stay in the prefix cache
         self._released.append(seq.seq_id)
         self._running.remove(seq)
         seq.status = SeqStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
         self._insort(self._waiting, seq)
 
@@ -418,13 +455,15 @@ class Scheduler:
             sid, n = seq.seq_id, seq.num_tokens
             assert seq.is_running and sid in bm, seq
             assert n < cfg.max_model_len and seq.num_output_tokens < seq.params.max_tokens, seq
-            assert bm.num_computed(sid) == seq.num_computed_tokens, (seq, bm.num_computed(sid))
-            inflight = sid in self._inflight_seqs
+            assert seq.num_computed_tokens <= seq.num_scheduled_tokens, seq
+            assert seq.num_computed_tokens <= bm.num_computed(sid) <= seq.num_scheduled_tokens, seq
+            assert 0 <= seq.num_pending <= cfg.max_inflight, seq
             if seq.status is SeqStatus.PREFILL:
-                assert 0 <= seq.num_computed_tokens < n and bm.num_tokens(sid) == n, seq
+                assert seq.num_pending == 0 and 0 <= seq.num_scheduled_tokens < n and bm.num_tokens(sid) == n, seq
             else:
-                assert seq.num_computed_tokens == n - 1, seq
-                assert bm.num_tokens(sid) == (n if inflight else n - 1), (seq, bm.num_tokens(sid))
-            assert list(bm.token_ids(sid)) == seq.all_token_ids[:bm.num_tokens(sid)], seq
-        if self._inflight is not None:
-            self._check_output(self._inflight)
+                assert seq.num_scheduled_tokens == n + seq.num_pending - 1 == bm.num_tokens(sid), seq
+            known = min(bm.num_tokens(sid), n)  # slots past the known tokens hold in-flight ones
+            ids = list(bm.token_ids(sid))
+            assert ids[:known] == seq.all_token_ids[:known] and all(t == PENDING_TOKEN for t in ids[known:]), seq
+        for out, _ in self._inflight:
+            self._check_output(out)

@@ -16,6 +16,14 @@ sequence is always ``all_token_ids[num_computed_tokens:]``:
 * PREFILL: the rest of the effective prompt (``num_computed_tokens < num_tokens``);
 * DECODE: exactly the last sampled token (``num_computed_tokens == num_tokens - 1``).
 
+The scheduler runs ahead of the results under asynchronous scheduling (a step
+is scheduled while the previous one still runs): ``num_scheduled_tokens``
+counts the tokens whose KV is computed or being computed (``>=
+num_computed_tokens``), and ``num_pending`` the sampled tokens not yet known
+(a step that samples this sequence is in flight).  The sequence's tokens
+*as scheduled* are ``num_tokens + num_pending``; a pending token's id reaches
+the forward on the device, from the previous step's sampler.
+
 Preemption by recompute drops the KV (``num_computed_tokens = 0``) and keeps
 every token; on re-admission the *effective prompt* is ``all_token_ids``
 (prompt + outputs so far), whose prefill ends by sampling the next output, so a
@@ -59,6 +67,8 @@ class Sequence:
         self.params = params if params is not None else SamplingParams()
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0  # computed or in flight
+        self.num_pending = 0  # sampled tokens of in-flight steps, not yet appended
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

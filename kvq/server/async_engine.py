@@ -321,7 +321,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
             self._live.clear()
             sched = self.engine.scheduler
-            sched.discard_inflight()  # the step schedule() started; its sequences are all aborted now
+            self.engine.discard_inflight()  # the launched step(s); their sequences are all aborted now
             sched.check_integrity()
             self.engine.block_manager.check_integrity()
             self.num_recoveries += 1
