@@ -166,3 +166,29 @@ def test_tiny_eval_end_to_end_catches_a_broken_quantizer(tmp_path, monkeypatch):
     assert "| `fp8_e4m3` |" in report and "quality_regressed" in report
     for png in ("quality_vs_context.png", "pareto.png", "passkey_heatmap.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_windows_and_kv_options_reach_every_evaluated_format(capsys):
+    """`kvq eval --kv-sink-tokens/--kv-residual-tokens/--kivi-group-size/--block-size` travel as one
+    KVCacheConfig to each evaluated format (the baseline keeps only the block size); the plan
+    reports the sinks as kept (whole blocks); bad values exit 2 before any model loads."""
+    from kvq.eval.command import settings_from_args
+    from kvq.eval.runner import kv_config
+    from kvq.models.source import model_shape
+
+    p = cli.build_parser()
+    args = p.parse_args(["eval", "--kv-cache-dtype", "fp8_e4m3,int4_kivi", "--kv-sink-tokens", "4",
+                         "--kv-residual-tokens", "128", "--block-size", "32", "--device", "cpu"])
+    s = settings_from_args(args)
+    shape = model_shape(s.model)
+    fp8 = kv_config(s, "fp8_e4m3").plan(shape).describe()
+    assert (fp8["k"], fp8["sink_tokens"], fp8["sink_tokens_kept"], fp8["residual_tokens"], fp8["block_size"]) == \
+        ("fp8_e4m3", 4, 32, 128, 32)
+    kivi = kv_config(s, "int4_kivi").plan(shape).describe()
+    assert (kivi["sink_tokens_kept"], kivi["residual_tokens"]) == (32, 128)
+    base = kv_config(s, s.baseline).plan(shape).describe()
+    assert (base["sink_tokens_kept"], base["residual_tokens"], base["block_size"]) == (0, 0, 32)
+    assert cli.main(["eval", "--kv-cache-dtype", "fp8", "--kv-residual-tokens", "-5", "--bins", "192"]) == 2
+    assert ">= 0" in capsys.readouterr().err
+    assert cli.main(["eval", "--kv-cache-dtype", "int4_kivi", "--kivi-group-size", "24", "--bins", "192"]) == 2
+    assert capsys.readouterr().err

@@ -154,10 +154,12 @@ class CachePlan:
 
     def describe(self) -> dict:
         """What every report names: the plan's name, K and V of its stored layers (not of layer
-        0, which may be skipped), per-layer formats, windows and block size."""
+        0, which may be skipped), per-layer formats, windows (the sinks as asked and as kept:
+        whole blocks) and block size."""
         ref = self.layers[self.stored_layers[0]] if self.stored_layers else self.hp
         return {"name": self.name, "k": ref.k.name, "v": ref.v.name, "per_layer": self.layer_names(),
                 "skip_layers": list(self.skip_layers), "sink_tokens": self.sink_tokens,
+                "sink_tokens_kept": self.window_policy.sink_blocks * self.block_size,  # whole blocks
                 "residual_tokens": self.residual_tokens, "block_size": self.block_size}
 
 

@@ -74,6 +74,15 @@ def register(sub) -> None:
     e = p.add_argument_group("engine")
     add_device_args(e)
     e.add_argument("--block-size", type=int, default=None, help="cache block size (default: each format's)")
+    w = p.add_argument_group("high-precision windows and format options (every evaluated format; not the baseline)")
+    w.add_argument("--kv-sink-tokens", type=int, default=None,
+                   help="first N tokens kept in high precision, rounded up to whole blocks (default: each "
+                        "format's, 4 for KIVI, else 0)")
+    w.add_argument("--kv-residual-tokens", type=int, default=None,
+                   help="recent window kept in high precision (default: each format's, 128 for KIVI, else 0)")
+    w.add_argument("--kivi-group-size", type=int, default=None, help="KIVI group size (default 32)")
+    w.add_argument("--kv-cache-dtype-skip-layers", nargs="+", default=(), metavar="LAYER",
+                   help="layer indices, or 'sliding_window', kept in the model dtype")
     e.add_argument("--seed", type=int, default=0, help="seed of the passkey keys and names")
     e.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: the reference path is many small ops, and on a shared "
@@ -89,6 +98,7 @@ def settings_from_args(args: argparse.Namespace):
     """EvalSettings from the flags (ValueError on bad input, before anything heavy runs)."""
     import torch
 
+    from kvq.cache.plan import KVCacheConfig
     from kvq.eval.records import Thresholds
     from kvq.eval.runner import EvalSettings
     from kvq.models.source import DEFAULT_MODEL, model_shape
@@ -112,7 +122,10 @@ def settings_from_args(args: argparse.Namespace):
         passkey_depths=tuple(args.passkey_depths),
         passkey_trials=mode["passkey_trials"] if args.passkey_trials is None else args.passkey_trials,
         memory=parse_bytes(args.memory), attention_backend=args.attention_backend, device=args.device,
-        dtype=args.dtype, block_size=args.block_size, seed=args.seed, threads=args.threads or None,
+        dtype=args.dtype, seed=args.seed, threads=args.threads or None,
+        kv=KVCacheConfig(block_size=args.block_size, sink_tokens=args.kv_sink_tokens,
+                         residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
+                         skip_layers=tuple(args.kv_cache_dtype_skip_layers or ())),
         thresholds=Thresholds(args.max_ppl_increase, args.max_kl, args.min_top1, args.max_passkey_drop),
         progress=not args.no_progress,
     )

@@ -20,6 +20,10 @@ COMPARISONS = (
 )
 
 
+#: Record fields of the high-precision windows, as the report's K / V column names them.
+WINDOW_LABELS = (("sink_tokens_kept", "sink"), ("residual_tokens", "recent"))
+
+
 def _by_format(records: list[dict]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for r in records:
@@ -97,6 +101,9 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
             q, c = _q(r), r["kv_cache_capacity"]
             kv = r["kv_cache_dtype"]
             kvs = kv["k"] if kv["k"] == kv["v"] else f"{kv['k']} / {kv['v']}"
+            windows = [f"{kv[key]} {label}" for key, label in WINDOW_LABELS if kv.get(key)]
+            if windows:  # tokens kept in the model dtype
+                kvs += " + " + ", ".join(windows)
             greedy = f"{q['greedy_prefix_match']}/{q['greedy_tokens']}" if "greedy_tokens" in q else "-"
             pk = (f"{q['passkey_accuracy']:.2f} ({q['passkey_accuracy_baseline']:.2f})"
                   if "passkey_accuracy" in q else "-")

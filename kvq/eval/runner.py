@@ -14,11 +14,12 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
 
+from kvq.cache.plan import KVCacheConfig
 from kvq.eval import metrics
 from kvq.eval.data import eval_token_ids, make_haystack, text_source
 from kvq.eval.passkey import accuracy_by_depth, run_haystack
@@ -45,7 +46,7 @@ class EvalSettings:
     attention_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    block_size: int | None = None
+    kv: KVCacheConfig = field(default_factory=KVCacheConfig)  # windows, group, skips, block size of every format
     seed: int = 0
     threads: int | None = 1  # torch CPU threads (None: torch's default); see docs/eval.md
     thresholds: Thresholds = field(default_factory=Thresholds)
@@ -67,6 +68,14 @@ def hardware_info(device: torch.device) -> dict:
     return info
 
 
+def kv_config(s: EvalSettings, fmt: str) -> KVCacheConfig:
+    """The whole KV choice for one format of the run: the settings' template with its name;
+    the baseline keeps only the block size (it stores everything in high precision)."""
+    if fmt == s.baseline:
+        return KVCacheConfig(dtype=fmt, block_size=s.kv.block_size)
+    return replace(s.kv, dtype=fmt)
+
+
 def _engine(s: EvalSettings, fmt: str):
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.models.source import model_shape
@@ -75,7 +84,7 @@ def _engine(s: EvalSettings, fmt: str):
     shape = model_shape(s.model)
     hp_token_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # generous: fp32-wide
     return LLMEngine(EngineConfig(
-        model=s.model, kv_cache_dtype=fmt, block_size=s.block_size, attention_backend=s.attention_backend,
+        model=s.model, kv_cache=kv_config(s, fmt), attention_backend=s.attention_backend,
         device=s.device, dtype=s.dtype, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=max(s.chunk, 64),
         kv_cache_memory=max(64 << 20, 3 * max_bin * hp_token_bytes), seed=s.seed, progress=s.progress))
 
@@ -95,11 +104,10 @@ class FormatRun:
 
 def alignment(s: EvalSettings) -> int:
     """One block alignment for every format of the run (so all score the same positions)."""
-    from kvq.cache.plan import make_plan
     from kvq.models.source import model_shape
 
     shape = model_shape(s.model)
-    sizes = [make_plan(shape, f, block_size=s.block_size).block_size for f in (s.baseline, *s.formats)]
+    sizes = [kv_config(s, f).plan(shape).block_size for f in (s.baseline, *s.formats)]
     return math.lcm(32, *sizes)
 
 
@@ -193,7 +201,10 @@ def validate(s: EvalSettings) -> None:
 
     for name in (s.baseline, *s.formats):
         lookup(name)
-    max_len = model_shape(s.model).max_position_embeddings
+    shape = model_shape(s.model)
+    for name in (s.baseline, *s.formats):
+        kv_config(s, name).plan(shape)  # windows, group size, skip layers, block size: valid for each format
+    max_len = shape.max_position_embeddings
     for b in (*s.bins, *s.passkey_bins):
         if not 0 < b <= max_len:
             raise ValueError(f"bin {b} is outside 1..{max_len}, the positions {s.model!r} supports")
@@ -236,7 +247,7 @@ def run_eval(s: EvalSettings) -> dict:
         fmt_records = []
         for i, L in enumerate(bins):
             q = bin_quality(base, run, i, set(s.passkey_bins))
-            kv = {"requested": run.name, "k": run.info["kv_cache_dtype"]["k"], "v": run.info["kv_cache_dtype"]["v"]}
+            kv = {**{k: v for k, v in run.info["kv_cache_dtype"].items() if k != "per_layer"}, "requested": run.name}
             rec = make_record(
                 hardware=hardware, model=model,
                 kv_cache_dtype=kv, attention_backend=requested,
