@@ -192,3 +192,29 @@ def test_windows_and_kv_options_reach_every_evaluated_format(capsys):
     assert ">= 0" in capsys.readouterr().err
     assert cli.main(["eval", "--kv-cache-dtype", "int4_kivi", "--kivi-group-size", "24", "--bins", "192"]) == 2
     assert capsys.readouterr().err
+
+
+def test_format_specs_compare_a_format_with_and_without_its_window(tmp_path, capsys):
+    """`fp8_e4m3,fp8_e4m3:r128:s4` in one run: two records, the windowed one with its kept
+    sinks and window on record, and a much smaller KL (the scored positions' recent tokens
+    are exact); a bad spec exits 2 naming the valid keys."""
+    from kvq.cache.plan import KVCacheConfig
+
+    kv = KVCacheConfig(block_size=32).with_spec("int4_kivi:r64:s4:g32")
+    assert (kv.dtype, kv.residual_tokens, kv.sink_tokens, kv.group_size, kv.block_size) == ("int4_kivi", 64, 4, 32, 32)
+    assert cli.main(["eval", "--kv-cache-dtype", "fp8_e4m3:w128", "--bins", "192"]) == 2
+    assert "rN (residual_tokens)" in capsys.readouterr().err
+    out = tmp_path / "ev"
+    rc = cli.main(["eval", "--kv-cache-dtype", "fp8_e4m3,fp8_e4m3:r128:s4", "--bins", "192", "--window", "32",
+                   "--greedy-tokens", "0", "--passkey-trials", "0", "--attention-backend", "torch", "--device", "cpu",
+                   "--out", str(out), "--no-progress"])
+    assert rc == 0
+    recs = {r["kv_cache_dtype"]["requested"]: r for r in json.loads((out / "results.json").read_text())["records"]}
+    plain, windowed = recs["fp8_e4m3"], recs["fp8_e4m3:r128:s4"]
+    assert (windowed["kv_cache_dtype"]["sink_tokens_kept"], windowed["kv_cache_dtype"]["residual_tokens"]) == (16, 128)
+    assert (plain["kv_cache_dtype"]["sink_tokens_kept"], plain["kv_cache_dtype"]["residual_tokens"]) == (0, 0)
+    kl_plain = plain["quality_by_bin"]["192"]["kl_mean"]
+    kl_win = windowed["quality_by_bin"]["192"]["kl_mean"]
+    assert kl_win < kl_plain / 5, (kl_win, kl_plain)
+    assert (out / "records" / "fp8_e4m3-r128-s4__192.json").is_file()
+    assert "fp8_e4m3 + 16 sink, 128 recent" in (out / "report.md").read_text()

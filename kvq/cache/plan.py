@@ -17,7 +17,7 @@ Two kinds of block exist (see :mod:`kvq.cache.block_manager`):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvq.cache.window import WindowPolicy, rule_counts
 from kvq.formats.registry import default_window, resolve_kv
@@ -200,10 +200,30 @@ class KVCacheConfig:
     group_size: int | None = None
     block_size: int | None = None
 
+    def with_spec(self, spec: str) -> KVCacheConfig:
+        """This config with a format spec applied: ``name[:rN][:sN][:gN]``, the format plus
+        its recent window (r), sink tokens (s) or KIVI group size (g), e.g. ``fp8_e4m3:r128:s4``
+        (how one `kvq eval` run compares a format with and without its windows)."""
+        name, *opts = [x.strip() for x in str(spec).split(":")]
+        if not name:
+            raise ValueError(f"format spec {spec!r} has no format name (e.g. fp8_e4m3:r128:s4)")
+        fields = {"dtype": name}
+        for opt in opts:
+            key, num = opt[:1], opt[1:]
+            if key not in SPEC_KEYS or not num.isdigit():
+                raise ValueError(f"format spec {spec!r}: {opt!r} is not one of " +
+                                 ", ".join(f"{k}N ({v})" for k, v in SPEC_KEYS.items()))
+            fields[SPEC_KEYS[key]] = int(num)
+        return replace(self, **fields)
+
     def plan(self, model: ModelShape) -> CachePlan:
         return make_plan(model, self.dtype, k=self.k, v=self.v, block_size=self.block_size,
                          skip_layers=self.skip_layers, sink_tokens=self.sink_tokens,
                          residual_tokens=self.residual_tokens, group_size=self.group_size)
+
+
+#: Option letters of a format spec (:meth:`KVCacheConfig.with_spec`) -> the field they set.
+SPEC_KEYS = {"r": "residual_tokens", "s": "sink_tokens", "g": "group_size"}
 
 
 def make_plan(

@@ -53,7 +53,9 @@ def register(sub) -> None:
     add_model_args(p, bare=False)
     g = p.add_argument_group("what to evaluate")
     g.add_argument("--kv-cache-dtype", type=_csv(str), default=None,
-                   help="comma-separated formats (default: every quantized format of `kvq formats`)")
+                   help="comma-separated formats (default: every quantized format of `kvq formats`); each may "
+                        "carry its own windows: name[:rN][:sN][:gN] (recent tokens, sink tokens, KIVI group), "
+                        "e.g. fp8_e4m3,fp8_e4m3:r128:s4")
     g.add_argument("--baseline", default="auto", help="baseline KV format (default auto = the model dtype)")
     g.add_argument("--bins", type=_csv(int), default=None, help="context-length bins, e.g. 512,2048,4096,8192")
     g.add_argument("--full", action="store_true", help="full settings (every supported bin, more tokens and trials)")
@@ -139,7 +141,7 @@ def write_outputs(result: dict, out: Path) -> dict[str, str]:
     rec_dir = out / "records"
     rec_dir.mkdir(exist_ok=True)
     for r in result["records"]:
-        name = f"{r['kv_cache_dtype']['requested']}__{r['context_length_bin']}.json"
+        name = f"{r['kv_cache_dtype']['requested'].replace(':', '-')}__{r['context_length_bin']}.json"
         (rec_dir / name).write_text(json.dumps(r, indent=1))
     (out / "results.json").write_text(json.dumps(result, indent=1))
     plots = plot_all(result, out)

@@ -14,7 +14,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -69,11 +69,12 @@ def hardware_info(device: torch.device) -> dict:
 
 
 def kv_config(s: EvalSettings, fmt: str) -> KVCacheConfig:
-    """The whole KV choice for one format of the run: the settings' template with its name;
-    the baseline keeps only the block size (it stores everything in high precision)."""
+    """The whole KV choice for one format of the run: the settings' template with the format
+    spec applied (``fp8_e4m3:r128:s4``, :meth:`KVCacheConfig.with_spec`); the baseline keeps
+    only the block size (it stores everything in high precision)."""
     if fmt == s.baseline:
         return KVCacheConfig(dtype=fmt, block_size=s.kv.block_size)
-    return replace(s.kv, dtype=fmt)
+    return s.kv.with_spec(fmt)
 
 
 def _engine(s: EvalSettings, fmt: str):
@@ -200,7 +201,9 @@ def validate(s: EvalSettings) -> None:
     from kvq.models.source import model_shape
 
     for name in (s.baseline, *s.formats):
-        lookup(name)
+        lookup(KVCacheConfig().with_spec(name).dtype)
+    if len(set(s.formats)) != len(s.formats):
+        raise ValueError(f"a format is listed twice in {', '.join(s.formats)}")
     shape = model_shape(s.model)
     for name in (s.baseline, *s.formats):
         kv_config(s, name).plan(shape)  # windows, group size, skip layers, block size: valid for each format
@@ -246,7 +249,7 @@ def run_eval(s: EvalSettings) -> dict:
     for run in runs:
         fmt_records = []
         for i, L in enumerate(bins):
-            q = bin_quality(base, run, i, set(s.passkey_bins))
+            q = bin_quality(base, run, i, set(s.passkey_bins) if s.passkey_trials else set())
             kv = {**{k: v for k, v in run.info["kv_cache_dtype"].items() if k != "per_layer"}, "requested": run.name}
             rec = make_record(
                 hardware=hardware, model=model,
