@@ -218,3 +218,23 @@ def test_format_specs_compare_a_format_with_and_without_its_window(tmp_path, cap
     assert kl_win < kl_plain / 5, (kl_win, kl_plain)
     assert (out / "records" / "fp8_e4m3-r128-s4__192.json").is_file()
     assert "fp8_e4m3 + 16 sink, 128 recent" in (out / "report.md").read_text()
+
+
+def test_text_option_scores_the_given_file_and_records_its_hash(tmp_path, capsys):
+    """`--text FILE` replaces the default text (the same tokens on every machine); the token
+    ids' hash identifies what was scored; a missing or too short file is a clear error."""
+    from kvq.eval.data import eval_token_ids, text_source, tokens_sha256
+    from kvq.models.loader import load_tokenizer
+    from kvq.models.source import resolve_model
+
+    assert cli.main(["eval", "--text", str(tmp_path / "none.txt"), "--bins", "192"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    f = tmp_path / "t.txt"
+    f.write_text("A cache keeps what was computed so that it need not be computed again. " * 40, encoding="utf-8")
+    tok = load_tokenizer(resolve_model("default"))
+    ids = eval_token_ids(tok, 193, str(f))
+    assert ids == tok(f.read_text(), add_special_tokens=False)["input_ids"][:193]
+    assert tokens_sha256(ids) == tokens_sha256(list(ids)) != tokens_sha256(ids[:-1] + [ids[-1] + 1])
+    assert text_source(str(f)) == f"file {f}"
+    with pytest.raises(ValueError, match="fewer than the 5000"):
+        eval_token_ids(tok, 5000, str(f))

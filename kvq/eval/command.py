@@ -67,6 +67,9 @@ def register(sub) -> None:
     g.add_argument("--passkey-depths", type=_csv(float), default=(0.0, 0.25, 0.5, 0.75, 1.0),
                    help="needle depths as fractions (default 0,0.25,0.5,0.75,1)")
     g.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    g.add_argument("--text", default=None, metavar="FILE",
+                   help="UTF-8 text to score (default: the Python language reference shipped with the running "
+                        "CPython, whose passages differ between Python versions); results record its token hash")
     g.add_argument("--memory", default="8GiB", help="KV budget for the capacity figures (default 8GiB)")
     t = p.add_argument_group("status thresholds (per bin, against the baseline)")
     t.add_argument("--max-ppl-increase", type=float, default=0.02, help="relative perplexity increase (default 0.02)")
@@ -129,7 +132,7 @@ def settings_from_args(args: argparse.Namespace):
                          residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
                          skip_layers=tuple(args.kv_cache_dtype_skip_layers or ())),
         thresholds=Thresholds(args.max_ppl_increase, args.max_kl, args.min_top1, args.max_passkey_drop),
-        progress=not args.no_progress,
+        progress=not args.no_progress, text_file=args.text,
     )
 
 

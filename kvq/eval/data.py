@@ -19,8 +19,11 @@ are shuffled per trial, so a name never sits at a fixed depth.
 
 from __future__ import annotations
 
+import hashlib
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvq.text import TEXT_SOURCE, reference_text
 
@@ -32,19 +35,35 @@ NAMES = ("Alice", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana")
 QUESTION_TOKENS = 32
 
 
-def text_source() -> str:
-    """Where the perplexity text comes from, and its license."""
-    return TEXT_SOURCE
+def text_source(text_file: str | None = None) -> str:
+    """Where the perplexity text comes from (and the default text's license)."""
+    if text_file:
+        return f"file {text_file}"
+    return TEXT_SOURCE + f" (Python {sys.version.split()[0]}: passages differ between Python versions)"
 
 
-def eval_token_ids(tokenizer, num_tokens: int) -> list[int]:
-    """The first ``num_tokens`` token ids of the real evaluation text (ValueError if it is shorter)."""
-    text = reference_text(min_chars=8 * num_tokens)  # ~4 characters per token; 2x margin
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+def tokens_sha256(ids: list[int]) -> str:
+    """Hash of the scored token ids: two runs scored the same tokens iff their hashes agree."""
+    return hashlib.sha256(b"".join(int(i).to_bytes(4, "little") for i in ids)).hexdigest()
+
+
+def eval_token_ids(tokenizer, num_tokens: int, text_file: str | None = None) -> list[int]:
+    """The first ``num_tokens`` token ids of the evaluation text: ``text_file`` (UTF-8) or the
+    default reference text (ValueError if it is shorter, or the file cannot be read)."""
+    if text_file:
+        try:
+            text = Path(text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--text {text_file}: cannot read it as UTF-8 text ({e})") from None
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        text = reference_text(min_chars=8 * num_tokens)  # ~4 characters per token; 2x margin
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) < num_tokens:
+            ids = tokenizer(reference_text(), add_special_tokens=False)["input_ids"]
     if len(ids) < num_tokens:
-        ids = tokenizer(reference_text(), add_special_tokens=False)["input_ids"]
-    if len(ids) < num_tokens:
-        raise ValueError(f"the evaluation text has {len(ids)} tokens, fewer than the {num_tokens} needed")
+        raise ValueError(f"the evaluation text has {len(ids)} tokens, fewer than the {num_tokens} needed "
+                         f"(the largest bin + 1)")
     return ids[:num_tokens]
 
 

@@ -77,6 +77,7 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
     fm = _by_format(records)
     where = hw.get("gpu") or f"{hw['cpu']} ({hw['cpu_cores']} cores, {hw['torch_threads']} torch threads)"
     first = records[0]
+    text_hash = f", scored token ids sha256 {meta['text_tokens_sha256'][:16]}" if meta.get("text_tokens_sha256") else ""
     out = [
         "# kvq eval report",
         "",
@@ -88,7 +89,7 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
         f"Bins {st['bins']}: at each bin L the {st['window']} scored positions end at L minus the greedy span, "
         f"then {st['greedy_tokens']} greedy tokens fill the rest of the bin.  Passkey: bins {st['passkey_bins']}, "
         f"depths {st['passkey_depths']}, {st['passkey_trials']} haystack(s) per bin (one needle per depth each).  "
-        f"Text: {meta['text_source']}.  Capacity for a {st['memory'] / (1 << 30):g} GiB KV budget.",
+        f"Text: {meta['text_source']}{text_hash}.  Capacity for a {st['memory'] / (1 << 30):g} GiB KV budget.",
         "",
         "Thresholds: " + ", ".join(f"{k} {v:g}" for k, v in st["thresholds"].items()) + ".",
         "",

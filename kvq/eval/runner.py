@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from kvq.cache.plan import KVCacheConfig
 from kvq.eval import metrics
-from kvq.eval.data import eval_token_ids, make_haystack, text_source
+from kvq.eval.data import eval_token_ids, make_haystack, text_source, tokens_sha256
 from kvq.eval.passkey import accuracy_by_depth, run_haystack
 from kvq.eval.records import Thresholds, make_record
 from kvq.eval.scoring import StreamSpec, score_stream
@@ -47,6 +47,7 @@ class EvalSettings:
     device: str = "auto"
     dtype: str = "auto"
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)  # windows, group, skips, block size of every format
+    text_file: str | None = None  # UTF-8 text scored instead of the default reference text
     seed: int = 0
     threads: int | None = 1  # torch CPU threads (None: torch's default); see docs/eval.md
     thresholds: Thresholds = field(default_factory=Thresholds)
@@ -213,6 +214,8 @@ def validate(s: EvalSettings) -> None:
             raise ValueError(f"bin {b} is outside 1..{max_len}, the positions {s.model!r} supports")
     if not s.bins:
         raise ValueError("give at least one bin")
+    if s.text_file and not os.path.isfile(s.text_file):
+        raise ValueError(f"--text {s.text_file}: no such file")
     if not set(s.passkey_bins) <= set(s.bins):
         raise ValueError(f"passkey bins {sorted(s.passkey_bins)} must be among the bins {sorted(s.bins)}")
     if any(not 0 <= d <= 1 for d in s.passkey_depths):
@@ -235,7 +238,7 @@ def run_eval(s: EvalSettings) -> dict:
     spec.check(align)
     tokenizer = load_tokenizer(resolve_model(s.model))
     hays = haystacks(s, tokenizer, align)
-    ids = eval_token_ids(tokenizer, max(s.bins) + 1)
+    ids = eval_token_ids(tokenizer, max(s.bins) + 1, s.text_file)
     base = run_format(s, s.baseline, ids, spec, hays, align)
     device = torch.device(base.info["device"])
     hardware = hardware_info(device)
@@ -264,7 +267,8 @@ def run_eval(s: EvalSettings) -> dict:
                            "passkey": {str(k): v for k, v in run.passkey.items()}})
     meta = {
         "settings": {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in asdict(s).items()},
-        "text_source": text_source(),
+        "text_source": text_source(s.text_file),
+        "text_tokens_sha256": tokens_sha256(ids),
         "hardware": hardware,
         "seconds": time.perf_counter() - t_start,
         "baseline": s.baseline,
