@@ -103,20 +103,32 @@ def tokenizer():
 
 
 def test_haystack_layout(tokenizer):
-    from kvq.eval.data import QUESTION_TOKENS, make_haystack
+    """One needle per haystack; depth 0 and 1 land just outside the kept sink block and recent
+    window; deterministic per (seed, bin, depth, trial); too short a bin is refused."""
+    from kvq.eval.data import INTRO, QUESTION_TOKENS, make_haystack
 
-    depths = (0.0, 0.5, 1.0)
-    h = make_haystack(tokenizer, 512, depths, trial=0)
-    assert len(h.token_ids) % 32 == 0 and len(h.token_ids) + QUESTION_TOKENS <= 512
-    text = tokenizer.decode(list(h.token_ids))
-    places = [text.index(f"pass key of {n.name} is {n.key}") for n in h.needles]
-    assert places == sorted(places) and places[0] < 0.2 * len(text) and places[-1] > 0.8 * len(text)
-    for n in h.needles:
-        assert tokenizer.decode(list(n.answer_ids)).strip() == n.key
-    assert make_haystack(tokenizer, 512, depths, trial=0) == h  # deterministic
-    assert make_haystack(tokenizer, 512, depths, trial=1).needles != h.needles
+    for head, tail in ((0, 0), (32, 160)):
+        starts = []
+        for depth in (0.0, 0.5, 1.0):
+            h = make_haystack(tokenizer, 512, depth, trial=0, keep_head=head, keep_tail=tail)
+            assert len(h.token_ids) % 32 == 0 and len(h.token_ids) + QUESTION_TOKENS <= 512
+            (n,) = h.needles
+            assert tokenizer.decode(list(n.answer_ids)).strip() == n.key
+            ids = list(h.token_ids)
+            needle = tokenizer(f" The pass key of {n.name} is {n.key}. Remember it. ", add_special_tokens=False)
+            k = len(needle["input_ids"])
+            start = next(i for i in range(len(ids)) if ids[i:i + k] == needle["input_ids"])
+            assert start >= max(head, len(tokenizer(INTRO, add_special_tokens=False)["input_ids"]))
+            assert start + k <= len(ids) - tail
+            starts.append(start)
+        assert starts == sorted(starts) and starts[0] < starts[-1]
+        if tail:
+            assert starts[-1] + k == len(ids) - tail  # depth 1: right before the window
+    h = make_haystack(tokenizer, 512, 0.5, trial=0)
+    assert make_haystack(tokenizer, 512, 0.5, trial=0) == h  # deterministic
+    assert make_haystack(tokenizer, 512, 0.5, trial=1).needles != h.needles
     with pytest.raises(ValueError, match="too short"):
-        make_haystack(tokenizer, 96, (0, 0.25, 0.5, 0.75, 1.0), trial=0)
+        make_haystack(tokenizer, 192, 0.5, trial=0, keep_head=32, keep_tail=160)
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -188,6 +200,14 @@ def test_windows_and_kv_options_reach_every_evaluated_format(capsys):
     assert (kivi["sink_tokens_kept"], kivi["residual_tokens"]) == (32, 128)
     base = kv_config(s, s.baseline).plan(shape).describe()
     assert (base["sink_tokens_kept"], base["residual_tokens"], base["block_size"]) == (0, 0, 32)
+    from dataclasses import replace
+
+    from kvq.eval.runner import kept_windows
+
+    assert kept_windows(s) == (32, 160)  # passkey needles stay outside every format's windows
+    plain = replace(s, kv=type(s.kv)())
+    assert kept_windows(replace(plain, formats=("fp8_e4m3",))) == (0, 0)
+    assert kept_windows(replace(plain, formats=("fp8_e4m3", "fp8_e4m3:r128:s4"))) == (16, 144)
     assert cli.main(["eval", "--kv-cache-dtype", "fp8", "--kv-residual-tokens", "-5", "--bins", "192"]) == 2
     assert ">= 0" in capsys.readouterr().err
     assert cli.main(["eval", "--kv-cache-dtype", "int4_kivi", "--kivi-group-size", "24", "--bins", "192"]) == 2

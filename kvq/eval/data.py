@@ -4,17 +4,20 @@ Perplexity, KL and top-1 are measured on real English prose: the Python
 language reference that CPython ships (``pydoc_data.topics``, PSF license),
 through :func:`kvq.text.reference_text`; nothing is downloaded or generated.
 
-Retrieval uses a *multi-key passkey* haystack (filler is synthetic by design,
-the classic "The grass is green..." of the passkey test): one haystack per
-(bin, trial) holds one needle at each depth, each under its own name::
+Retrieval uses single-needle *passkey* haystacks (filler is synthetic by
+design, the classic "The grass is green..." of the passkey test): one haystack
+per (bin, depth, trial) holds one needle under a random name::
 
-    [intro] filler ... "The pass key of Alice is 48213. Remember it." filler ... (one needle per depth) ...
-    then, one question per needle on a fork of the cached haystack:
+    [intro] filler ... "The pass key of Alice is 48213. Remember it." filler ...
+    then the question on a fork of the cached haystack:
     "What is the pass key of Alice? The pass key of Alice is" + answer " 48213"
 
-The haystack is prefilled once and every question runs on a copy-on-write
-fork of its cache, so a trial costs one prefill of the bin's length.  Names
-are shuffled per trial, so a name never sits at a fixed depth.
+One needle, because several in one haystack defeat the small default model
+(its bf16 baseline then retrieves a few in ten, so the test measured noise).
+Depths span only the part of the haystack that every evaluated format stores
+quantized: after the largest sink block and before the largest recent window
+of the run (a needle inside a high-precision window says nothing about the
+format).
 """
 
 from __future__ import annotations
@@ -88,34 +91,34 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def make_haystack(tokenizer, length: int, depths: tuple[float, ...], trial: int, seed: int = 0,
-                  align: int = 32) -> Haystack:
-    """A haystack of a ``length``-token bin with one needle per depth (deterministic in ``seed``, ``trial``)."""
-    if len(depths) > len(NAMES):
-        raise ValueError(f"at most {len(NAMES)} depths per haystack, got {len(depths)}")
-    rng = random.Random(f"{seed}:{length}:{trial}")
-    names = rng.sample(NAMES, len(depths))
+def make_haystack(tokenizer, length: int, depth: float, trial: int, seed: int = 0, align: int = 32,
+                  keep_head: int = 0, keep_tail: int = 0) -> Haystack:
+    """A haystack of a ``length``-token bin with one needle at ``depth`` (deterministic in
+    ``seed``, ``trial``).  Depth 0 puts the needle right after the first ``keep_head`` tokens
+    (the largest sink block of the run's formats), depth 1 right before the last
+    ``keep_tail`` (the largest recent window): every needle lies where the formats store
+    it quantized, so retrieval tests the format, not its high-precision windows."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"passkey depth {depth} outside [0, 1]")
+    rng = random.Random(f"{seed}:{length}:{depth:g}:{trial}")
+    name = rng.choice(NAMES)
+    key = str(rng.randint(10000, 99999))
     n_hay = (length - QUESTION_TOKENS) // align * align
     intro = _ids(tokenizer, INTRO)
-    needles_ids, needles = [], []
-    for depth, name in zip(depths, names):
-        key = str(rng.randint(10000, 99999))
-        needles_ids.append(_ids(tokenizer, f" The pass key of {name} is {key}. Remember it. "))
-        question = _ids(tokenizer, f"\nWhat is the pass key of {name}? The pass key of {name} is")
-        answer = _ids(tokenizer, f" {key}")
-        if len(question) + len(answer) > QUESTION_TOKENS:
-            raise AssertionError(f"question and answer take {len(question) + len(answer)} tokens")
-        needles.append(Needle(depth, name, key, tuple(question), tuple(answer)))
-    n_filler = n_hay - len(intro) - sum(map(len, needles_ids))
-    if n_filler < 0:
-        raise ValueError(f"bin {length} is too short for a passkey haystack with {len(depths)} needles")
+    needle_ids = _ids(tokenizer, f" The pass key of {name} is {key}. Remember it. ")
+    question = _ids(tokenizer, f"\nWhat is the pass key of {name}? The pass key of {name} is")
+    answer = _ids(tokenizer, f" {key}")
+    if len(question) + len(answer) > QUESTION_TOKENS:
+        raise AssertionError(f"question and answer take {len(question) + len(answer)} tokens")
+    lo = max(len(intro), keep_head)  # first position the needle may start at
+    hi = n_hay - keep_tail - len(needle_ids)  # last one
+    if hi < lo:
+        raise ValueError(f"bin {length} is too short for a passkey haystack whose needle stays outside "
+                         f"{keep_head} sink and {keep_tail} recent high-precision tokens")
+    at = lo + int(round(depth * (hi - lo)))
+    n_filler = n_hay - len(intro) - len(needle_ids)
     filler = _ids(tokenizer, FILLER * (n_filler // 10 + 2))[:n_filler]
-    out = list(intro)  # no BOS: the engine's encode adds none for this tokenizer either
-    done = 0
-    for depth, nid in zip(depths, needles_ids):
-        cut = int(round(depth * n_filler))
-        out += filler[done:cut] + nid
-        done = cut
-    out += filler[done:]
+    cut = at - len(intro)
+    out = list(intro) + filler[:cut] + needle_ids + filler[cut:]  # no BOS: the engine's encode adds none either
     assert len(out) == n_hay, (len(out), n_hay)
-    return Haystack(length, trial, tuple(out), tuple(needles))
+    return Haystack(length, trial, tuple(out), (Needle(depth, name, key, tuple(question), tuple(answer)),))

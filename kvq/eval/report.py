@@ -88,7 +88,8 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
         "",
         f"Bins {st['bins']}: at each bin L the {st['window']} scored positions end at L minus the greedy span, "
         f"then {st['greedy_tokens']} greedy tokens fill the rest of the bin.  Passkey: bins {st['passkey_bins']}, "
-        f"depths {st['passkey_depths']}, {st['passkey_trials']} haystack(s) per bin (one needle per depth each).  "
+        f"depths {st['passkey_depths']}, {st['passkey_trials']} single-needle haystack(s) per depth and bin, needles "
+        f"outside every format's sink and recent windows.  "
         f"Text: {meta['text_source']}{text_hash}.  Capacity for a {st['memory'] / (1 << 30):g} GiB KV budget.",
         "",
         "Thresholds: " + ", ".join(f"{k} {v:g}" for k, v in st["thresholds"].items()) + ".",

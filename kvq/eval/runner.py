@@ -115,8 +115,27 @@ def alignment(s: EvalSettings) -> int:
 
 def haystacks(s: EvalSettings, tokenizer, align: int) -> dict[int, list]:
     """bin -> its passkey haystacks (built up front, so a bin too short fails before any model runs)."""
-    return {L: [make_haystack(tokenizer, L, s.passkey_depths, t, s.seed, align=align) for t in range(s.passkey_trials)]
+    head, tail = kept_windows(s)
+    return {L: [make_haystack(tokenizer, L, d, t, s.seed, align=align, keep_head=head, keep_tail=tail)
+                for d in s.passkey_depths for t in range(s.passkey_trials)]
             for L in sorted(s.passkey_bins)}
+
+
+def kept_windows(s: EvalSettings) -> tuple[int, int]:
+    """(head, tail) tokens that some format of the run keeps in high precision: the largest
+    sink block, and the largest recent window plus one block (a block that still overlaps
+    the window stays high precision as a whole)."""
+    from kvq.models.source import model_shape
+
+    shape = model_shape(s.model)
+    head = tail = 0
+    for f in (s.baseline, *s.formats):
+        plan = kv_config(s, f).plan(shape)
+        if plan.is_quantized:
+            d = plan.describe()
+            head = max(head, d["sink_tokens_kept"])
+            tail = max(tail, d["residual_tokens"] + plan.block_size if d["residual_tokens"] else 0)
+    return head, tail
 
 
 def run_format(s: EvalSettings, fmt: str, ids: list[int], spec: StreamSpec, hays: dict[int, list],
@@ -125,7 +144,7 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], spec: StreamSpec, hays
     engine = _engine(s, fmt)
     session = CacheSession(engine)
     g = spec.greedy_span(align)
-    hay_total = sum(b for b in s.passkey_bins) * s.passkey_trials
+    hay_total = sum(len(stacks) * L for L, stacks in hays.items())
     total = max(spec.bins) - g + g * len(spec.bins) + hay_total
     with tqdm(total=total, desc=f"{fmt:<20}", unit="tok", disable=not s.progress, leave=True) as bar:
         scores = score_stream(session, ids, spec, align, progress=bar)
