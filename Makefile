@@ -39,9 +39,7 @@ bench-engine:
 	bash scripts/gpu.sh bench-engine --formats bfloat16,int4_kivi,fp8_e4m3,int8_per_token_head \
 	  --workloads 1024x256,7936x256 --concurrency 64 --out docs/results/bench_engine_quant.json
 	bash scripts/gpu.sh bench-engine --formats bfloat16,fp8_e4m3 --workloads 1024x256 --concurrency 1,64,256 \
-	  --out docs/results/bench_engine_async.json
-	bash scripts/gpu.sh bench-engine --formats bfloat16,fp8_e4m3 --workloads 1024x256 --concurrency 1,64,256 \
-	  --async-scheduling --out docs/results/bench_engine_async.json
+	  --scheduling sync,async --hf --hf-concurrency 1,64 --out docs/results/bench_engine_async.json
 	bash scripts/gpu.sh bench-engine --formats "" --hf --hf-eager --hf-concurrency 1 --workloads 1024x256
 
 bench-server:

@@ -137,7 +137,8 @@ def run_kvq_wave(engine, vocab: int, c: int, inp: int, out: int, seed: int) -> d
     }
 
 
-def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, weight_bytes) -> None:
+def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, weight_bytes,
+              async_scheduling: bool | None = None) -> None:
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
 
     t0 = time.perf_counter()
@@ -145,9 +146,10 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                                     max_num_seqs=max(concs), max_num_batched_tokens=args.max_num_batched_tokens,
                                     gpu_memory_utilization=args.gpu_memory_utilization, progress=False,
                                     kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
-                                    async_scheduling=args.async_scheduling))
+                                    async_scheduling=async_scheduling))
     info = engine.info
     plan = engine.plan
+    system = "kvq-async" if engine.async_scheduling else "kvq"  # asynchronous scheduling is the default on CUDA
     res.data["capacity"][fmt] = {"q_blocks": info["kv_pool"]["q_blocks"], "hp_blocks": info["kv_pool"]["hp_blocks"],
                                  "tokens": info["kv_pool"]["tokens"], "pool_bytes": info["kv_pool"]["bytes"],
                                  "bytes_per_token": plan.bytes_per_token, "block_size": plan.block_size,
@@ -155,11 +157,14 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                                  "backend": info["attention_backend"], "cuda_graphs": info["cuda_graphs"],
                                  "engine_start_s": time.perf_counter() - t0}
     res.save()
-    print(f"[kvq {fmt}] pool {info['kv_pool']['q_blocks']} blocks = {info['kv_pool']['tokens']} tokens "
+    print(f"[{system} {fmt}] pool {info['kv_pool']['q_blocks']} blocks = {info['kv_pool']['tokens']} tokens "
           f"({info['kv_pool']['bytes'] / 2**30:.1f} GiB), backend {info['attention_backend']['resolved']}, "
           f"graphs {info['cuda_graphs']}", flush=True)
     vocab = engine.model.config.vocab_size
-    run_kvq_wave(engine, vocab, 2, workloads[0][0], 4, seed=0)  # warm-up: kernels compile outside the timings
+    # warm-up: kernels compile and cuBLAS picks its algorithms outside the timings; enough requests to fill
+    # a whole prefill step (mixed with decodes) for each workload's prompt length
+    for inp, _ in workloads:
+        run_kvq_wave(engine, vocab, min(max(concs), -(-args.max_num_batched_tokens // inp) + 1), inp, 4, seed=0)
     for inp, out in workloads:
         for c in concs:
             if (inp, c) in args.skip:
@@ -172,13 +177,12 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                 r = {"error": f"{type(e).__name__}: {e}"}
             ctx = inp + out // 2
             r["roofline_step_s"] = roofline_step_s(weight_bytes, plan.bytes_per_token, c, ctx, bw)
-            system = "kvq-async" if args.async_scheduling else "kvq"
             run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c, **r}
             res.add(run)
             if "error" in r:
-                print(f"[kvq {fmt}] {inp}/{out} c={c}: {r['error']}", flush=True)
+                print(f"[{system} {fmt}] {inp}/{out} c={c}: {r['error']}", flush=True)
             else:
-                print(f"[kvq {fmt}] {inp}/{out} c={c}: {r['output_tok_per_s']:.0f} tok/s, TTFT p50 "
+                print(f"[{system} {fmt}] {inp}/{out} c={c}: {r['output_tok_per_s']:.0f} tok/s, TTFT p50 "
                       f"{r['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms "
                       f"(roofline {1e3 * (r['roofline_step_s'] or 0):.2f} ms), "
                       f"step {1e3 * (r['decode_step_mean_s'] or 0):.2f}"
@@ -220,9 +224,9 @@ def bench_hf(args, res: Results, model_dir: Path, workloads, concs, device) -> N
                    "concurrency": c}
             try:
                 with torch.inference_mode():
-                    model.generate(ids[:, :16], generation_config=transformers.GenerationConfig(
-                        max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static",
-                        eos_token_id=None, pad_token_id=0, disable_compile=args.hf_eager))  # warm-up
+                    # warm-up: the same call once, so that torch.compile's graphs for these shapes (batch,
+                    # static cache length) exist before the timed call
+                    model.generate(ids, generation_config=gen, attention_mask=torch.ones_like(ids))
                     torch.cuda.synchronize()
                     t = time.perf_counter()
                     y = model.generate(ids, generation_config=gen, attention_mask=torch.ones_like(ids))
@@ -283,7 +287,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action="store_true", help="EngineConfig.async_scheduling")
+    p.add_argument("--scheduling", default="default", help="default (the engine's: async on CUDA), sync, async, "
+                   "or a list such as sync,async (one engine each, per format; recorded as systems kvq and "
+                   "kvq-async)")
     p.add_argument("--smoke", action="store_true", help="tiny model and workloads")
     p.add_argument("--out", default=str(ROOT / "docs/results/bench_engine.json"))
     args = p.parse_args(argv)
@@ -321,15 +327,22 @@ def main(argv=None) -> int:
             "model": model if not args.smoke else "smoke",
             "model_shape": {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
             "weight_bytes": weight_bytes, "copy_bandwidth_Bps": bw,
-            "method": "wave of c requests submitted at once; random token prompts; ignore_eos; greedy"}
+            "method": "wave of c requests submitted at once; random token prompts; ignore_eos; greedy; kvq warmed up "
+                      "by a wave filling a prefill step per prompt length, HF by the same generate call"}
     res = Results(Path(args.out), meta)
     print(f"device {meta['device']}, copy bandwidth {bw / 1e9 if bw else 0:.0f} GB/s, "
           f"weights {weight_bytes / 1e9:.2f} GB",
           flush=True)
     if args.hf:
         bench_hf(args, res, Path(src.path), workloads, concs, device)
+    modes = {"default": None, "sync": False, "async": True}
+    chosen = args.scheduling.split(",")
+    bad = [m for m in chosen if m not in modes]
+    if bad:
+        p.error(f"--scheduling: unknown {bad}; valid choices: {', '.join(modes)} (or a comma-separated list)")
     for fmt in [f for f in args.formats.split(",") if f]:
-        bench_kvq(args, res, model, fmt, workloads, concs, bw, weight_bytes)
+        for mode in chosen:
+            bench_kvq(args, res, model, fmt, workloads, concs, bw, weight_bytes, async_scheduling=modes[mode])
     print(f"wrote {args.out}")
     return 0
 

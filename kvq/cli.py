@@ -190,9 +190,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", help="auto (weights from disk) or dummy (random, real shapes)")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU)")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each step before the previous step's tokens are read (outputs "
-                        "unchanged; the host prepares a step while the device runs the previous one)")
+                        "unchanged; the host prepares a step while the device runs the previous one); "
+                        "default: on with CUDA, off on the CPU")
 
 
 def engine_config_from_args(args: argparse.Namespace):

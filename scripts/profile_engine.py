@@ -36,7 +36,8 @@ def main():
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: the engine's (on with CUDA)")
     ap.add_argument("--host", action="store_true", help="also cProfile the host side")
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--prefill", action="store_true", help="profile the wave's prefill steps instead of decode")

@@ -235,3 +235,17 @@ def test_async_scheduling_gives_the_same_outputs(bf16):
         assert not eng.has_unfinished() and eng.block_manager.num_free_blocks("q") == eng.pool.num_q_blocks
         if "max_num_batched_tokens" in kw:
             assert sum(o.metrics["num_preemptions"] for o in got) > 0, "the small pool should force preemption"
+
+
+def test_a_step_crosses_to_the_device_in_one_copy(bf16):
+    """The runner stages every input of an eager step (metadata, ids, positions, logit rows,
+    fed rows) through one host->device copy: on the CPU the staging counts its copies."""
+    eng = bf16.engine
+    assert eng.info["async_scheduling"] is False  # the CPU default: nothing to overlap
+    copies = eng.runner.staging.copies
+    steps = 0
+    eng.add_request(eng.tokenizer.encode("Counting copies"), SamplingParams(max_tokens=5, temperature=0))
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    assert steps >= 5 and eng.runner.staging.copies - copies == steps

@@ -122,34 +122,45 @@ def table_array(tables: list[list[int]] | np.ndarray) -> np.ndarray:
     return out
 
 
-def to_device(step: HostStep, block_size: int, device: torch.device | str) -> StepMetadata:
-    num_new = step.num_new
-    cu = [0]
-    for k in num_new:
-        cu.append(cu[-1] + k)
-    table = table_array(step.tables)
-    has_hp = bool((table < 0).any())
+def each_to(device: torch.device | str):
+    """A stager that copies each array on its own (pinned on CUDA): tests and one-off drivers.
+    The engine's runner stages a step's arrays through one copy (kvq.engine.staging)."""
     pin = torch.device(device).type == "cuda"
 
-    def to_dev(x, dtype):
-        t = torch.from_numpy(x) if isinstance(x, np.ndarray) else torch.tensor(x, dtype=dtype)
-        return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+    def stage(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        ts = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        return [t.pin_memory().to(device, non_blocking=True) if pin else t.to(device) for t in ts]
+    return stage
 
-    fb = _full_blocks(step.slots, block_size)
+
+def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarray] = ()
+               ) -> tuple[StepMetadata, list[torch.Tensor]]:
+    """The step's metadata on the device, with ``extra`` arrays (the runner's token ids,
+    positions, logit rows) staged in the same call: ``stage(list of numpy arrays) -> tensors``."""
+    num_new = step.num_new
+    cu = np.zeros(len(num_new) + 1, np.int32)
+    np.cumsum(num_new, out=cu[1:])
+    table = np.ascontiguousarray(table_array(step.tables), dtype=np.int32)
     nd = step.num_decodes
-    return StepMetadata(
-        slots=to_dev(step.slots, torch.int64),
-        full_blocks=to_dev(fb, torch.int64).reshape(-1, 2),
-        cu_seqlens_q=to_dev(cu, torch.int32),
-        block_tables=to_dev(np.ascontiguousarray(table), torch.int32),
-        seq_lens=to_dev(step.seq_lens, torch.int32),
+    fb = np.asarray(_full_blocks(step.slots, block_size), np.int64).reshape(-1, 2)
+    seals = np.asarray(step.seals, np.int64).reshape(-1, 2)
+    arrays = [np.asarray(step.slots, np.int64), fb, cu, table, np.asarray(step.seq_lens, np.int32),
+              cu[nd:] - cu[nd], seals, *extra]
+    t = stage(arrays)
+    meta = StepMetadata(
+        slots=t[0], full_blocks=t[1], cu_seqlens_q=t[2], block_tables=t[3], seq_lens=t[4],
         max_q_len=max(num_new, default=0),
         max_seq_len=max(step.seq_lens, default=0),
-        has_hp=has_hp,
+        has_hp=bool((table < 0).any()),
         num_decodes=nd,
-        prefill_cu=to_dev([c - cu[nd] for c in cu[nd:]], torch.int32),
-        seals=to_dev(list(step.seals), torch.int64).reshape(-1, 2) if step.seals else None,
+        prefill_cu=t[5],
+        seals=t[6] if step.seals else None,
     )
+    return meta, t[7:]
+
+
+def to_device(step: HostStep, block_size: int, device: torch.device | str) -> StepMetadata:
+    return stage_step(step, block_size, each_to(device))[0]
 
 
 def layer_seals(ops: Sequence) -> list[tuple[int, int]] | None:

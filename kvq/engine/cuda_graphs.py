@@ -8,7 +8,8 @@ and split-K decode attention, norm, LM head) is recorded once and replayed.
 What makes a step replayable:
 
 * static device buffers for the step's inputs (token ids, positions, slots,
-  block tables, lengths), refilled from host lists before each replay;
+  seals, lengths, block tables): views of one device buffer, refilled before
+  each replay by one copy from a pinned host buffer (kvq.engine.staging);
 * a launch that depends only on the batch size: the decode kernel's split count
   is chosen for ``max_model_len`` and each sequence divides its own length over
   the splits (kvq.attention.triton.decode);
@@ -31,9 +32,11 @@ import bisect
 import math
 import time
 
+import numpy as np
 import torch
 
 from kvq.cache.step import HostStep, StepMetadata, table_array
+from kvq.engine.staging import Staging, layout, views
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -60,15 +63,26 @@ class DecodeGraphs:
         self.width = math.ceil(max_model_len / bs) + 1
         n = self.sizes[-1]
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slots = torch.full((n,), self.null_slot, **i64)
-        self.tables = torch.full((n, self.width), null_block, **i32)
-        self.lens = torch.ones(n, **i32)
+        # The inputs refilled before each replay are views of one device buffer, so a step's
+        # inputs cross in one host->device copy of the buffer's prefix that the batch uses
+        # (the tables go last, row-major, so a batch of g uses their first g rows).
+        fields = [np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64),  # ids, positions, slots
+                  np.zeros((n, 2), np.int64), np.zeros(n, np.int32),  # seals, lens
+                  np.zeros((n, self.width), np.int32)]  # tables
+        self._offsets, nbytes = layout(fields)
+        self._fields = fields
+        self._static = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.ids, self.positions, self.slots, seals, self.lens, self.tables = views(self._static, fields,
+                                                                                   self._offsets)
+        self.slots.fill_(self.null_slot)
+        self.tables.fill_(null_block)
+        self.lens.fill_(1)
+        seals.fill_(-1)
+        self.seals = seals if can_seal else None
+        self.staging = Staging(device, nbytes)
         self.cu = torch.arange(n + 1, **i32)
         self.rows = torch.arange(n, **i64)
         self.no_blocks = torch.empty(0, 2, **i64)
-        self.seals = torch.full((n, 2), -1, **i64) if can_seal else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -108,25 +122,22 @@ class DecodeGraphs:
         the previous step sampled, not known on the host yet)."""
         b = len(ids)
         g = self.sizes[bisect.bisect_left(self.sizes, b)]
-        pad = g - b
         rows = table_array(step.tables)  # entries past a table's end are never read
         w = rows.shape[1]
-        table = torch.full((g, w), self.null_block, dtype=torch.int32)  # padding rows: the null block
-        table[:b] = torch.from_numpy(rows)
-        longs = torch.tensor([ids + [0] * pad, positions + [0] * pad, step.slots + [self.null_slot] * pad],
-                             dtype=torch.int64)
-        lens = torch.tensor(step.seq_lens + [1] * pad, dtype=torch.int32)
-        self.ids[:g].copy_(longs[0], non_blocking=True)
+        end = self._offsets[5] + g * self.width * 4
+        buf = self.staging.host(self._static.numel())
+        ids_h, pos_h, slots_h, seals_h, lens_h, tables_h = views(buf, self._fields, self._offsets)
+        ids_h, pos_h, slots_h, seals_h, lens_h, tables_h = (t.numpy() for t in (ids_h, pos_h, slots_h, seals_h,
+                                                                                 lens_h, tables_h))
+        ids_h[:b], pos_h[:b], slots_h[:b], lens_h[:b] = ids, positions, step.slots, step.seq_lens
+        tables_h[:b, :w] = rows
+        # padding rows: a token at the null block that attends to it alone
+        ids_h[b:g], pos_h[b:g], slots_h[b:g], lens_h[b:g], tables_h[b:g, 0] = 0, 0, self.null_slot, 1, self.null_block
+        seals_h[:g] = -1
+        if step.seals:
+            seals_h[:len(step.seals)] = step.seals
+        self.staging.send(buf, self._static, end)
         if fed is not None:
             self.ids.index_copy_(0, *fed)
-        self.positions[:g].copy_(longs[1], non_blocking=True)
-        self.slots[:g].copy_(longs[2], non_blocking=True)
-        self.tables[:g, :w].copy_(table, non_blocking=True)
-        self.lens[:g].copy_(lens, non_blocking=True)
-        if self.seals is not None:
-            seals = torch.full((g, 2), -1, dtype=torch.int64)
-            if step.seals:
-                seals[:len(step.seals)] = torch.tensor(step.seals, dtype=torch.int64)
-            self.seals[:g].copy_(seals, non_blocking=True)
         self.graphs[g].replay()
         return self.outputs[g][:b]

@@ -65,7 +65,9 @@ class EngineConfig:
     seed: int = 0
     progress: bool = True
     freeze_gc: bool | None = None  # gc.freeze() once built (default: on CUDA), see LLMEngine
-    async_scheduling: bool = False  # schedule and launch step N+1 before step N's results are read
+    # schedule and launch step N+1 before step N's results are read (default: on CUDA, where the device
+    # runs one step while the host prepares the next; off on the CPU, where nothing overlaps)
+    async_scheduling: bool | None = None
     kv_cache: KVCacheConfig | None = None  # the KV choices as one object (instead of the kv_* fields above)
 
     def __post_init__(self) -> None:
@@ -160,6 +162,8 @@ class LLMEngine:
         cfg = config or EngineConfig(**kwargs)
         self.config = cfg
         self.device = _resolve_device(cfg.device)
+        self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
+                                 else self.device.type == "cuda")
         self.dtype = _resolve_dtype(cfg.dtype, self.device)
         src = resolve_model(cfg.model)
         shape = model_shape(src)
@@ -192,7 +196,7 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                             max_model_len=self.max_model_len, block_size=self.plan.block_size,
                             block_aligned_chunks=not self.plan.window_policy.write_direct,
-                            max_inflight=2 if cfg.async_scheduling else 1),
+                            max_inflight=2 if self.async_scheduling else 1),
             self.block_manager, eos_token_id=eos)
         graphs = None
         if use_graphs:
@@ -220,6 +224,7 @@ class LLMEngine:
             "kv_pool": {"q_blocks": int(num_q), "hp_blocks": num_hp, "tokens": int(num_q) * self.plan.block_size,
                         "bytes": self.pool.nbytes()},
             "max_model_len": self.max_model_len,
+            "async_scheduling": self.async_scheduling,
             "cuda_graphs": {"batch_sizes": graphs.sizes, "capture_seconds": round(graphs.capture_seconds, 2)}
             if graphs else None,
         }
@@ -323,7 +328,7 @@ class LLMEngine:
         device runs one while the host prepares the other), so outputs trail the
         forward by one call; :meth:`has_unfinished` stays true until the last is read."""
         launched = self._launch()
-        if not self.config.async_scheduling:
+        if not self.async_scheduling:
             return self._complete(launched) if launched is not None else []
         done, self._inflight = self._inflight, launched
         return self._complete(done) if done is not None else []

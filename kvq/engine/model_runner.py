@@ -14,11 +14,13 @@ CUDA graph when the engine captured them (:mod:`kvq.engine.cuda_graphs`).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvq.cache.pool import encode_slots
-from kvq.cache.step import HostStep, apply_ops, layer_seals, to_device
+from kvq.cache.step import HostStep, apply_ops, layer_seals, stage_step
 from kvq.engine.block_tables import BlockTables
+from kvq.engine.staging import Staging
 
 
 class ModelRunner:
@@ -28,6 +30,7 @@ class ModelRunner:
         self.graphs = graphs  # DecodeGraphs or None (eager)
         self.graph_steps = 0
         self.tables = BlockTables(rows=max_num_seqs)
+        self.staging = Staging(device)  # eager steps: every input array in one host->device copy
 
     def execute(self, sched, seqs: dict, feed: tuple[torch.Tensor, dict] | None = None
                 ) -> tuple[torch.Tensor | None, list[int]]:
@@ -70,20 +73,20 @@ class ModelRunner:
         if seals is None:
             apply_ops(self.pool, self.kernels, sched.ops)
         step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums, seals or ())
-        pin = self.device.type == "cuda"
-
-        def dev(x):
-            t = torch.tensor(x, dtype=torch.int64)
-            return t.pin_memory().to(self.device, non_blocking=True) if pin else t
-
-        fed = (dev(fed_at), feed[0].index_select(0, dev(fed_rows))) if fed_at else None
+        i64 = [np.int64] * 2
         if self.graphs is not None and logits_rows == list(range(len(ids))) and self.graphs.serves(step):
             self.graph_steps += 1
+            fed = None
+            if fed_at:
+                at, rows = self.staging.pack([fed_at, fed_rows], i64)
+                fed = (at, feed[0].index_select(0, rows))
             return self.graphs.run(ids, positions, step, fed), sample_ids
-        meta = to_device(step, self.block_size, self.device)
         rows = logits_rows or [len(ids) - 1]
-        ids_dev = dev(ids)
-        if fed is not None:
-            ids_dev.index_copy_(0, *fed)
-        logits = self.model(ids_dev, dev(positions), self.pool, meta, self.kernels, dev(rows))
+        # one copy: the metadata, ids, positions, logit rows, and where the fed tokens go
+        meta, (ids_dev, pos_dev, rows_dev, at, fed_src) = stage_step(
+            step, self.block_size, self.staging.pack,
+            [np.asarray(x, np.int64) for x in (ids, positions, rows, fed_at, fed_rows)])
+        if fed_at:
+            ids_dev.index_copy_(0, at, feed[0].index_select(0, fed_src))
+        logits = self.model(ids_dev, pos_dev, self.pool, meta, self.kernels, rows_dev)
         return (logits if logits_rows else None), sample_ids
