@@ -74,12 +74,65 @@ def test_status_rule():
     assert _status({**SAME, "kl_mean": 0.02})[0] == "ok"  # equal to the threshold passes
     assert _status({**SAME, "passkey_drop": 0.8 - 0.6})[0] == "ok"  # 0.20000000000000007: rounding, not a drop
     assert _status({**SAME, "kl_mean": 0.5}, th=Thresholds(max_kl=1.0))[0] == "ok"
+    # with intervals a threshold fails only when the whole interval is past it
+    assert _status({**SAME, "kl_mean": 0.03, "kl_mean_ci95": [0.015, 0.045]})[0] == "ok"
+    status, why = _status({**SAME, "kl_mean": 0.03, "kl_mean_ci95": [0.025, 0.035]})
+    assert status == "quality_regressed" and "95% CI" in why[0]
+    assert _status({**SAME, "top1_agreement": 0.85, "top1_agreement_ci95": [0.8, 0.95]})[0] == "ok"
+    assert _status({**SAME, "ppl_rel_change": 0.05, "ppl_rel_change_ci95": [0.021, 0.08]})[0] == "quality_regressed"
+    pk = {**SAME, "passkey_drop": 0.3, "passkey_accuracy": 0.6, "passkey_accuracy_baseline": 0.9}
+    assert _status({**pk, "passkey_accuracy_ci95": [0.3, 0.85]})[0] == "ok"
+    assert _status({**pk, "passkey_accuracy_ci95": [0.5, 0.68]})[0] == "quality_regressed"
     assert _status(resolved="triton")[0] == "backend_mismatch"  # checked before quality
     assert _status({**SAME, "kl_mean": 9.0}, ratio=0.5)[0] == "capacity_lost"
     with pytest.raises(ValueError):
         Thresholds(min_top1=1.5)
     with pytest.raises(ValueError):
         Thresholds(max_kl=-1)
+
+
+def test_intervals_batch_means_t_and_wilson():
+    from kvq.eval import stats
+
+    assert stats.t975(1) == 12.706 and stats.t975(30) == 2.042
+    assert abs(stats.t975(40) - 2.021) < 0.002 and abs(stats.t975(120) - 1.980) < 0.002
+    assert stats.segment_means([1.0] * 64 + [3.0] * 32) == [1.0, 1.0, 3.0]
+    assert stats.segment_means([1.0] * 40) == [1.0]  # a short tail joins the last segment
+    m, lo, hi = stats.mean_ci([1.0, 2.0, 3.0])
+    assert m == 2.0 and hi - m == pytest.approx(4.303 / math.sqrt(3)) and m - lo == pytest.approx(hi - m)
+    assert stats.mean_ci([0.5]) == (0.5, 0.5, 0.5)
+    lo, hi = stats.wilson(8, 10)
+    assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+    assert stats.wilson(10, 10)[1] == 1.0 and stats.wilson(0, 10)[0] == 0.0
+    # coverage: intervals over 40 units of a known mean hold it about 95% of the time
+    g = torch.Generator().manual_seed(0)
+    hits = 0
+    for _ in range(400):
+        x = torch.randn(40, generator=g).tolist()
+        _, lo, hi = stats.mean_ci(x)
+        hits += lo <= 0.0 <= hi
+    assert 0.92 <= hits / 400 <= 0.98
+
+
+def test_passages_are_disjoint_where_the_text_allows():
+    from kvq.eval.data import passage_offsets
+
+    assert passage_offsets(1000, 200, 4, 32) == [0, 200, 400, 600]
+    assert passage_offsets(500, 200, 4, 32) == [0, 100, 200, 300]  # overlapping, scored positions differ
+    assert passage_offsets(150, 150, 1, 32) == [0]
+    with pytest.raises(ValueError, match="--passages 4"):
+        passage_offsets(300, 200, 6, 32)
+    with pytest.raises(ValueError, match="fewer than the 200"):
+        passage_offsets(100, 200, 1, 32)
+
+
+def test_the_default_text_is_the_shipped_file():
+    """Every machine scores the same tokens: the default text is a file in the package, whose hash
+    kvq/data/README.md records (an edit to it shows up here)."""
+    from kvq.eval.data import TEXT_FILE, file_sha256
+
+    assert file_sha256(TEXT_FILE) == "566ba75ad1f2ca21af3dc167f3ce05fb96b994073de81e410d172f867e3976ea"
+    assert file_sha256(TEXT_FILE) in (TEXT_FILE.parent / "README.md").read_text()
 
 
 def test_record_has_seed_004_fields():
@@ -172,6 +225,12 @@ def test_tiny_eval_end_to_end_catches_a_broken_quantizer(tmp_path, monkeypatch):
     assert same["kl_mean"] == 0.0 and same["top1_agreement"] == 1.0 and same["ppl_rel_change"] == 0.0
     assert same["greedy_prefix_match"] == 4 and recs["bfloat16"]["status"] == "ok"
     assert recs["fp8_e4m3"]["status"] == "quality_regressed" and bad["kl_mean"] > 0.1
+    # 4 passages (the quick default) at disjoint text positions, intervals around each figure
+    assert same["passages"] == bad["passages"] == 4 and same["kl_mean_ci95"] == [0.0, 0.0]
+    starts = [p[0] for p in bad["scored_positions"]]
+    assert len(set(starts)) == 4 and bad["kl_mean_ci95"][0] > 0.1 and bad["interval_units"] == 4
+    assert bad["kl_mean_ci95"][0] <= bad["kl_mean"] <= bad["kl_mean_ci95"][1]
+    assert res["meta"]["text_sha256"].startswith("566ba75a") and len(res["meta"]["passage_offsets"]) == 4
     assert recs["fp8_e4m3"]["kv_cache_capacity"]["ratio_vs_baseline"] == pytest.approx(2.0)
     assert recs["fp8_e4m3"]["resolved_backend"] == recs["fp8_e4m3"]["attention_backend"] == "torch"
     report = (out / "report.md").read_text()
@@ -252,9 +311,10 @@ def test_text_option_scores_the_given_file_and_records_its_hash(tmp_path, capsys
     f = tmp_path / "t.txt"
     f.write_text("A cache keeps what was computed so that it need not be computed again. " * 40, encoding="utf-8")
     tok = load_tokenizer(resolve_model("default"))
-    ids = eval_token_ids(tok, 193, str(f))
-    assert ids == tok(f.read_text(), add_special_tokens=False)["input_ids"][:193]
+    ids = eval_token_ids(tok, str(f))
+    assert ids == tok(f.read_text(), add_special_tokens=False)["input_ids"]
     assert tokens_sha256(ids) == tokens_sha256(list(ids)) != tokens_sha256(ids[:-1] + [ids[-1] + 1])
     assert text_source(str(f)) == f"file {f}"
-    with pytest.raises(ValueError, match="fewer than the 5000"):
-        eval_token_ids(tok, 5000, str(f))
+    assert cli.main(["eval", "--text", str(f), "--bins", "4096", "--kv-cache-dtype", "fp8_e4m3",
+                     "--device", "cpu", "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert "fewer than the" in capsys.readouterr().err

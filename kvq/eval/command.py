@@ -14,8 +14,8 @@ from pathlib import Path
 #: Context-length ladder; the full run takes every bin the model supports.
 BIN_LADDER = (512, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 #: Quick settings (the default on a CPU): a 2-core machine finishes in about 10 minutes.
-QUICK = {"bins": (512, 1024), "window": 128, "greedy_tokens": 16, "passkey_trials": 1}
-FULL = {"window": 256, "greedy_tokens": 32, "passkey_trials": 3}
+QUICK = {"bins": (512, 1024), "window": 128, "greedy_tokens": 16, "passkey_trials": 1, "passages": 4}
+FULL = {"window": 256, "greedy_tokens": 32, "passkey_trials": 3, "passages": 6}
 
 DESCRIPTION = """\
 Evaluate KV cache formats on a model: quality against the baseline (bf16 / the model dtype) on the same tokens,
@@ -23,10 +23,12 @@ per context-length bin, with the quantized past read by attention through the pa
 several depths; bytes per token, tokens per GiB and sequences per budget; throughput; one JSON record per
 (format, bin) with a status (ok, quality_regressed, backend_mismatch, capacity_lost), a Markdown report and plots.
 
-Defaults: on a CPU the quick settings (bins 512,1024; 128 scored positions and 16 greedy tokens per bin;
-1 passkey haystack per bin with a needle at each of 5 depths), about 10 minutes on 2 cores for every format;
-on a GPU, or with --full, every bin of the ladder 512,2048,4096,8192,... the model supports, 256 scored
-positions, 32 greedy tokens and 3 haystacks per bin.  Explicit flags override either."""
+Defaults: on a CPU the quick settings (bins 512,1024; 4 passages of the text with 128 scored positions and
+16 greedy tokens per bin each; 1 passkey haystack per bin with a needle at each of 5 depths), about 10 minutes
+on 2 cores for every format; on a GPU, or with --full, every bin of the ladder 512,2048,4096,8192,... the model
+supports, 6 passages with 256 scored positions and 32 greedy tokens each, 3 haystacks per bin.  Explicit flags
+override either.  Perplexity change, KL and top-1 carry 95% intervals (batch means over 32-position segments
+of every passage); a status threshold fails only when the whole interval is past it."""
 
 
 def _csv(kind):
@@ -60,7 +62,10 @@ def register(sub) -> None:
     g.add_argument("--bins", type=_csv(int), default=None, help="context-length bins, e.g. 512,2048,4096,8192")
     g.add_argument("--full", action="store_true", help="full settings (every supported bin, more tokens and trials)")
     g.add_argument("--quick", action="store_true", help="quick settings even on a GPU")
-    g.add_argument("--window", type=int, default=None, help="scored positions per bin (quick 128, full 256)")
+    g.add_argument("--window", type=int, default=None,
+                   help="scored positions per bin and passage (quick 128, full 256)")
+    g.add_argument("--passages", type=int, default=None,
+                   help="passes over different stretches of the text, for the 95%% intervals (quick 4, full 6)")
     g.add_argument("--greedy-tokens", type=int, default=None, help="greedy continuation per bin (quick 16, full 32)")
     g.add_argument("--passkey-bins", type=_csv(int), default=None, help="bins with passkey tests (default: all)")
     g.add_argument("--passkey-trials", type=int, default=None, help="haystacks per bin (quick 1, full 3)")
@@ -68,8 +73,9 @@ def register(sub) -> None:
                    help="needle depths as fractions (default 0,0.25,0.5,0.75,1)")
     g.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
     g.add_argument("--text", default=None, metavar="FILE",
-                   help="UTF-8 text to score (default: the Python language reference shipped with the running "
-                        "CPython, whose passages differ between Python versions); results record its token hash")
+                   help="UTF-8 text to score (default: kvq/data/reference_prose.txt, shipped with kvq: the "
+                        "Python 3.11 language reference's prose, the same tokens on every machine); results record "
+                        "the file's and the scored tokens' sha256")
     g.add_argument("--memory", default="8GiB", help="KV budget for the capacity figures (default 8GiB)")
     t = p.add_argument_group("status thresholds (per bin, against the baseline)")
     t.add_argument("--max-ppl-increase", type=float, default=0.02, help="relative perplexity increase (default 0.02)")
@@ -122,6 +128,7 @@ def settings_from_args(args: argparse.Namespace):
     return EvalSettings(
         model=model, baseline=args.baseline, formats=tuple(formats), bins=bins,
         window=args.window or mode["window"], chunk=args.chunk,
+        passages=mode["passages"] if args.passages is None else args.passages,
         greedy_tokens=mode["greedy_tokens"] if args.greedy_tokens is None else args.greedy_tokens,
         passkey_bins=tuple(sorted(set(args.passkey_bins if args.passkey_bins is not None else bins))),
         passkey_depths=tuple(args.passkey_depths),

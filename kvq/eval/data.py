@@ -1,8 +1,11 @@
 """What the evaluation reads: real text for perplexity, synthetic haystacks for retrieval.
 
-Perplexity, KL and top-1 are measured on real English prose: the Python
-language reference that CPython ships (``pydoc_data.topics``, PSF license),
-through :func:`kvq.text.reference_text`; nothing is downloaded or generated.
+Perplexity, KL and top-1 are measured on real English prose shipped inside
+the package (``kvq/data/reference_prose.txt``: the Python 3.11 language
+reference's prose, PSF license; kvq/data/README.md), so every machine scores
+the same tokens; nothing is downloaded or generated.  Several *passages*,
+disjoint stretches of the text where it is long enough, give the intervals of
+:mod:`kvq.eval.stats`.
 
 Retrieval uses single-needle *passkey* haystacks (filler is synthetic by
 design, the classic "The grass is green..." of the passkey test): one haystack
@@ -24,11 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvq.text import TEXT_SOURCE, reference_text
+#: The default evaluation text (fixed; see kvq/data/README.md).
+TEXT_FILE = Path(__file__).resolve().parent.parent / "data" / "reference_prose.txt"
+TEXT_SOURCE = ("kvq/data/reference_prose.txt: prose of the Python 3.11 language reference (CPython 3.11.7 "
+               "pydoc_data.topics, PSF license), shipped with kvq")
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 INTRO = ("There are important pass keys hidden inside a lot of irrelevant text. Find them and memorize them. "
@@ -40,9 +45,11 @@ QUESTION_TOKENS = 32
 
 def text_source(text_file: str | None = None) -> str:
     """Where the perplexity text comes from (and the default text's license)."""
-    if text_file:
-        return f"file {text_file}"
-    return TEXT_SOURCE + f" (Python {sys.version.split()[0]}: passages differ between Python versions)"
+    return f"file {text_file}" if text_file else TEXT_SOURCE
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def tokens_sha256(ids: list[int]) -> str:
@@ -50,24 +57,34 @@ def tokens_sha256(ids: list[int]) -> str:
     return hashlib.sha256(b"".join(int(i).to_bytes(4, "little") for i in ids)).hexdigest()
 
 
-def eval_token_ids(tokenizer, num_tokens: int, text_file: str | None = None) -> list[int]:
-    """The first ``num_tokens`` token ids of the evaluation text: ``text_file`` (UTF-8) or the
-    default reference text (ValueError if it is shorter, or the file cannot be read)."""
-    if text_file:
-        try:
-            text = Path(text_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--text {text_file}: cannot read it as UTF-8 text ({e})") from None
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        text = reference_text(min_chars=8 * num_tokens)  # ~4 characters per token; 2x margin
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) < num_tokens:
-            ids = tokenizer(reference_text(), add_special_tokens=False)["input_ids"]
-    if len(ids) < num_tokens:
-        raise ValueError(f"the evaluation text has {len(ids)} tokens, fewer than the {num_tokens} needed "
+def eval_token_ids(tokenizer, text_file: str | None = None) -> list[int]:
+    """Every token id of the evaluation text: ``text_file`` (UTF-8) or the shipped default
+    (ValueError if the file cannot be read)."""
+    path = Path(text_file) if text_file else TEXT_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--text {path}: cannot read it as UTF-8 text ({e})") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def passage_offsets(num_ids: int, needed: int, passages: int, window: int) -> list[int]:
+    """Start of each passage of ``needed`` tokens in a text of ``num_ids``: disjoint when the
+    text holds them all, else evenly spread and overlapping, as long as their scored
+    positions (``window`` per bin) still differ; ValueError otherwise."""
+    if passages < 1:
+        raise ValueError(f"passages must be >= 1, got {passages}")
+    if num_ids < needed:
+        raise ValueError(f"the evaluation text has {num_ids} tokens, fewer than the {needed} one passage needs "
                          f"(the largest bin + 1)")
-    return ids[:num_tokens]
+    if passages == 1:
+        return [0]
+    stride = min(needed, (num_ids - needed) // (passages - 1))
+    if stride < window:
+        fit = 1 + (num_ids - needed) // window
+        raise ValueError(f"the evaluation text ({num_ids} tokens) holds at most {fit} passages of {needed} tokens "
+                         f"whose scored positions differ; use --passages {fit} or a longer --text")
+    return [k * stride for k in range(passages)]
 
 
 @dataclass(frozen=True)

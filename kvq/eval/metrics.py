@@ -45,13 +45,18 @@ def relative_change(value: float, baseline: float) -> float:
     return (value - baseline) / baseline
 
 
-def mean_kl(base_logprobs: torch.Tensor, test_logprobs: torch.Tensor) -> float:
-    """Mean over positions of KL(P_base || P_test), nats.  Identical inputs give exactly 0."""
+def kl_per_position(base_logprobs: torch.Tensor, test_logprobs: torch.Tensor) -> torch.Tensor:
+    """[N] float64 KL(P_base || P_test) of each position, nats.  Identical inputs give exactly 0."""
     assert base_logprobs.shape == test_logprobs.shape, (base_logprobs.shape, test_logprobs.shape)
     p = base_logprobs.double()
     terms = p.exp() * (p - test_logprobs.double())
     terms = torch.where(p == float("-inf"), torch.zeros_like(terms), terms)  # 0 * log 0 = 0, not nan
-    return float(terms.sum(-1).clamp_min(0).mean())
+    return terms.sum(-1).clamp_min(0)
+
+
+def mean_kl(base_logprobs: torch.Tensor, test_logprobs: torch.Tensor) -> float:
+    """Mean over positions of KL(P_base || P_test), nats."""
+    return float(kl_per_position(base_logprobs, test_logprobs).mean())
 
 
 def top1_agreement(base_logprobs: torch.Tensor, test_logprobs: torch.Tensor) -> float:

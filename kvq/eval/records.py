@@ -22,7 +22,10 @@ Status, first match wins:
 2. ``capacity_lost``: the format stores fewer tokens per byte than the
    baseline (e.g. float32 against bf16); not one of seed 004's three, kept
    apart so that a wider format is never reported as a gain.
-3. ``quality_regressed``: any threshold of :class:`Thresholds` is crossed.
+3. ``quality_regressed``: any threshold of :class:`Thresholds` is crossed
+   *significantly*: by the whole 95% interval of the figure where the record
+   has one (kvq.eval.stats), so a format is not failed for an unlucky passage;
+   by the point value where it has none.
 4. ``ok``: capacity at least the baseline's and quality within every threshold.
 """
 
@@ -65,17 +68,30 @@ class Thresholds:
 
     def violations(self, q: dict) -> list[str]:
         """Why the quality ``q`` of one bin (keys of ``runner.bin_quality``) fails; empty if it passes.
-        A value equal to its threshold passes (compared with a 1e-9 tolerance for rounding)."""
+        A figure fails when even the favourable end of its 95% interval (``*_ci95``; the point
+        value without one) is past its threshold; a value equal to it passes (1e-9 tolerance)."""
+        def best(key: str, low_is_good: bool) -> float:
+            ci = q.get(f"{key}_ci95")
+            return q[key] if ci is None else (ci[0] if low_is_good else ci[1])
+
+        def shown(key: str, scale: float = 1.0, fmt: str = ".4g", unit: str = "") -> str:
+            ci = q.get(f"{key}_ci95")
+            ends = f" (95% CI {scale * ci[0]:{fmt}}{unit}..{scale * ci[1]:{fmt}}{unit})" if ci else ""
+            return f"{scale * q[key]:{fmt}}{unit}{ends}"
+
         out = []
-        if q["ppl_rel_change"] > self.max_ppl_increase + EPS:
-            out.append(f"perplexity +{100 * q['ppl_rel_change']:.2f}% > {100 * self.max_ppl_increase:g}%")
-        if q["kl_mean"] > self.max_kl + EPS:
-            out.append(f"mean KL {q['kl_mean']:.4g} > {self.max_kl:g}")
-        if q["top1_agreement"] < self.min_top1 - EPS:
-            out.append(f"top-1 agreement {q['top1_agreement']:.3f} < {self.min_top1:g}")
-        drop = q.get("passkey_drop")
-        if drop is not None and drop > self.max_passkey_drop + EPS:
-            out.append(f"passkey accuracy -{drop:.2f} > {self.max_passkey_drop:g}")
+        if best("ppl_rel_change", True) > self.max_ppl_increase + EPS:
+            out.append(f"perplexity {shown('ppl_rel_change', 100, '+.2f', '%')} > +{100 * self.max_ppl_increase:g}%")
+        if best("kl_mean", True) > self.max_kl + EPS:
+            out.append(f"mean KL {shown('kl_mean')} > {self.max_kl:g}")
+        if best("top1_agreement", False) < self.min_top1 - EPS:
+            out.append(f"top-1 agreement {shown('top1_agreement', fmt='.3f')} < {self.min_top1:g}")
+        if q.get("passkey_drop") is not None:
+            ci = q.get("passkey_accuracy_ci95")
+            drop = q["passkey_accuracy_baseline"] - ci[1] if ci else q["passkey_drop"]
+            if drop > self.max_passkey_drop + EPS:
+                out.append(f"passkey accuracy -{drop:.2f}" + (" (even at the top of its 95% interval)" if ci else "")
+                           + f" > {self.max_passkey_drop:g}")
         return out
 
 

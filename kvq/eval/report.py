@@ -2,7 +2,8 @@
 
     report.md                summary table per (format, bin), capacity, throughput, the two comparisons
                              of issue 5's finding 8 (computed from the records, never written by hand)
-    quality_vs_context.png   relative perplexity change and mean KL against context length, one line per format
+    quality_vs_context.png   relative perplexity change and mean KL against context length, one line per
+                             format, bars for the 95% intervals
     pareto.png               bytes per token against mean KL at the largest bin (lower-left is better)
     passkey_heatmap.png      passkey accuracy, depth x bin, one panel per format
 """
@@ -45,6 +46,13 @@ def _fmt(x, spec: str = ".4g") -> str:
     return format(x, spec)
 
 
+def _with_ci(q: dict, key: str, spec: str = ".4g", scale: float = 1.0, unit: str = "") -> str:
+    """``value [low, high]`` from ``key`` and ``key_ci95`` (records without intervals: the value)."""
+    v = f"{_fmt(scale * q[key], spec)}{unit}"
+    ci = q.get(f"{key}_ci95")
+    return v if not ci else f"{v} [{_fmt(scale * ci[0], spec)}, {_fmt(scale * ci[1], spec)}]"
+
+
 def comparison_lines(records: list[dict]) -> list[str]:
     """Finding 8 of issue 5: which of each pair is closer to the baseline, bin by bin, by KL and perplexity."""
     fm = _by_format(records)
@@ -62,8 +70,9 @@ def comparison_lines(records: list[dict]) -> list[str]:
             qa, qb = _q(ra), _q(rb)
             better = a if qa["kl_mean"] < qb["kl_mean"] else b if qb["kl_mean"] < qa["kl_mean"] else "tie"
             wins += better == a
-            lines.append(f"| {ra['context_length_bin']} | {_fmt(qa['kl_mean'])} | {_fmt(qb['kl_mean'])} | "
-                         f"{100 * qa['ppl_rel_change']:+.2f}% | {100 * qb['ppl_rel_change']:+.2f}% | "
+            lines.append(f"| {ra['context_length_bin']} | {_with_ci(qa, 'kl_mean')} | {_with_ci(qb, 'kl_mean')} | "
+                         f"{_with_ci(qa, 'ppl_rel_change', '+.2f', 100, '%')} | "
+                         f"{_with_ci(qb, 'ppl_rel_change', '+.2f', 100, '%')} | "
                          f"{qa['top1_agreement']:.3f} | {qb['top1_agreement']:.3f} | `{better}` |")
         lines.append("")
         lines.append(f"`{a}` is closer to the baseline at {wins} of {len(fm[a])} bins.")
@@ -77,7 +86,9 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
     fm = _by_format(records)
     where = hw.get("gpu") or f"{hw['cpu']} ({hw['cpu_cores']} cores, {hw['torch_threads']} torch threads)"
     first = records[0]
-    text_hash = f", scored token ids sha256 {meta['text_tokens_sha256'][:16]}" if meta.get("text_tokens_sha256") else ""
+    text_hash = (f" (file sha256 {meta['text_sha256'][:16]}...)" if meta.get("text_sha256") else "") + (
+        f", scored token ids sha256 {meta['text_tokens_sha256'][:16]}..." if meta.get("text_tokens_sha256") else "")
+    passages = st.get("passages", 1)
     out = [
         "# kvq eval report",
         "",
@@ -87,7 +98,10 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
         f"`{meta['requested_backend']}`.  Run {meta['date']}, {meta['seconds']:.0f} s.",
         "",
         f"Bins {st['bins']}: at each bin L the {st['window']} scored positions end at L minus the greedy span, "
-        f"then {st['greedy_tokens']} greedy tokens fill the rest of the bin.  Passkey: bins {st['passkey_bins']}, "
+        f"then {st['greedy_tokens']} greedy tokens fill the rest of the bin; {passages} passage(s) of the text "
+        f"(offsets {meta.get('passage_offsets', [0])}).  Brackets: 95% intervals (batch means over 32-position "
+        f"segments of every passage; Wilson for passkey); a threshold fails only when the whole interval is "
+        f"past it.  Passkey: bins {st['passkey_bins']}, "
         f"depths {st['passkey_depths']}, {st['passkey_trials']} single-needle haystack(s) per depth and bin, needles "
         f"outside every format's sink and recent windows.  "
         f"Text: {meta['text_source']}{text_hash}.  Capacity for a {st['memory'] / (1 << 30):g} GiB KV budget.",
@@ -107,12 +121,13 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
             if windows:  # tokens kept in the model dtype
                 kvs += " + " + ", ".join(windows)
             greedy = f"{q['greedy_prefix_match']}/{q['greedy_tokens']}" if "greedy_tokens" in q else "-"
-            pk = (f"{q['passkey_accuracy']:.2f} ({q['passkey_accuracy_baseline']:.2f})"
+            pk = (f"{_with_ci(q, 'passkey_accuracy', '.2f')} ({_with_ci(q, 'passkey_accuracy_baseline', '.2f')})"
                   if "passkey_accuracy" in q else "-")
             status = r["status"] + (f" ({'; '.join(r['status_reasons'])})" if r["status_reasons"] else "")
             out.append(f"| `{name}` | {kvs} | {r['context_length_bin']} | {c['bytes_per_token']:.0f} | "
                        f"{c['ratio_vs_baseline']:.2f} | {c['sequences_at_bin']} | {q['ppl']:.3f} | "
-                       f"{100 * q['ppl_rel_change']:+.2f}% | {_fmt(q['kl_mean'])} | {q['top1_agreement']:.3f} | "
+                       f"{_with_ci(q, 'ppl_rel_change', '+.2f', 100, '%')} | {_with_ci(q, 'kl_mean')} | "
+                       f"{_with_ci(q, 'top1_agreement', '.3f')} | "
                        f"{greedy} | {pk} | {status} |")
     out += ["", "B/token: resident bytes per token over all layers, K+V, scales included (sink and recent windows "
             "are counted in *seqs @ bin*, the sequences of that length that fit the budget).  x tokens: tokens per "
@@ -133,6 +148,16 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
     return "\n".join(out)
 
 
+def _yerr(recs: list[dict], key: str, ys: list[float], scale: float, floor: float | None = None):
+    """Error bars (below, above) from the records' 95% intervals; None when they have none."""
+    cis = [_q(r).get(f"{key}_ci95") for r in recs]
+    if any(c is None for c in cis):
+        return None
+    lo = [y - (max(scale * c[0], floor) if floor is not None else scale * c[0]) for y, c in zip(ys, cis)]
+    hi = [scale * c[1] - y for y, c in zip(ys, cis)]
+    return [[max(v, 0.0) for v in lo], [max(v, 0.0) for v in hi]]
+
+
 def plot_all(result: dict, out_dir: Path) -> dict[str, str]:
     """Write the three PNGs; -> {title: file name}."""
     import matplotlib
@@ -151,9 +176,11 @@ def plot_all(result: dict, out_dir: Path) -> dict[str, str]:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, recs in fm.items():
         xs = [r["context_length_bin"] for r in recs]
-        a1.plot(xs, [100 * _q(r)["ppl_rel_change"] for r in recs], label=name, **style[name])
+        ppl = [100 * _q(r)["ppl_rel_change"] for r in recs]
+        a1.errorbar(xs, ppl, yerr=_yerr(recs, "ppl_rel_change", ppl, 100), label=name, capsize=2, **style[name])
         if name != baseline:  # KL 0 by definition; a log axis cannot show it
-            a2.plot(xs, [max(_q(r)["kl_mean"], 1e-9) for r in recs], label=name, **style[name])
+            kl = [max(_q(r)["kl_mean"], 1e-9) for r in recs]
+            a2.errorbar(xs, kl, yerr=_yerr(recs, "kl_mean", kl, 1, floor=1e-9), label=name, capsize=2, **style[name])
     for ax in (a1, a2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(bins, [str(b) for b in bins])
@@ -164,7 +191,7 @@ def plot_all(result: dict, out_dir: Path) -> dict[str, str]:
     a2.set_ylabel("mean KL(baseline || format), nats")
     a2.set_yscale("log")
     fig.legend(*a1.get_legend_handles_labels(), loc="center right", fontsize=8)
-    fig.suptitle(f"Quality change against context length (baseline {baseline}; lower is better)")
+    fig.suptitle(f"Quality change against context length (baseline {baseline}; lower is better; bars: 95% intervals)")
     fig.tight_layout(rect=(0, 0, 0.84, 1))
     files["quality vs context length"] = "quality_vs_context.png"
     fig.savefig(out_dir / files["quality vs context length"], dpi=90)

@@ -2,9 +2,12 @@
 
 Per format one engine is built (the checkpoint is loaded once and shared), and
 one :class:`~kvq.eval.session.CacheSession` runs the text pass
-(:mod:`kvq.eval.scoring`) and the passkey haystacks (:mod:`kvq.eval.passkey`).
-The baseline's log-probabilities, greedy continuations and passkey results are
-kept; every other format is compared with them position by position.
+(:mod:`kvq.eval.scoring`) once per passage of the text, then the passkey
+haystacks (:mod:`kvq.eval.passkey`).  The baseline's log-probabilities, greedy
+continuations and passkey results are kept; every other format is compared with
+them position by position as soon as a passage is scored, and keeps only the
+per-position figures (NLL, KL, top-1), so memory does not grow with the number
+of formats.  Intervals: :mod:`kvq.eval.stats`.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import torch
 from tqdm.auto import tqdm
 
 from kvq.cache.plan import KVCacheConfig
-from kvq.eval import metrics
-from kvq.eval.data import eval_token_ids, make_haystack, text_source, tokens_sha256
+from kvq.eval import metrics, stats
+from kvq.eval.data import (TEXT_FILE, eval_token_ids, file_sha256, make_haystack, passage_offsets, text_source,
+                           tokens_sha256)
 from kvq.eval.passkey import accuracy_by_depth, run_haystack
 from kvq.eval.records import Thresholds, make_record
 from kvq.eval.scoring import StreamSpec, score_stream
@@ -37,6 +41,7 @@ class EvalSettings:
     formats: tuple[str, ...] = ()
     bins: tuple[int, ...] = (512, 1024)
     window: int = 128
+    passages: int = 4  # passes over different stretches of the text (intervals: kvq.eval.stats)
     chunk: int = 512
     greedy_tokens: int = 16
     passkey_bins: tuple[int, ...] = (512, 1024)
@@ -92,16 +97,44 @@ def _engine(s: EvalSettings, fmt: str):
 
 
 @dataclass
+class Scored:
+    """One bin of one passage, reduced to per-position figures against the baseline."""
+
+    bin: int
+    positions: tuple[int, int]  # scored text positions [start, end) (absolute in the text)
+    nll: torch.Tensor  # [W] float64, this format
+    nll_baseline: torch.Tensor  # [W] float64
+    kl: torch.Tensor  # [W] float64, KL(baseline || format)
+    top1: torch.Tensor  # [W] float64, 1 where the argmaxes agree
+    greedy: list[int]
+    greedy_baseline: list[int]
+
+
+@dataclass
 class FormatRun:
-    """What one format's engine measured (raw; compared with the baseline later)."""
+    """What one format's engine measured, compared with the baseline per position."""
 
     name: str
     info: dict
     plan: object
-    scores: list
+    scores: list[list[Scored]]  # [passage][bin]
     passkey: dict  # bin -> list of needle results
     throughput: dict
     seconds: float
+
+
+def compare(base: list, run: list, offset: int) -> list[Scored]:
+    """Per-position figures of one passage (lists of BinScore, same bins and targets)."""
+    out = []
+    for b, r in zip(base, run, strict=True):
+        assert b.bin == r.bin and torch.equal(b.targets, r.targets)
+        start = offset + r.context - len(r.targets)
+        out.append(Scored(
+            r.bin, (start, offset + r.context),
+            metrics.token_nll(r.logprobs, r.targets).double(), metrics.token_nll(b.logprobs, b.targets).double(),
+            metrics.kl_per_position(b.logprobs, r.logprobs),
+            (b.logprobs.argmax(-1) == r.logprobs.argmax(-1)).double(), r.greedy, b.greedy))
+    return out
 
 
 def alignment(s: EvalSettings) -> int:
@@ -138,56 +171,86 @@ def kept_windows(s: EvalSettings) -> tuple[int, int]:
     return head, tail
 
 
-def run_format(s: EvalSettings, fmt: str, ids: list[int], spec: StreamSpec, hays: dict[int, list],
-               align: int) -> FormatRun:
+def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], spec: StreamSpec,
+               hays: dict[int, list], align: int, base_scores: list[list] | None = None
+               ) -> tuple[FormatRun, list[list]]:
+    """Score every passage and haystack with ``fmt``; -> (the run, its raw bin scores per passage
+    when it is the baseline (``base_scores`` None), else [])."""
     t0 = time.perf_counter()
     engine = _engine(s, fmt)
     session = CacheSession(engine)
     g = spec.greedy_span(align)
     hay_total = sum(len(stacks) * L for L, stacks in hays.items())
-    total = max(spec.bins) - g + g * len(spec.bins) + hay_total
+    need = spec.tokens_needed(align)
+    total = len(offsets) * (max(spec.bins) - g + g * len(spec.bins)) + hay_total
+    raw, scored = [], []
     with tqdm(total=total, desc=f"{fmt:<20}", unit="tok", disable=not s.progress, leave=True) as bar:
-        scores = score_stream(session, ids, spec, align, progress=bar)
+        for k, off in enumerate(offsets):
+            got = score_stream(session, ids[off:off + need], spec, align, progress=bar)
+            if base_scores is None:
+                raw.append(got)
+                scored.append(compare(got, got, off))
+            else:
+                scored.append(compare(base_scores[k], got, off))  # the logprobs are dropped here
         passkey: dict[int, list] = {}
         for L, stacks in hays.items():
             for hay in stacks:
                 passkey.setdefault(L, []).extend(run_haystack(session, hay, s.chunk))
                 bar.update(L)
     engine.block_manager.check_integrity()
-    run = FormatRun(fmt, engine.info, engine.plan, scores, passkey, session.throughput(), time.perf_counter() - t0)
+    run = FormatRun(fmt, engine.info, engine.plan, scored, passkey, session.throughput(), time.perf_counter() - t0)
     del session, engine
     gc.collect()
-    return run
+    return run, raw
+
+
+def _ci(units: list[float]) -> tuple[float, list[float]]:
+    m, lo, hi = stats.mean_ci(units)
+    return m, [lo, hi]
 
 
 def bin_quality(base: FormatRun, run: FormatRun, i: int, passkey_bins) -> dict:
-    """Quality of ``run`` at its i-th bin against ``base`` (same tokens, same positions)."""
-    b, r = base.scores[i], run.scores[i]
-    assert b.bin == r.bin and torch.equal(b.targets, r.targets)
-    nll_b, nll_r = metrics.token_nll(b.logprobs, b.targets), metrics.token_nll(r.logprobs, r.targets)
-    ppl_b, ppl_r = metrics.perplexity(nll_b), metrics.perplexity(nll_r)
+    """Quality of ``run`` at its i-th bin against the baseline (same tokens, same positions),
+    over every passage, with 95% intervals (batch means, :mod:`kvq.eval.stats`)."""
+    per = [p[i] for p in run.scores]
+    L = per[0].bin
+    nll_r = torch.cat([x.nll for x in per])
+    nll_b = torch.cat([x.nll_baseline for x in per])
+
+    def units(f):
+        return [u for x in per for u in stats.segment_means(f(x).tolist())]
+
+    dnll, dnll_ci = _ci(units(lambda x: x.nll - x.nll_baseline))
+    kl, kl_ci = _ci(units(lambda x: x.kl))
+    top1, top1_ci = _ci(units(lambda x: x.top1))
     q = {
-        "bin": r.bin,
-        "scored_positions": [r.context - len(r.targets), r.context],
-        "ppl": ppl_r,
-        "ppl_baseline": ppl_b,
-        "ppl_rel_change": metrics.relative_change(ppl_r, ppl_b),
-        "kl_mean": metrics.mean_kl(b.logprobs, r.logprobs),
-        "top1_agreement": metrics.top1_agreement(b.logprobs, r.logprobs),
+        "bin": L,
+        "passages": len(per),
+        "scored_positions": [list(x.positions) for x in per],
+        "interval_units": len(units(lambda x: x.kl)),
+        "ppl": metrics.perplexity(nll_r),
+        "ppl_baseline": metrics.perplexity(nll_b),
+        "ppl_rel_change": math.expm1(dnll),
+        "ppl_rel_change_ci95": [math.expm1(v) for v in dnll_ci],
+        "kl_mean": kl,
+        "kl_mean_ci95": kl_ci,
+        "top1_agreement": top1,
+        "top1_agreement_ci95": top1_ci,
     }
-    if b.greedy:
-        g = metrics.greedy_agreement(b.greedy, r.greedy)
-        q.update(greedy_tokens=len(b.greedy), greedy_prefix_match=g["prefix_match"],
-                 greedy_agreement=g["positionwise"])
-    if r.bin in passkey_bins:
-        acc_r, acc_b = _passkey_acc(run.passkey[r.bin]), _passkey_acc(base.passkey[r.bin])
-        q.update(passkey_accuracy=acc_r, passkey_accuracy_baseline=acc_b, passkey_drop=max(0.0, acc_b - acc_r),
-                 passkey_by_depth=accuracy_by_depth(run.passkey[r.bin]))
+    if per[0].greedy_baseline:
+        g = [metrics.greedy_agreement(x.greedy_baseline, x.greedy) for x in per]
+        q.update(greedy_tokens=len(per[0].greedy_baseline),
+                 greedy_prefix_match=sum(x["prefix_match"] for x in g) / len(g),
+                 greedy_agreement=sum(x["positionwise"] for x in g) / len(g))
+    if L in passkey_bins:
+        res_r, res_b = run.passkey[L], base.passkey[L]
+        ok_r, ok_b = sum(bool(x["correct"]) for x in res_r), sum(bool(x["correct"]) for x in res_b)
+        acc_r, acc_b = ok_r / len(res_r), ok_b / len(res_b)
+        q.update(passkey_accuracy=acc_r, passkey_accuracy_ci95=list(stats.wilson(ok_r, len(res_r))),
+                 passkey_accuracy_baseline=acc_b, passkey_accuracy_baseline_ci95=list(stats.wilson(ok_b, len(res_b))),
+                 passkey_needles=len(res_r), passkey_drop=max(0.0, acc_b - acc_r),
+                 passkey_by_depth=accuracy_by_depth(res_r))
     return q
-
-
-def _passkey_acc(results: list[dict]) -> float:
-    return sum(bool(x["correct"]) for x in results) / len(results)
 
 
 def capacity(run: FormatRun, base: FormatRun, memory: int, L: int) -> dict:
@@ -239,8 +302,8 @@ def validate(s: EvalSettings) -> None:
         raise ValueError(f"passkey bins {sorted(s.passkey_bins)} must be among the bins {sorted(s.bins)}")
     if any(not 0 <= d <= 1 for d in s.passkey_depths):
         raise ValueError("passkey depths are fractions in [0, 1]")
-    if s.passkey_trials < 0 or s.greedy_tokens < 0 or s.window < 1 or s.chunk < 1:
-        raise ValueError("trials and greedy tokens must be >= 0, window and chunk >= 1")
+    if s.passkey_trials < 0 or s.greedy_tokens < 0 or s.window < 1 or s.chunk < 1 or s.passages < 1:
+        raise ValueError("trials and greedy tokens must be >= 0, window, chunk and passages >= 1")
 
 
 def run_eval(s: EvalSettings) -> dict:
@@ -257,12 +320,15 @@ def run_eval(s: EvalSettings) -> dict:
     spec.check(align)
     tokenizer = load_tokenizer(resolve_model(s.model))
     hays = haystacks(s, tokenizer, align)
-    ids = eval_token_ids(tokenizer, max(s.bins) + 1, s.text_file)
-    base = run_format(s, s.baseline, ids, spec, hays, align)
+    ids = eval_token_ids(tokenizer, s.text_file)
+    need = spec.tokens_needed(align)
+    offsets = passage_offsets(len(ids), need, s.passages, s.window)
+    base, raw = run_format(s, s.baseline, ids, offsets, spec, hays, align)
     device = torch.device(base.info["device"])
     hardware = hardware_info(device)
     requested = s.attention_backend if s.attention_backend != "auto" else base.info["attention_backend"]["resolved"]
-    runs = [base] + [run_format(s, f, ids, spec, hays, align) for f in s.formats]
+    runs = [base] + [run_format(s, f, ids, offsets, spec, hays, align, raw)[0] for f in s.formats]
+    del raw
     records, per_format = [], []
     bins = sorted(s.bins)
     src = resolve_model(s.model)
@@ -287,7 +353,9 @@ def run_eval(s: EvalSettings) -> dict:
     meta = {
         "settings": {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in asdict(s).items()},
         "text_source": text_source(s.text_file),
-        "text_tokens_sha256": tokens_sha256(ids),
+        "text_sha256": file_sha256(s.text_file or TEXT_FILE),
+        "text_tokens_sha256": tokens_sha256([t for off in offsets for t in ids[off:off + need]]),
+        "passage_offsets": offsets,
         "hardware": hardware,
         "seconds": time.perf_counter() - t_start,
         "baseline": s.baseline,
