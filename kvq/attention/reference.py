@@ -13,6 +13,14 @@ against these functions.  Shapes:
 The queries of sequence b are its last ``cu[b+1] - cu[b]`` positions; each
 attends causally to every cached token up to and including its own position,
 read from the cache in its stored format (the new tokens were written first).
+
+With a prefill ``window`` (:class:`kvq.cache.step.PrefillWindow`, windowed
+formats) each query reads exact exactly the keys the window rule gives it
+(:func:`kvq.cache.window.exact_from`: its recent window and the sinks) and
+every other key quantized: q blocks this step wrote are read from the new
+K/V (``k_new``, ``v_new``, the prefill rows) by the queries whose window holds
+them, and hp blocks past a query's window are read as they will be sealed.
+The result no longer depends on how a prompt is cut into chunks.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from kvq.cache.pool import LayerKV
+from kvq.cache.window import exact_from
 from kvq.formats import fp8
 from kvq.formats.reference import dequantize, quantize, quantize_tokens
 
@@ -49,6 +58,9 @@ def full_block_writes(slots: torch.Tensor, block_size: int) -> torch.Tensor:
 def _write_role(layer: LayerKV, role: str, x: torch.Tensor, slots: torch.Tensor) -> None:
     bs = layer.block_size
     fmt = layer.tensor_format(role)
+    # the values the high-precision pool would hold: a block quantized as it is written stores
+    # the same bytes as one written in high precision and sealed later (a float32 model on the CPU)
+    x = x.to(layer.hp(role).dtype)
     hp_mask = slots < 0
     if bool(hp_mask.any()):
         hp_slots = -slots[hp_mask] - 1
@@ -125,6 +137,49 @@ def gather_kv(layer: LayerKV, role: str, table: torch.Tensor, n: int, dtype=torc
     return out.permute(1, 0, 2, 3).reshape(H, nb * bs, D)[:, :n]
 
 
+def sealed_values(layer: LayerKV, role: str, hp_ids: list[int], dtype=torch.float32) -> torch.Tensor:
+    """[S, H, bs, D] of hp blocks as :func:`seal_blocks` would store them, read back."""
+    fmt = layer.tensor_format(role)
+    x = layer.hp(role).index_select(0, torch.tensor(hp_ids, dtype=torch.int64, device=layer.k_hp.device))
+    return dequantize(fmt, quantize(fmt, x, layer.static_scale(role)), layer.static_scale(role), dtype)
+
+
+def _windowed(qb, kk, vv, layer, window, k_new, v_new, b, n, sm_scale):
+    """Attention of one prefill sequence under the per-query window rule (module docstring)."""
+    bs, H = layer.block_size, layer.num_kv_heads
+    t = qb.shape[0]
+    ex = [(i, row) for bb, i, row in window.exact_rows if bb == b]
+    se = [(i, hp) for bb, i, hp in window.sealed_rows if bb == b]
+    ka, va, kb, vb = kk.clone(), vv.clone(), kk.clone(), vv.clone()
+    hp = layer.k_hp.dtype  # exact = as the high-precision pool holds it
+    for i, row in ex:  # [bs, H, D] -> [H, bs, D]
+        ka[:, i * bs:(i + 1) * bs] = k_new[row:row + bs].transpose(0, 1).to(hp).float()
+        va[:, i * bs:(i + 1) * bs] = v_new[row:row + bs].transpose(0, 1).to(hp).float()
+    if se:
+        ks, vs = sealed_values(layer, "k", [hp for _, hp in se]), sealed_values(layer, "v", [hp for _, hp in se])
+        for j, (i, _) in enumerate(se):
+            kb[:, i * bs:(i + 1) * bs] = ks[j]
+            vb[:, i * bs:(i + 1) * bs] = vs[j]
+    dev = qb.device
+    pos = torch.arange(n - t, n, device=dev)
+    key = torch.arange(n, device=dev)
+    start = torch.tensor([exact_from(int(p), window.policy) for p in pos.tolist()], device=dev)
+    exact = (key[None, :] < window.sink_tokens) | (key[None, :] >= start[:, None])  # [t, n]
+    causal = key[None, :] <= pos[:, None]
+    group = qb.shape[1] // H
+    qh = qb.transpose(0, 1)  # [Hq, t, D]
+    out = torch.empty_like(qh)
+    for h in range(H):  # one KV head's query group at a time: [group, t, n] scores
+        qg = qh[h * group:(h + 1) * group]
+        sa = (qg @ ka[h].T) * sm_scale
+        sb = (qg @ kb[h].T) * sm_scale
+        sc = torch.where(exact, sa, sb).masked_fill(~causal, float("-inf"))
+        p = torch.softmax(sc, dim=-1)
+        pe = p * exact
+        out[h * group:(h + 1) * group] = pe @ va[h] + (p - pe) @ vb[h]
+    return out.transpose(0, 1)  # [t, Hq, D]
+
+
 def paged_attention(
     q: torch.Tensor,
     layer: LayerKV,
@@ -135,16 +190,22 @@ def paged_attention(
     max_q_len: int | None = None,
     has_hp: bool | None = None,
     max_seq_len: int | None = None,
+    window=None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over the paged cache (prefill chunks and decode).
 
-    ``max_q_len``, ``has_hp`` and ``max_seq_len`` are launch hints of the kernels, unused here."""
+    ``max_q_len``, ``has_hp`` and ``max_seq_len`` are launch hints of the kernels, unused here.
+    ``window`` (with ``k_new``, ``v_new`` [T, H, D], the rows of ``q``): per-query exact
+    windows (module docstring)."""
     T, Hq, D = q.shape
     H = layer.num_kv_heads
     assert Hq % H == 0, (Hq, H)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    windowed = window is not None and layer.fmt.is_quantized
     for b in range(len(lens)):
         qb = q[cu[b] : cu[b + 1]].float()  # [t, Hq, D]
         t, n = qb.shape[0], lens[b]
@@ -153,6 +214,9 @@ def paged_attention(
         assert t <= n, f"sequence {b}: {t} queries but only {n} cached tokens"
         kk = gather_kv(layer, "k", block_tables[b], n)  # [H, n, D]
         vv = gather_kv(layer, "v", block_tables[b], n)
+        if windowed and any(r[0] == b for r in window.exact_rows + window.sealed_rows):
+            out[cu[b] : cu[b + 1]] = _windowed(qb, kk, vv, layer, window, k_new, v_new, b, n, sm_scale).to(q.dtype)
+            continue
         # softmax(q k^T * sm_scale) v in float32, query i at position n - t + i seeing keys 0..n-t+i;
         # SDPA computes exactly this without materializing [Hq, t, n] scores (GQA: head h reads h // group).
         visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - t, n, device=q.device)[:, None]

@@ -19,7 +19,7 @@ host in one place (:func:`encode_table`, :func:`encode_slots`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 import torch
@@ -80,6 +80,13 @@ class LayerKV:
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.k.values(), *self.v.values(), self.k_hp, self.v_hp]
+
+    def with_q_blocks(self, n: int) -> "LayerKV":
+        """This layer with ``n`` fresh, zeroed q blocks in place of its q pool (hp pool, scales
+        and format shared): scratch to seal hp blocks into without touching the cache."""
+        H, D, bs = self.num_kv_heads, self.head_dim, self.block_size
+        dev = self.k_hp.device
+        return replace(self, k=_planes(self.fmt.k, n, H, D, bs, dev), v=_planes(self.fmt.v, n, H, D, bs, dev))
 
 
 def _planes(fmt: TensorFormat, n: int, H: int, D: int, bs: int, device) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 
 from kvq.cache.block_manager import BlockManager, CopyOp, SealOp
 from kvq.cache.pool import KVPool, encode_slots, encode_table
+from kvq.cache.window import WindowPolicy, can_seal, exact_from
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,59 @@ class StepMetadata:
     num_decodes: int = 0
     prefill_cu: torch.Tensor | None = None
     seals: torch.Tensor | None = None
+    window: PrefillWindow | None = None
+
+
+@dataclass(frozen=True)
+class PrefillWindow:
+    """What the step's prefill queries read beyond the cache as stored, so that each query
+    reads exact exactly the keys :func:`kvq.cache.window.exact_from` gives it (its recent
+    window and the sinks) and every other key quantized, whatever the prefill chunk.
+
+    exact   [E, 3] int64  (prefill sequence, logical block, row of the block's first token
+                          among the step's prefill rows): q blocks this step writes; the
+                          queries whose window holds them read the new K/V instead
+    sealed  [S, 3] int64  (prefill sequence, logical block, hp block id): hp blocks that some
+                          query of the step reads quantized, as they will be sealed
+    policy  the window rule's constants (host)
+    exact_rows, sealed_rows: the same lists on the host (the torch reference reads them)
+    cu, lens: host prefill cu_seqlens and lengths (launch grouping)
+    """
+
+    exact: torch.Tensor
+    sealed: torch.Tensor
+    policy: WindowPolicy
+    exact_rows: tuple[tuple[int, int, int], ...]
+    sealed_rows: tuple[tuple[int, int, int], ...]
+    cu: tuple[int, ...]
+    lens: tuple[int, ...]
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.policy.sink_blocks * self.policy.block_size
+
+
+def prefill_window_rows(step: HostStep, table: np.ndarray, policy: WindowPolicy | None):
+    """(exact, sealed) rows of :class:`PrefillWindow` for the step's prefill sequences, or None
+    when the rule adds nothing to the cache as stored (no windowed format, no prefill, or no
+    block read differently from how it is stored)."""
+    if policy is None or not can_seal(policy):
+        return None
+    bs, nd = policy.block_size, step.num_decodes
+    exact, sealed = [], []
+    row = 0
+    for b, k in enumerate(range(nd, len(step.num_new))):
+        n, t = step.seq_lens[k], step.num_new[k]
+        s, last = n - t, exact_from(n - 1, policy)
+        for i in range(-(-n // bs)):
+            ref = int(table[k, i])
+            if ref < 0:
+                if policy.sink_blocks <= i and (i + 1) * bs <= last:
+                    sealed.append((b, i, -ref - 1))
+            elif i * bs >= s:  # a q block this step writes: whole, inside the chunk
+                exact.append((b, i, row + i * bs - s))
+        row += t
+    return (exact, sealed) if exact or sealed else None
 
 
 def _full_blocks(slots: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -133,10 +187,12 @@ def each_to(device: torch.device | str):
     return stage
 
 
-def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarray] = ()
-               ) -> tuple[StepMetadata, list[torch.Tensor]]:
+def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarray] = (),
+               policy: WindowPolicy | None = None) -> tuple[StepMetadata, list[torch.Tensor]]:
     """The step's metadata on the device, with ``extra`` arrays (the runner's token ids,
-    positions, logit rows) staged in the same call: ``stage(list of numpy arrays) -> tensors``."""
+    positions, logit rows) staged in the same call: ``stage(list of numpy arrays) -> tensors``.
+    With the cache's window ``policy`` the prefill queries get their exact windows
+    (:class:`PrefillWindow`)."""
     num_new = step.num_new
     cu = np.zeros(len(num_new) + 1, np.int32)
     np.cumsum(num_new, out=cu[1:])
@@ -144,9 +200,16 @@ def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarra
     nd = step.num_decodes
     fb = np.asarray(_full_blocks(step.slots, block_size), np.int64).reshape(-1, 2)
     seals = np.asarray(step.seals, np.int64).reshape(-1, 2)
+    rows = prefill_window_rows(step, table, policy)
+    win = [np.asarray(r, np.int64).reshape(-1, 3) for r in rows] if rows else []
     arrays = [np.asarray(step.slots, np.int64), fb, cu, table, np.asarray(step.seq_lens, np.int32),
-              cu[nd:] - cu[nd], seals, *extra]
+              cu[nd:] - cu[nd], seals, *win, *extra]
     t = stage(arrays)
+    window = None
+    if rows:
+        window = PrefillWindow(t[7], t[8], policy, tuple(map(tuple, rows[0])), tuple(map(tuple, rows[1])),
+                               tuple(int(c) for c in cu[nd:] - cu[nd]), tuple(step.seq_lens[nd:]))
+        t = t[:7] + t[9:]
     meta = StepMetadata(
         slots=t[0], full_blocks=t[1], cu_seqlens_q=t[2], block_tables=t[3], seq_lens=t[4],
         max_q_len=max(num_new, default=0),
@@ -155,6 +218,7 @@ def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarra
         num_decodes=nd,
         prefill_cu=t[5],
         seals=t[6] if step.seals else None,
+        window=window,
     )
     return meta, t[7:]
 

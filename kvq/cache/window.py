@@ -84,3 +84,20 @@ def can_seal(policy: WindowPolicy) -> bool:
     """Whether a block can ever go hp -> q after it is written (a seal op): block-sealed
     formats and recent windows; never for direct writes without a window."""
     return not (policy.write_direct and policy.residual_tokens == 0)
+
+
+def exact_from(p: int, policy: WindowPolicy) -> int:
+    """First position of the recent window a query at position ``p`` reads exact: keys
+    ``[exact_from(p), p]`` and the sink blocks are read in the model dtype, every other key as
+    its block is (or will be) sealed.  This is :func:`block_state` at length ``p`` (the state
+    a decode of ``p`` sees after lazy sealing), so prompts, chunked or not, and decode steps
+    read the same; ``p + 1`` for formats written directly with no window (nothing recent is
+    exact)."""
+    if not can_seal(policy):
+        return p + 1
+    return max(0, (p - policy.residual_tokens) // policy.block_size * policy.block_size)
+
+
+def reads_exact(j: int, p: int, policy: WindowPolicy) -> bool:
+    """Whether a query at position ``p`` reads key ``j <= p`` exact (:func:`exact_from`)."""
+    return j // policy.block_size < policy.sink_blocks or j >= exact_from(p, policy)

@@ -120,7 +120,7 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
             windows = [f"{kv[key]} {label}" for key, label in WINDOW_LABELS if kv.get(key)]
             if windows:  # tokens kept in the model dtype
                 kvs += " + " + ", ".join(windows)
-            greedy = f"{q['greedy_prefix_match']}/{q['greedy_tokens']}" if "greedy_tokens" in q else "-"
+            greedy = f"{q['greedy_prefix_match']:.1f}/{q['greedy_tokens']}" if "greedy_tokens" in q else "-"
             pk = (f"{_with_ci(q, 'passkey_accuracy', '.2f')} ({_with_ci(q, 'passkey_accuracy_baseline', '.2f')})"
                   if "passkey_accuracy" in q else "-")
             status = r["status"] + (f" ({'; '.join(r['status_reasons'])})" if r["status_reasons"] else "")
@@ -132,7 +132,8 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
     out += ["", "B/token: resident bytes per token over all layers, K+V, scales included (sink and recent windows "
             "are counted in *seqs @ bin*, the sequences of that length that fit the budget).  x tokens: tokens per "
             "byte against the baseline.  ppl: perplexity of the scored positions.  greedy prefix: greedy tokens equal "
-            "to the baseline's before the first difference.  passkey: accuracy (baseline's in brackets).", ""]
+            "to the baseline's before the first difference (mean over passages).  passkey: accuracy (baseline's in "
+            "brackets).", ""]
     cmp_lines = comparison_lines(records)
     if cmp_lines:
         out += ["## Comparisons (issue 5, finding 8)", ""] + cmp_lines

@@ -129,20 +129,26 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float) -> torch.Tensor:
+def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float,
+           k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a step's queries over the cache: the leading one-token sequences
     (decodes) through the split-K decode kernel, the rest (prefill chunks) through the
-    chunked-prefill kernel."""
+    chunked-prefill kernel, which also gets the step's new K/V (``k``, ``v`` as computed,
+    before the cache stored them) for the prefill window (:class:`~kvq.cache.step.PrefillWindow`)."""
     T, nd = q.shape[0], meta.num_decodes
+    win = {}
+    if meta.window is not None:
+        win = dict(window=meta.window, k_new=k[nd:], v_new=v[nd:])
     if nd == 0:
         return kernels.paged_attention(q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, scale,
-                                       max_q_len=meta.max_q_len, has_hp=meta.has_hp, max_seq_len=meta.max_seq_len)
+                                       max_q_len=meta.max_q_len, has_hp=meta.has_hp, max_seq_len=meta.max_seq_len,
+                                       **win)
     dec = kernels.paged_decode(q[:nd], layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                                max_seq_len=meta.max_seq_len, has_hp=meta.has_hp)
     if nd == T:
         return dec
     pre = kernels.paged_attention(q[nd:], layer, meta.prefill_cu, meta.block_tables[nd:], meta.seq_lens[nd:], scale,
-                                  max_q_len=meta.max_q_len, has_hp=meta.has_hp, max_seq_len=meta.max_seq_len)
+                                  max_q_len=meta.max_q_len, has_hp=meta.has_hp, max_seq_len=meta.max_seq_len, **win)
     return torch.cat([dec, pre])
 
 
@@ -173,7 +179,7 @@ class Attention(nn.Module):
         if meta.seals is not None:  # before the write, which may reuse a sealed hp block
             kernels.seal_pairs(layer, meta.seals)
         kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)
-        o = attend(kernels, q, layer, meta, self.scale)
+        o = attend(kernels, q, layer, meta, self.scale, k, v)
         return self.o_proj(o.reshape(T, self.Hq * self.D))
 
 

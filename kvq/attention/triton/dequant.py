@@ -106,13 +106,14 @@ def scratch_bytes(batch: int, blocks: int, num_kv_heads: int, page: int, head_di
 
 
 def dequantize_pages(args: list, meta: dict, block_tables: torch.Tensor, seq_lens: torch.Tensor, blocks: int,
-                     num_kv_heads: int, page: int, head_dim: int, num_warps: int = 4):
-    """-> (k, v) f16 ``[B * blocks, H, page, D]`` and the identity table ``[B, blocks]``
-    that reads them: page ``j`` of sequence ``b`` sits at block ``b * blocks + j``.
+                     num_kv_heads: int, page: int, head_dim: int, num_warps: int = 4, extra: int = 0):
+    """-> (k, v) f16 ``[B * blocks + extra, H, page, D]`` and the identity table ``[B, blocks]``
+    that reads them: page ``j`` of sequence ``b`` sits at block ``b * blocks + j``; the
+    ``extra`` pages after them are left for the caller.
     ``args``/``meta`` are :func:`kvq.attention.triton.decode.layer_args` of the layer."""
     B = seq_lens.shape[0]
     dev = seq_lens.device
-    shape = (B * blocks, num_kv_heads, page, head_dim)
+    shape = (B * blocks + extra, num_kv_heads, page, head_dim)
     k = torch.empty(shape, dtype=torch.float16, device=dev)
     v = torch.empty(shape, dtype=torch.float16, device=dev)
     table = torch.arange(B * blocks, dtype=torch.int32, device=dev).view(B, blocks)

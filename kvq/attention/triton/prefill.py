@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.attention.triton import dequant
+from kvq.attention.triton import dequant, store
 from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype, layer_args
 from kvq.attention.triton.tiles import DENSE, load_tile, tile_channel
 from kvq.cache.pool import LayerKV
@@ -31,10 +31,10 @@ def _prefill_kernel(
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
     s_hb, s_hh, s_ht,
-    table_ptr, s_tb, lens_ptr, qk_scale,
+    table_ptr, s_tb, lens_ptr, qk_scale, tableq_ptr, SINK_T, RESID,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
-    KIVI_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr,
+    KIVI_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -56,14 +56,32 @@ def _prefill_kernel(
     # keys up to the last query of this tile; zero iterations for tiles past the chunk
     kv_end = tl.where(mt * BLOCK_M < q_len, tl.minimum(n, n - q_len + (mt + 1) * BLOCK_M), 0)
     table = table_ptr + b.to(tl.int64) * s_tb
+    tableq = tableq_ptr + b.to(tl.int64) * s_tb
+    # WINDOW: ``table`` maps each block to its exact pages and ``tableq`` to its quantized ones
+    # (they differ only for blocks the step reads both ways); each query reads a key exact
+    # iff it is a sink or inside its recent window (kvq.cache.window.exact_from)
+    win = tl.maximum(qpos - RESID, 0) // PAGE * PAGE
     for t0 in range(0, kv_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         valid = t < kv_end
         bid = tl.load(table + t // PAGE, mask=valid, other=0)
         off = t % PAGE
+        if WINDOW:
+            bidq = tl.load(tableq + t // PAGE, mask=valid, other=0)
+            exact = (t[None, :] < SINK_T) | (t[None, :] >= win[:, None])
+            seen = rmask[:, None] & valid[None, :] & (t[None, :] <= qpos[:, None])
+            n_seen = tl.sum(tl.sum(seen.to(tl.int32), axis=1), axis=0)
+            n_exact = tl.sum(tl.sum((seen & exact).to(tl.int32), axis=1), axis=0)
+            bid = tl.where(n_exact == 0, bidq, bid)  # no query of the tile reads it exact: quantized pages
+            both = (tl.max((bidq != bid).to(tl.int32), axis=0) > 0) & (n_exact < n_seen)
         k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
                             bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, KIVI_G, HAS_HP, DOT)
         s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
+        if WINDOW:
+            if both:  # some queries read the tile exact, others quantized: both pages, picked per pair
+                kq, kq_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh,
+                                      s_ht, bidq, off, h, valid, BLOCK_N, D, K_FMT, K_PER, KIVI_G, HAS_HP, DOT)
+                s = tl.where(exact, s, tl.dot(q, tl.trans(kq)) * (kq_sc * qk_scale)[None, :])
         causal = valid[None, :] & (t[None, :] <= qpos[:, None])
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -73,7 +91,17 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
                             bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, KIVI_G, HAS_HP, DOT)
-        acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(DOT), v)
+        pv = p * v_sc[None, :]
+        if WINDOW:
+            if both:
+                vq, vq_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
+                                      s_ht, bidq, off, h, valid, BLOCK_N, D, V_FMT, V_PER, KIVI_G, HAS_HP, DOT)
+                acc = (acc * alpha[:, None] + tl.dot(tl.where(exact, pv, 0.0).to(DOT), v)
+                       + tl.dot(tl.where(exact, 0.0, p * vq_sc[None, :]).to(DOT), vq))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pv.to(DOT), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv.to(DOT), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * s_ot + hq * s_oh + tile_channel(d, V_PER, D)[None, :],
@@ -94,8 +122,15 @@ def paged_attention(
     dot_f16: bool | None = None,
     max_seq_len: int | None = None,
     dequant_first: bool | None = None,
+    window=None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`kvq.attention.reference.paged_attention`.
+
+    ``window`` (:class:`kvq.cache.step.PrefillWindow`, with the step's new ``k_new``,
+    ``v_new``): per-query exact windows over a quantized layer, always through the f16
+    scratch (:func:`_windowed`).
 
     ``dot_f16`` (default: when K and V are both stored in 8 bits) runs both
     products in f16: every FP8/INT8 code is exact in f16 and e4m3 -> f16 is one
@@ -125,25 +160,35 @@ def paged_attention(
     blocks = block_tables.shape[1]
     if max_seq_len is not None:
         blocks = min(blocks, triton.cdiv(max_seq_len, PAGE))
+    if window is not None and layer.fmt.is_quantized:
+        _windowed(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len, window, k_new, v_new,
+                  block_m, block_n)
+        return out
     if dequant_first is None:
         dequant_first = dequant_first_default(layer)
     if dequant_first and dequant.scratch_bytes(B, blocks, H, PAGE, D) <= dequant.SCRATCH_CAP_BYTES:
         k, v, block_tables = dequant.dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, PAGE, D)
-        args = [k, k, k, k, k, v, v, v, v, v, *k.stride()[:3], 0, 0, 0, *v.stride()[:3], 0, 0, 0, 0, 0, 0]
-        meta = dict(k_fmt=DENSE.value, k_per=1, v_fmt=DENSE.value, v_per=1, kivi_g=1)
+        args, meta = _dense_args(k, v)
         has_hp, dot_f16 = False, not INTERPRET
     if dot_f16 is None:
         dot_f16 = layer.fmt.k.bits == 8 and layer.fmt.v.bits == 8 and not INTERPRET
     dot = tl.float16 if dot_f16 else _dot_dtype(q.dtype)
+    _launch(q, out, cu_seqlens_q, args, meta, block_tables, None, seq_lens, sm_scale, max_q_len, has_hp, dot,
+            block_m, block_n, PAGE, H)
+    return out
+
+
+def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, has_hp, dot, block_m, block_n,
+            page, num_kv_heads, sink_tokens: int = 0, residual: int = 0):
+    B, Hq = lens.shape[0], q.shape[1]
     grid = (B, Hq, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
-        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), cu_seqlens_q, *args,
-        block_tables, block_tables.stride(0), seq_lens, sm_scale * _LOG2E,
-        GROUP=Hq // H, D=D, PAGE=PAGE, BLOCK_M=block_m, BLOCK_N=block_n,
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), cu, *args,
+        table, table.stride(0), lens, sm_scale * _LOG2E, table if tableq is None else tableq, sink_tokens, residual,
+        GROUP=Hq // num_kv_heads, D=q.shape[2], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
-        KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=dot,
+        KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=dot, WINDOW=tableq is not None,
     )
-    return out
 
 
 def dequant_first_default(layer: LayerKV) -> bool:
@@ -151,3 +196,65 @@ def dequant_first_default(layer: LayerKV) -> bool:
     format but FP8 with a per-tensor scale, whose codes the kernel's f16 dot reads as
     fast as bf16 (H200 sweep of scripts/probe_prefill.py in docs/kernels.md)."""
     return any(f.is_quantized and not (f.family == "fp8" and f.scale == "static") for f in (layer.fmt.k, layer.fmt.v))
+
+
+def _dense_args(k: torch.Tensor, v: torch.Tensor) -> tuple[list, dict]:
+    """Launch arguments that read f16 page scratches ``k``, ``v`` as a dense pool."""
+    args = [k, k, k, k, k, v, v, v, v, v, *k.stride()[:3], 0, 0, 0, *v.stride()[:3], 0, 0, 0, 0, 0, 0]
+    return args, dict(k_fmt=DENSE.value, k_per=1, v_fmt=DENSE.value, v_per=1, kivi_g=1)
+
+
+def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, block_m, block_n):
+    """Prefill with per-query exact windows (kvq.attention.reference explains the rule): the
+    step's pages are dequantized into an f16 scratch with two extra kinds of page, the exact
+    new K/V of q blocks this step wrote and the sealed-then-read values of hp blocks some
+    query reads quantized; two tables map each block to its exact and its quantized page,
+    and the kernel picks per (query, key).  Sequences are taken in groups whose scratch
+    stays under ``dequant.SCRATCH_CAP_BYTES``."""
+    H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
+    B, dev = len(window.lens), q.device
+    groups, b0 = [], 0
+    while b0 < B:  # greedy: as many sequences as fit the cap (at least one)
+        b1, width = b0 + 1, triton.cdiv(window.lens[b0], page)
+        while b1 < B:
+            w = max(width, triton.cdiv(window.lens[b1], page))
+            if dequant.scratch_bytes(b1 + 1 - b0, w, H, page, D) > dequant.SCRATCH_CAP_BYTES:
+                break
+            b1, width = b1 + 1, w
+        groups.append((b0, b1, width))
+        b0 = b1
+    args, meta = layer_args(layer)
+    dot = tl.float16 if not INTERPRET else _dot_dtype(q.dtype)
+    for b0, b1, width in groups:
+        r0, r1 = window.cu[b0], window.cu[b1]
+        if (b0, b1) == (0, B):
+            g_cu, ex, se = cu, window.exact, window.sealed
+        else:
+            def rows(rs, rebase_row):
+                keep = [(b - b0, i, x - r0 if rebase_row else x) for b, i, x in rs if b0 <= b < b1]
+                return torch.tensor(keep, dtype=torch.int64, device=dev).reshape(-1, 3)
+            g_cu = torch.tensor([c - r0 for c in window.cu[b0:b1 + 1]], dtype=torch.int32, device=dev)
+            ex, se = rows(window.exact_rows, True), rows(window.sealed_rows, False)
+        g_tab, g_lens, nb = tables[b0:b1, :width], lens[b0:b1], (b1 - b0) * width
+        E, S = ex.shape[0], se.shape[0]
+        kp, vp, ident = dequant.dequantize_pages(args, meta, g_tab, g_lens, width, H, page, D, extra=E + S)
+        tab_exact, tab_q = ident, ident
+        if E:  # the new K/V of the q blocks this step wrote: [E, page, H, D] -> [E, H, page, D]
+            at = ex[:, 2:3] + torch.arange(page, device=dev)
+            kp[nb:nb + E] = k_new[r0:r1][at].permute(0, 2, 1, 3)
+            vp[nb:nb + E] = v_new[r0:r1][at].permute(0, 2, 1, 3)
+            tab_exact = ident.clone()
+            tab_exact[ex[:, 0], ex[:, 1]] = nb + torch.arange(E, dtype=torch.int32, device=dev)
+        if S:  # hp blocks as the seal kernel will store them, read back
+            tmp = layer.with_q_blocks(S)
+            store.seal_blocks(tmp, se[:, 2], torch.arange(S, dtype=torch.int64, device=dev))
+            targs, tmeta = layer_args(tmp)
+            one = torch.arange(S, dtype=torch.int32, device=dev).view(1, S)
+            ks, vs, _ = dequant.dequantize_pages(targs, tmeta, one, torch.full((1,), S * page, dtype=torch.int32,
+                                                                               device=dev), S, H, page, D)
+            kp[nb + E:], vp[nb + E:] = ks, vs
+            tab_q = ident.clone()
+            tab_q[se[:, 0], se[:, 1]] = nb + E + torch.arange(S, dtype=torch.int32, device=dev)
+        dargs, dmeta = _dense_args(kp, vp)
+        _launch(q[r0:r1], out[r0:r1], g_cu, dargs, dmeta, tab_exact, tab_q, g_lens, sm_scale, max_q_len, False, dot,
+                block_m, block_n, page, H, window.sink_tokens, window.policy.residual_tokens)
