@@ -60,7 +60,8 @@ class EvalSettings:
 
 
 def hardware_info(device: torch.device) -> dict:
-    info = {"device": device.type, "torch": torch.__version__, "platform": platform.platform()}
+    info = {"device": device.type, "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_count"] = torch.cuda.device_count()
