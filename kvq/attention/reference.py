@@ -150,33 +150,37 @@ def _windowed(qb, kk, vv, layer, window, k_new, v_new, b, n, sm_scale):
     t = qb.shape[0]
     ex = [(i, row) for bb, i, row in window.exact_rows if bb == b]
     se = [(i, hp) for bb, i, hp in window.sealed_rows if bb == b]
-    ka, va, kb, vb = kk.clone(), vv.clone(), kk.clone(), vv.clone()
+    # ka/va: the keys as the exact side reads them; the quantized side differs only in the
+    # columns of the blocks listed (``cols``), whose quantized values are kq/vq
+    ka, va = kk.clone(), vv.clone()
     hp = layer.k_hp.dtype  # exact = as the high-precision pool holds it
     for i, row in ex:  # [bs, H, D] -> [H, bs, D]
         ka[:, i * bs:(i + 1) * bs] = k_new[row:row + bs].transpose(0, 1).to(hp).float()
         va[:, i * bs:(i + 1) * bs] = v_new[row:row + bs].transpose(0, 1).to(hp).float()
+    blocks = [i for i, _ in ex] + [i for i, _ in se]
+    dev = qb.device
+    cols = torch.cat([torch.arange(i * bs, (i + 1) * bs, device=dev) for i in blocks])
+    kq, vq = kk[:, cols].clone(), vv[:, cols].clone()  # exact blocks: stored (quantized) values
     if se:
         ks, vs = sealed_values(layer, "k", [hp for _, hp in se]), sealed_values(layer, "v", [hp for _, hp in se])
-        for j, (i, _) in enumerate(se):
-            kb[:, i * bs:(i + 1) * bs] = ks[j]
-            vb[:, i * bs:(i + 1) * bs] = vs[j]
-    dev = qb.device
+        at = len(ex) * bs
+        kq[:, at:] = ks.permute(1, 0, 2, 3).reshape(H, -1, ks.shape[-1])
+        vq[:, at:] = vs.permute(1, 0, 2, 3).reshape(H, -1, vs.shape[-1])
     pos = torch.arange(n - t, n, device=dev)
     key = torch.arange(n, device=dev)
     start = torch.tensor([exact_from(int(p), window.policy) for p in pos.tolist()], device=dev)
     exact = (key[None, :] < window.sink_tokens) | (key[None, :] >= start[:, None])  # [t, n]
+    quant = ~exact[:, cols]  # [t, C]: pairs that read the quantized side of a listed block
     causal = key[None, :] <= pos[:, None]
     group = qb.shape[1] // H
     qh = qb.transpose(0, 1)  # [Hq, t, D]
     out = torch.empty_like(qh)
     for h in range(H):  # one KV head's query group at a time: [group, t, n] scores
         qg = qh[h * group:(h + 1) * group]
-        sa = (qg @ ka[h].T) * sm_scale
-        sb = (qg @ kb[h].T) * sm_scale
-        sc = torch.where(exact, sa, sb).masked_fill(~causal, float("-inf"))
-        p = torch.softmax(sc, dim=-1)
-        pe = p * exact
-        out[h * group:(h + 1) * group] = pe @ va[h] + (p - pe) @ vb[h]
+        sc = (qg @ ka[h].T) * sm_scale
+        sc[:, :, cols] = torch.where(quant, (qg @ kq[h].T) * sm_scale, sc[:, :, cols])
+        p = torch.softmax(sc.masked_fill(~causal, float("-inf")), dim=-1)
+        out[h * group:(h + 1) * group] = p @ va[h] + (p[:, :, cols] * quant) @ (vq[h] - va[h, cols])
     return out.transpose(0, 1)  # [t, Hq, D]
 
 
