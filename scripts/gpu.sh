@@ -21,6 +21,7 @@ target="${1:-test}"; shift || true
 if [ -n "${OUT:-}" ]; then trap 'cp -r docs/results "$OUT/" 2>/dev/null || true' EXIT; fi
 case "$target" in
   test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
+          tests/test_prefill_window.py tests/test_staging.py \
           tests/test_formats_spec.py "$@" ;;
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
