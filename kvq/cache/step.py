@@ -94,7 +94,10 @@ def prefill_window_rows(step: HostStep, table: np.ndarray, policy: WindowPolicy 
     for b, k in enumerate(range(nd, len(step.num_new))):
         n, t = step.seq_lens[k], step.num_new[k]
         s, last = n - t, exact_from(n - 1, policy)
-        for i in range(-(-n // bs)):
+        # past the sinks, hp blocks lie in the window at the chunk's start or later (earlier ones were
+        # sealed, or born sealed), and listed q blocks lie in the chunk: scan from a block before that window
+        lo = max(policy.sink_blocks, (s - policy.residual_tokens) // bs - 1)
+        for i in range(lo, -(-n // bs)):
             ref = int(table[k, i])
             if ref < 0:
                 if policy.sink_blocks <= i and (i + 1) * bs <= last:
@@ -203,13 +206,13 @@ def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarra
     rows = prefill_window_rows(step, table, policy)
     win = [np.asarray(r, np.int64).reshape(-1, 3) for r in rows] if rows else []
     arrays = [np.asarray(step.slots, np.int64), fb, cu, table, np.asarray(step.seq_lens, np.int32),
-              cu[nd:] - cu[nd], seals, *win, *extra]
+              cu[nd:] - cu[nd], seals, *extra, *win]
     t = stage(arrays)
+    extra_t, win_t = t[7:7 + len(extra)], t[7 + len(extra):]
     window = None
     if rows:
-        window = PrefillWindow(t[7], t[8], policy, tuple(map(tuple, rows[0])), tuple(map(tuple, rows[1])),
+        window = PrefillWindow(*win_t, policy, tuple(map(tuple, rows[0])), tuple(map(tuple, rows[1])),
                                tuple(int(c) for c in cu[nd:] - cu[nd]), tuple(step.seq_lens[nd:]))
-        t = t[:7] + t[9:]
     meta = StepMetadata(
         slots=t[0], full_blocks=t[1], cu_seqlens_q=t[2], block_tables=t[3], seq_lens=t[4],
         max_q_len=max(num_new, default=0),
@@ -220,7 +223,7 @@ def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarra
         seals=t[6] if step.seals else None,
         window=window,
     )
-    return meta, t[7:]
+    return meta, extra_t
 
 
 def to_device(step: HostStep, block_size: int, device: torch.device | str) -> StepMetadata:

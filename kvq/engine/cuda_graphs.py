@@ -126,9 +126,8 @@ class DecodeGraphs:
         w = rows.shape[1]
         end = self._offsets[5] + g * self.width * 4
         buf = self.staging.host(self._static.numel())
-        ids_h, pos_h, slots_h, seals_h, lens_h, tables_h = views(buf, self._fields, self._offsets)
-        ids_h, pos_h, slots_h, seals_h, lens_h, tables_h = (t.numpy() for t in (ids_h, pos_h, slots_h, seals_h,
-                                                                                 lens_h, tables_h))
+        ids_h, pos_h, slots_h, seals_h, lens_h, tables_h = (t.numpy() for t in views(buf, self._fields,
+                                                                                     self._offsets))
         ids_h[:b], pos_h[:b], slots_h[:b], lens_h[:b] = ids, positions, step.slots, step.seq_lens
         tables_h[:b, :w] = rows
         # padding rows: a token at the null block that attends to it alone

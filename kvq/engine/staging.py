@@ -84,8 +84,7 @@ class Staging:
              ) -> list[torch.Tensor]:
         """The arrays on the device, through one copy: typed views of the device buffer, valid
         until the next pack (later steps are stream-ordered after this one's kernels)."""
-        arrs = [np.ascontiguousarray(a if dtypes is None else np.asarray(a, dtype=dt))
-                for a, dt in zip(arrays, dtypes if dtypes is not None else [None] * len(arrays))]
+        arrs = [np.ascontiguousarray(a, dtype=None if dtypes is None else dtypes[i]) for i, a in enumerate(arrays)]
         offsets, n = layout(arrs)
         n = max(n, ALIGN)
         buf = self.host(n)

@@ -222,13 +222,14 @@ def bin_quality(base: FormatRun, run: FormatRun, i: int, passkey_bins) -> dict:
         return [u for x in per for u in stats.segment_means(f(x).tolist())]
 
     dnll, dnll_ci = _ci(units(lambda x: x.nll - x.nll_baseline))
-    kl, kl_ci = _ci(units(lambda x: x.kl))
+    kl_units = units(lambda x: x.kl)
+    kl, kl_ci = _ci(kl_units)
     top1, top1_ci = _ci(units(lambda x: x.top1))
     q = {
         "bin": L,
         "passages": len(per),
         "scored_positions": [list(x.positions) for x in per],
-        "interval_units": len(units(lambda x: x.kl)),
+        "interval_units": len(kl_units),
         "ppl": metrics.perplexity(nll_r),
         "ppl_baseline": metrics.perplexity(nll_b),
         "ppl_rel_change": math.expm1(dnll),
