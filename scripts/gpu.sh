@@ -18,7 +18,10 @@ export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfe
   TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
 target="${1:-test}"; shift || true
 # on the device machine only $OUT comes back: copy the results there however the target ends
-if [ -n "${OUT:-}" ]; then trap 'cp -r docs/results "$OUT/" 2>/dev/null || true' EXIT; fi
+# (only the files this run wrote: the device returns a limited number of files)
+if [ -n "${OUT:-}" ]; then
+  stamp=$(mktemp); trap 'find docs/results -type f -newer "$stamp" -exec cp --parents {} "$OUT/" \; 2>/dev/null || true' EXIT
+fi
 case "$target" in
   test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
           tests/test_prefill_window.py tests/test_staging.py \
