@@ -1,10 +1,15 @@
 """`kvq serve` on the default model (CPU), through the real openai client and raw HTTP on loopback:
-completions and chat (JSON and SSE), stop, seeds, n, errors, metrics, status, overload, disconnects,
-a bounded load test, and recovery from a failing engine step.  One server for the module."""
+completions and chat (JSON and SSE), stop, seeds, n, errors, request limits, hostile and slow clients,
+metrics, status, overload, disconnects, a bounded load test, and recovery from a failing engine step.
+One server for the module (the API key, CORS and the CLI are tests/test_server_security.py's)."""
 
 import asyncio
 import json
+import logging
+import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -15,6 +20,7 @@ from kvq.cli import main
 from kvq.engine.llm_engine import EngineConfig
 from kvq.server.launch import ServerThread, build_server
 from kvq.server.loadgen import LoadSpec, run_load
+from kvq.server.options import ServerOptions
 from kvq.server.protocol import safe_text_end
 
 MAX_MODEL_LEN = 512
@@ -22,13 +28,15 @@ MAX_NUM_SEQS = 6
 MAX_QUEUE_LEN = 10  # 16 live requests at most
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
+# short deadlines, so that the slow-client tests are quick; everything else is the default
+OPTIONS = ServerOptions(timeout_headers=1.5, timeout_body=1.5, max_request_bytes=4 * 2**20)
 
 
 @pytest.fixture(scope="module")
 def server():
     config = EngineConfig(kv_cache_memory="64MiB", max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
                           progress=False)
-    app, engine = build_server(config, ["default", "smol"], max_queue_len=MAX_QUEUE_LEN)
+    app, engine = build_server(config, ["default", "smol"], max_queue_len=MAX_QUEUE_LEN, options=OPTIONS)
     thread = ServerThread(app)
     url = thread.start()
     yield url, engine
@@ -133,7 +141,6 @@ def test_token_id_prompts_batch_and_return_token_ids(server):
 @pytest.mark.parametrize("body,param,needle", [
     (b'{"prompt": "x", ', None, "malformed JSON"),
     (b'[1, 2]', None, "JSON object"),
-    (b'{"model": "gpt-4", "prompt": "x"}', "model", "valid: default, smol"),
     (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "greater than or equal to 1"),
     (b'{"prompt": "x", "temperature": -0.5}', "temperature", "greater than or equal to 0"),
     (b'{"prompt": "x", "temperature": "hot"}', "temperature", "number"),
@@ -144,7 +151,7 @@ def test_token_id_prompts_batch_and_return_token_ids(server):
     (b'{"prompt": [1, "x"]}', "prompt", "list of token ids"),
     (b'{"prompt": []}', "prompt", "must not be empty"),
     (b'{"max_tokens": 3}', "prompt", "Field required"),
-    (json.dumps({"prompt": [300] * (MAX_MODEL_LEN + 1)}).encode(), None, "exceeds max_model_len"),
+    (json.dumps({"prompt": [300] * (MAX_MODEL_LEN + 1)}).encode(), "prompt", "exceeds max_model_len"),
     (b'{"prompt": [300, 301], "max_tokens": 600}', None, "exceeds max_model_len"),
     (b'{"prompt": [999999999]}', None, "token ids must be in"),
 ])
@@ -167,10 +174,222 @@ def test_bad_chat_requests_get_400(server, body, needle):
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
-def test_openai_client_raises_bad_request_for_unknown_model(client):
-    with pytest.raises(openai.BadRequestError) as e:
+def test_openai_client_raises_not_found_for_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt="x", max_tokens=2)
-    assert e.value.body["code"] == "model_not_found"
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found"
+    assert "served: default, smol" in e.value.body["message"]
+
+
+# -- the edge: media type, routes, limits ---------------------------------------------------------
+JSON_TYPE = {"content-type": "application/json"}
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.parametrize("method,path,headers,body,status,code,param", [
+    # media type: a browser's cross-origin "simple" POST (text/plain, form) is never served
+    ("POST", "/v1/completions", {"content-type": "text/plain"}, b'{"prompt": "x"}', 415, "unsupported_media_type",
+     None),
+    ("POST", "/v1/completions", {"content-type": "application/x-www-form-urlencoded"}, b"prompt=x", 415,
+     "unsupported_media_type", None),
+    ("POST", "/v1/chat/completions", {}, _json({"messages": CHAT}), 415, "unsupported_media_type", None),
+    # routes: no trailing-slash redirects, no FastAPI 422s, no public API docs
+    ("POST", "/v1/completions/", JSON_TYPE, b'{"prompt": "x"}', 404, None, None),
+    ("GET", "/v1/models/", {}, b"", 404, None, None),
+    ("GET", "/status?check=maybe", {}, b"", 400, "invalid_value", "check"),
+    ("GET", "/v1/completions", {}, b"", 405, None, None),
+    ("GET", "/docs", {}, b"", 404, None, None),
+    ("GET", "/redoc", {}, b"", 404, None, None),
+    ("GET", "/openapi.json", {}, b"", 404, None, None),
+    ("POST", "/v1/completions", JSON_TYPE, _json({"model": "gpt-4", "prompt": "x"}), 404, "model_not_found", "model"),
+    # limits, each checked before the work it bounds is built
+    ("POST", "/v1/completions", JSON_TYPE, _json({"prompt": "x", "n": OPTIONS.max_n + 1}), 400, "invalid_value", "n"),
+    ("POST", "/v1/completions", JSON_TYPE, _json({"prompt": "x", "n": 2**40}), 400, "invalid_value", "n"),
+    ("POST", "/v1/completions", JSON_TYPE, _json({"prompt": ["a", "b", "c", "d", "e"], "n": 4}), 400, "invalid_value",
+     None),  # 20 sequences > 16 admissible
+    ("POST", "/v1/completions", JSON_TYPE, _json({"prompt": "x", "stop": [f"s{i}" for i in range(17)]}), 400,
+     "invalid_value", "stop"),
+    ("POST", "/v1/completions", JSON_TYPE, _json({"prompt": "x", "stop": "s" * 257}), 400, "invalid_value", "stop"),
+    ("POST", "/v1/completions", JSON_TYPE, _json({"prompt": "x", "stop_token_ids": list(range(257))}), 400,
+     "invalid_value", "stop_token_ids"),
+    ("POST", "/v1/completions", JSON_TYPE, _json({"prompt": "word " * 40_000}), 400, "context_length_exceeded",
+     "prompt"),
+    ("POST", "/v1/completions", JSON_TYPE, _json({"prompt": ["x", "word " * 40_000]}), 400,
+     "context_length_exceeded", "prompt"),
+    ("POST", "/v1/chat/completions", JSON_TYPE, _json({"messages": [{"role": "user", "content": "word " * 40_000}]}),
+     400, "context_length_exceeded", "messages"),
+])
+def test_edge_errors_are_openai_shaped(server, method, path, headers, body, status, code, param):
+    r = httpx.request(method, server[0] + path, headers=headers, content=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == ("not_found_error" if status == 404 and code is None else "invalid_request_error")
+    assert err["code"] == code and err["param"] == param, err
+
+
+def test_json_content_type_with_charset_is_served(server):
+    r = httpx.post(server[0] + "/v1/completions", content=_json({"prompt": PROMPT, "max_tokens": 1}),
+                   headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_no_cors_headers_without_allowed_origins(server):
+    r = httpx.options(server[0] + "/v1/completions", headers={
+        "origin": "https://evil.example", "access-control-request-method": "POST",
+        "access-control-request-headers": "content-type"})
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
+def _raw(url: str, data: bytes, *, timeout: float = 10.0) -> tuple[bytes, float]:
+    """Send ``data`` on a new connection, then read until the server closes it: (all it sent, seconds).
+    A server that never closes fails the test with socket.timeout."""
+    u = httpx.URL(url)
+    t0 = time.monotonic()
+    with socket.create_connection((u.host, u.port), timeout=timeout) as s:
+        if data:
+            s.sendall(data)
+        out = b""
+        while chunk := s.recv(1 << 16):
+            out += chunk
+    return out, time.monotonic() - t0
+
+
+def _raw_status(out: bytes) -> tuple[int, dict | None]:
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body) if body.startswith(b"{") else None
+
+
+def _head(extra: str = "Content-Length: 100") -> bytes:
+    return f"POST /v1/completions HTTP/1.1\r\nHost: kvq\r\nContent-Type: application/json\r\n{extra}\r\n\r\n".encode()
+
+
+def test_body_limit_is_enforced_while_reading(server):
+    url = server[0]
+    limit = OPTIONS.max_request_bytes
+    out, _ = _raw(url, _head(f"Content-Length: {10**12}"))  # refused on its header: nothing is read
+    status, body = _raw_status(out)
+    assert status == 413 and body["error"]["code"] == "request_too_large" and str(limit) in body["error"]["message"]
+    chunk = b"x" * (1 << 16)  # chunked: no Content-Length to trust; one byte over the limit in all
+    chunks = [chunk] * (limit // len(chunk)) + [b"y"]
+    data = _head("Transfer-Encoding: chunked") + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks)
+    out, _ = _raw(url, data)
+    status, body = _raw_status(out)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+
+
+def test_slow_and_idle_connections_are_cut_off(server):
+    """An idle connection, half-sent headers, a slow second request on a kept-alive connection: closed
+    after --timeout-headers; a half-sent body: 408 after --timeout-body.  None is held open."""
+    url = server[0]
+    keep_alive = b"GET /health HTTP/1.1\r\nHost: kvq\r\n\r\nGET /health HTTP/1.1\r\nHo"
+    cases = {"idle": b"", "half headers": _head()[:30], "kept alive": keep_alive, "half body": _head() + b'{"pro'}
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = dict(zip(cases, pool.map(lambda d: _raw(url, d), cases.values())))
+    for name in ("idle", "half headers"):
+        out, took = got[name]
+        assert out == b"" and 1.0 < took < OPTIONS.timeout_headers + 4, (name, out, took)
+    out, took = got["kept alive"]  # closed by the header deadline, well before the 5 s keep-alive one
+    assert out.count(b"HTTP/1.1 200") == 1 and took < OPTIONS.timeout_keep_alive - 1, (out, took)
+    out, took = got["half body"]
+    status, body = _raw_status(out)
+    assert status == 408 and body["error"]["code"] == "request_timeout" and took < OPTIONS.timeout_body + 4
+    assert httpx.get(url + "/health").status_code == 200
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_client_leaving_mid_body_is_one_log_line(server):
+    url = server[0]
+    logger, handler = logging.getLogger("uvicorn.error"), _Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        u = httpx.URL(url)
+        with socket.create_connection((u.host, u.port), timeout=10) as s:
+            s.sendall(_head() + b'{"prompt": "x"')  # 14 of 100 bytes, then gone
+        deadline = time.monotonic() + 5
+        while not handler.records and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # anything logged after that line (a traceback) would be here by now
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [r.getMessage() for r in handler.records]
+    assert len(lines) == 1 and "disconnected after 14 bytes of the body" in lines[0], lines
+    assert handler.records[0].exc_info is None
+
+
+def test_huge_requests_are_refused_while_streams_and_health_go_on(server, monkeypatch):
+    """n = 2**40, a 3 MB prompt and a slow tokenization, while a stream runs and /health is polled:
+    the refusals are quick, the big prompt is never tokenized, no text is tokenized on the engine
+    thread, the stream keeps producing tokens while a tokenization is stuck, /health keeps answering."""
+    url, engine = server
+    _idle_check(url)
+    real_encode = engine.engine.encode
+    encoded = []  # (thread, chars, start, end) of every text tokenization
+
+    def spy(prompt):
+        t0 = time.monotonic()
+        if isinstance(prompt, str) and prompt.startswith("SLOW"):
+            time.sleep(2.0)  # as a tokenization that takes long: must hold up nobody else
+        try:
+            return real_encode(prompt)
+        finally:
+            if isinstance(prompt, str):
+                encoded.append((threading.current_thread().name, len(prompt), t0, time.monotonic()))
+
+    monkeypatch.setattr(engine.engine, "encode", spy)
+    arrivals = []
+
+    def stream():
+        body = {"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            arrivals.extend(time.monotonic() for line in r.iter_lines() if line.startswith("data: {"))
+
+    def post(body):
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        return r.status_code, r.json(), time.monotonic() - t0
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    with ThreadPoolExecutor(3) as pool:
+        deadline = time.monotonic() + 60
+        while not arrivals and time.monotonic() < deadline:  # the stream is producing
+            time.sleep(0.02)
+        jobs = [pool.submit(post, b) for b in ({"prompt": "SLOW " + PROMPT, "max_tokens": 1},
+                                               {"prompt": [PROMPT] * 4, "n": 2**40},
+                                               {"prompt": "word " * 600_000})]
+        health = []
+        while not all(j.done() for j in jobs):
+            t0 = time.monotonic()
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            health.append(time.monotonic() - t0)
+            time.sleep(0.05)
+        slow, huge_n, big = (j.result() for j in jobs)
+    streamer.join(120)
+    assert slow[0] == 200 and slow[1]["usage"]["completion_tokens"] == 1
+    assert huge_n[0] == 400 and huge_n[1]["error"]["param"] == "n" and huge_n[2] < 5, huge_n
+    assert big[0] == 400 and big[1]["error"]["code"] == "context_length_exceeded" and big[2] < 5, big
+    assert max(health) < 3, health
+    assert all(name.startswith("kvq-tokenize") for name, *_ in encoded), encoded
+    assert max(chars for _, chars, *_ in encoded) < 10_000, "the 3 MB prompt was tokenized"
+    start, end = next((t0, t1) for _, chars, t0, t1 in encoded if t1 - t0 >= 2.0)
+    during = sum(start + 0.25 < t < end - 0.25 for t in arrivals)
+    assert during >= 3, f"the stream stalled while a prompt was tokenized: {during} chunks in {end - start:.1f} s"
+    assert len(arrivals) >= 100  # every token (return_token_ids: a chunk each)
 
 
 def test_model_without_tokenizer_needs_token_ids(server, monkeypatch):
@@ -190,15 +409,20 @@ def test_unknown_route_is_openai_style_404(server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's own errors
+        return e.code
+
+
 def test_bad_cli_flags_exit_2(capsys):
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port must be in" in capsys.readouterr().err
     assert main(["serve", "--kv-cache-dtype", "fp9", "--port", "0"]) == 2
     assert "fp8_e4m3" in capsys.readouterr().err
     assert main(["serve", "--uvicorn-log-level", "loud"]) == 2
-    with pytest.raises(SystemExit) as e:
-        main(["serve", "--no-such-flag"])
-    assert e.value.code == 2
+    assert _exit_code(["serve", "--no-such-flag"]) == 2
 
 
 # -- models, health, status, metrics -------------------------------------------------------------

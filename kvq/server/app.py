@@ -4,29 +4,45 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE
 with ``stream: true``: ``data: {chunk}`` events then ``data: [DONE]``),
 ``GET /v1/models``, ``/health``, ``/metrics`` (Prometheus text), ``/status``
 (JSON; ``?check=1`` also runs the allocator and scheduler integrity checks on
-the engine thread and reports leaked blocks).
+the engine thread and reports leaked blocks).  No trailing-slash redirects: a
+path is served as written or is a 404.
+
+The edge, in order: CORS (only with ``allowed_origins``), the API key
+(kvq/server/auth.py, 401), then per generation request: Content-Type
+``application/json`` (415), the body read against ``max_request_bytes`` as it
+streams in (413) and ``timeout_body`` (408), then kvq/server/admission.py
+(parse, limits, tokenization on its worker thread) and the engine.
 
 A client that goes away aborts its engine requests at once: a stream through
 the response's cancellation, a non-streaming request by racing it against the
-connection's ``http.disconnect``.  Status codes: 400 bad input, 404 unknown
-route, 429 overloaded, 503 engine not running, 500 engine failure.
+connection's ``http.disconnect``; one that leaves mid-body is one log line.
+Status codes: 400 bad input, 401 API key, 404 unknown route or model, 408 body
+too slow, 413 body too large, 415 not JSON, 429 overloaded, 503 engine not
+running, 500 engine failure; every body is OpenAI's error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
-from kvq.server.async_engine import AsyncEngine, EngineDeadError, EngineError, OverloadedError, PromptSpec
+from kvq.server.admission import Admission
+from kvq.server.async_engine import AsyncEngine, EngineDeadError, EngineError, OverloadedError
+from kvq.server.auth import ApiKeyAuth
 from kvq.server.metrics import ServerMetrics
+from kvq.server.options import ServerOptions
 from kvq.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -36,11 +52,14 @@ from kvq.server.protocol import (
     completion_choice,
     error_body,
     new_id,
-    parse_request,
     response_head,
     safe_text_end,
     usage,
 )
+
+log = logging.getLogger("uvicorn.error")  # uvicorn's own log: same handlers and format as its lines
+
+CLOSE_AFTER = (401, 408, 413, 415)  # refused before the body was read: close rather than drain it
 
 
 class ClientGone(Exception):
@@ -64,8 +83,41 @@ class SSEResponse(StreamingResponse):
             self.on_close()
 
 
-def _error(status: int, message: str, type: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, None, code), status_code=status)
+def _error(status: int, message: str, type: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status,
+                        headers={"Connection": "close"} if status in CLOSE_AFTER else None)
+
+
+def _api_error(e: ApiError) -> JSONResponse:
+    return _error(e.status, e.message, e.type, e.code, e.param)
+
+
+async def read_json_body(request: Request, max_bytes: int, timeout: float) -> bytes:
+    """The body, checked as it arrives: JSON media type (415), at most ``max_bytes`` whatever
+    Content-Length says (413), complete within ``timeout`` seconds (408); ClientGone if the client left."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"the body must be JSON sent with 'Content-Type: application/json' (got "
+                       f"{media or 'no Content-Type'!r})", code="unsupported_media_type")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the body is {int(declared)} bytes; this server accepts at most {max_bytes} "
+                       "(--max-request-bytes)", code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ApiError(413, f"the body is over {max_bytes} bytes, the most this server accepts "
+                                   "(--max-request-bytes)", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the body was not complete within {timeout:g} s ({size} bytes arrived; "
+                       "--timeout-body)", code="request_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone(f"after {size} bytes of the body") from None
+    return b"".join(chunks)
 
 
 def _sse(obj: dict | str) -> str:
@@ -112,13 +164,16 @@ class _Choices:
         return text, tokens
 
 
-def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str]) -> FastAPI:
+def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
+              options: ServerOptions | None = None) -> FastAPI:
     """The app; its lifespan starts and stops the engine thread."""
     if not served_model_names:
         raise ValueError("at least one served model name is needed")
     names = list(served_model_names)
+    options = options or ServerOptions()
     info = engine.engine.info
     started = int(time.time())
+    admission = Admission(engine, names, options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -127,15 +182,31 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             yield
         finally:
             engine.stop()
+            admission.close()
 
-    app = FastAPI(title="kvq", lifespan=lifespan)
+    docs = options.enable_docs
+    app = FastAPI(title="kvq", lifespan=lifespan, redirect_slashes=False, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.options = options
+    if options.api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=options.api_key, public_metrics=options.public_metrics)
+    if options.allowed_origins:  # added last: outermost, so preflights are answered before the key is asked
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_query(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        loc = [str(x) for x in err["loc"]]
+        return _error(400, f"{'.'.join(loc)}: {err['msg']}", "invalid_request_error", "invalid_value",
+                      loc[-1] if loc else None)
 
     @app.get("/health")
     async def health():
@@ -175,25 +246,22 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         return body
 
     async def admit(request: Request, kind: type) -> tuple:
-        req = parse_request(kind, await request.body())
-        model = req.model or names[0]
-        if model not in names:
-            raise ApiError(400, f"model {model!r} is not served here; valid: {', '.join(names)}", param="model",
-                           code="model_not_found")
-        if kind is ChatCompletionRequest:
-            messages = [m.template_dict() for m in req.messages]
-            specs = [PromptSpec(req.sampling(req.output_limit(), i), messages=messages) for i in range(req.n)]
-        else:
-            limit = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
-            specs = [PromptSpec(req.sampling(limit, i), prompt=p) for p in req.prompts() for i in range(req.n)]
+        body = await read_json_body(request, options.max_request_bytes, options.timeout_body)
+        req, model, specs = await admission.prepare(kind, body)
         return req, model, await engine.submit(specs)
 
     async def generate(request: Request, kind: type):
         try:
             req, model, group = await admit(request, kind)
+        except ClientGone as e:
+            metrics.outcome("abort")
+            client = request.client
+            log.info("%s - %s %s: the client disconnected %s", f"{client.host}:{client.port}" if client else "?",
+                     request.method, request.url.path, e)
+            return Response(status_code=499)  # nobody reads it
         except ApiError as e:
             metrics.outcome("invalid")
-            return JSONResponse(e.body(), status_code=e.status)
+            return _api_error(e)
         except ValueError as e:
             metrics.outcome("invalid")
             return _error(400, str(e), "invalid_request_error", "invalid_value")

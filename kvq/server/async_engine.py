@@ -6,7 +6,8 @@ queue and hears back through per-request asyncio queues::
 
     HTTP handler (event loop)                     engine thread
     -------------------------                     -------------
-    submit(prompts, params) --_Add-------------->  encode, chat template, engine.add_request
+    (prompts tokenized on a worker thread first: kvq/server/admission.py)
+    submit(token ids, params) --_Add------------>  engine.add_request
         <- future: engine ids, or the ValueError   (all of a group's prompts, or none of them)
     async for (index, output) in group  <-------  engine.step() -> call_soon_threadsafe(queue.put_nowait)
     client gone: abort(group) --_Abort---------->  engine.abort(ids): blocks freed before the next step
@@ -57,15 +58,11 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True)
 class PromptSpec:
-    """One engine request: a prompt (text or token ids) or chat messages, and SamplingParams keywords.
-
-    ``sampling["max_tokens"]`` of None means "up to max_model_len" (the chat
-    default); it is resolved on the engine thread once the prompt is tokenized.
-    """
+    """One engine request: its prompt's token ids (tokenized before it reaches the engine thread)
+    and SamplingParams keywords (``max_tokens`` resolved)."""
 
     sampling: dict
-    prompt: str | list[int] | None = None
-    messages: list[dict] | None = None
+    token_ids: list[int]
 
 
 @dataclass
@@ -145,16 +142,22 @@ class AsyncEngine:
             and not self._stop.is_set()
 
     # -- front end (event loop) -----------------------------------------------------------------
-    async def submit(self, specs: list[PromptSpec]) -> RequestGroup:
-        """Admit a group of engine requests; raises OverloadedError, EngineDeadError or ValueError (bad input)."""
+    def check_room(self, count: int) -> None:
+        """Raise EngineDeadError, ValueError (more than could ever be admitted) or OverloadedError unless
+        ``count`` more engine requests can be admitted now.  Cheap, and it only reads, so any thread may
+        call it before building work (the admission worker does); ``submit`` checks again on the loop."""
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
-        if len(specs) > self.max_live:
-            raise ValueError(f"this request asks for {len(specs)} sequences (prompts x n); the server admits at "
+        if count > self.max_live:
+            raise ValueError(f"this request asks for {count} sequences (prompts x n); the server admits at "
                              f"most {self.max_live} at once")
-        if self._num_live + len(specs) > self.max_live:
+        if self._num_live + count > self.max_live:
             raise OverloadedError(f"server overloaded: {self._num_live} sequences running or queued, limit "
                                   f"{self.max_live} (--max-num-seqs + --max-queue-len); retry later")
+
+    async def submit(self, specs: list[PromptSpec]) -> RequestGroup:
+        """Admit a group of engine requests; raises OverloadedError, EngineDeadError or ValueError (bad input)."""
+        self.check_room(len(specs))
         group = RequestGroup(specs, asyncio.get_running_loop())
         self._num_live += len(specs)
         try:
@@ -260,17 +263,9 @@ class AsyncEngine:
         group, added = cmd.group, []
         try:
             for index, spec in enumerate(group.specs):
-                ids = self._tokenize(spec)
-                sampling = dict(spec.sampling)
-                if sampling.get("max_tokens") is None:
-                    room = self.engine.max_model_len - len(ids)
-                    if room < 1:
-                        raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len="
-                                         f"{self.engine.max_model_len} leaves no room for output")
-                    sampling["max_tokens"] = room
-                rid = self.engine.add_request(ids, SamplingParams(**sampling))
+                rid = self.engine.add_request(spec.token_ids, SamplingParams(**spec.sampling))
                 added.append(rid)
-                group.prompt_token_ids.append(ids)
+                group.prompt_token_ids.append(spec.token_ids)
                 self._live[rid] = _Live(group, index, time.monotonic())
         except Exception as e:  # noqa: BLE001 - bad input (any kind): no part of the group stays in the engine
             for rid in added:
@@ -280,16 +275,6 @@ class AsyncEngine:
             return
         group.engine_ids = added
         cmd.reply.set_result(added)
-
-    def _tokenize(self, spec: PromptSpec) -> list[int]:
-        if spec.messages is not None:
-            tok = self.engine.tokenizer
-            if tok is None or not getattr(tok, "chat_template", None):
-                raise ValueError(f"model {self.engine.info['model']!r} has no tokenizer or chat template: use "
-                                 "/v1/completions (with token-id prompts if it has no tokenizer)")
-            text = tok.apply_chat_template(spec.messages, tokenize=False, add_generation_prompt=True)
-            return self.engine.encode(text)[1]
-        return self.engine.encode(spec.prompt)[1]
 
     def _step(self) -> None:
         try:

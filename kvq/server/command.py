@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
 
+from kvq.server.options import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, ServerOptions
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+API_KEY_ENV = "KVQ_API_KEY"
 
 
 def register(sub) -> None:
@@ -20,16 +25,53 @@ def register(sub) -> None:
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000); checked before the model loads")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use in requests (default: the --model value)")
     g.add_argument("--max-queue-len", type=int, default=256,
                    help="requests queued beyond --max-num-seqs before new ones get HTTP 429 (default 256)")
     g.add_argument("--uvicorn-log-level", default="info", help=f"uvicorn's log level: {', '.join(LOG_LEVELS)}")
+    s = p.add_argument_group("security and limits")
+    s.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/*, /metrics and "
+                   f"/status (/health stays open); default ${API_KEY_ENV}, which keeps the key out of `ps`")
+    s.add_argument("--public-metrics", action="store_true",
+                   help="with an API key, still serve /metrics and /status without one (e.g. for a scraper)")
+    s.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins allowed by CORS, e.g. https://app.example.com, or * (default: none)")
+    s.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default off)")
+    s.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help=f"the largest n (choices per prompt) a request may ask for (default {DEFAULT_MAX_N})")
+    s.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
+                   help="the largest request body, e.g. 8MiB; larger gets HTTP 413 (default 8MiB)")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds an idle kept-alive connection stays open (default 5)")
+    s.add_argument("--timeout-headers", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers, from opening or the request's first "
+                   "byte; then it is closed (default 10)")
+    s.add_argument("--timeout-body", type=float, default=30.0,
+                   help="seconds a request's body has to arrive after its headers; then HTTP 408 (default 30)")
     p.set_defaults(func=cmd_serve)
 
 
-def check_server_args(args: argparse.Namespace) -> None:
+def options_from_args(args: argparse.Namespace) -> ServerOptions:
+    """The server options of ``args`` (ValueError: exit code 2); the key falls back to $KVQ_API_KEY."""
+    from kvq.units import parse_bytes
+
+    api_key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    if args.public_metrics and api_key is None:
+        raise ValueError(f"--public-metrics only means something with --api-key (or ${API_KEY_ENV})")
+    try:
+        max_request_bytes = parse_bytes(args.max_request_bytes)
+    except ValueError as e:
+        raise ValueError(f"--max-request-bytes: {e}") from None
+    return ServerOptions(api_key=api_key, public_metrics=args.public_metrics,
+                         allowed_origins=tuple(args.allowed_origins or ()), enable_docs=args.enable_docs,
+                         max_n=args.max_n, max_request_bytes=max_request_bytes,
+                         timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
+                         timeout_body=args.timeout_body)
+
+
+def check_server_args(args: argparse.Namespace) -> ServerOptions:
     """Raise ValueError (exit code 2) for server flags that cannot work, before the model loads."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -39,23 +81,42 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"unknown --uvicorn-log-level {args.uvicorn_log_level!r}; valid: {', '.join(LOG_LEVELS)}")
     if args.served_model_name is not None and any(not n.strip() for n in args.served_model_name):
         raise ValueError("--served-model-name: names must be non-empty")
+    return options_from_args(args)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvq.cli import engine_config_from_args
 
-    check_server_args(args)
-    import uvicorn
-
-    from kvq.server.launch import build_server
-
+    options = check_server_args(args)
     config = engine_config_from_args(args)
-    app, engine = build_server(config, args.served_model_name, args.max_queue_len)
-    info = engine.engine.info
-    names = ", ".join(args.served_model_name or [config.model])
-    print(f"[kvq serve] {info['model']} as {names} on {info['device']} ({info['dtype']}); KV "
-          f"{info['kv_cache_dtype']['k']}/{info['kv_cache_dtype']['v']}, block {info['block_size']}, pool "
-          f"{info['kv_pool']['q_blocks']} blocks = {info['kv_pool']['tokens']} tokens; attention "
-          f"{info['attention_backend']['resolved']}; http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    from kvq.server.launch import bind_socket
+
+    sock = bind_socket(args.host, args.port)  # a port in use is an error now, not after the model loaded
+    try:
+        import uvicorn
+
+        from kvq.server.launch import build_server, uvicorn_config
+
+        app, engine = build_server(config, args.served_model_name, args.max_queue_len, options)
+        info = engine.engine.info
+        names = ", ".join(args.served_model_name or [config.model])
+        port = sock.getsockname()[1]
+        print(f"[kvq serve] {info['model']} as {names} on {info['device']} ({info['dtype']}); KV "
+              f"{info['kv_cache_dtype']['k']}/{info['kv_cache_dtype']['v']}, block {info['block_size']}, pool "
+              f"{info['kv_pool']['q_blocks']} blocks = {info['kv_pool']['tokens']} tokens; attention "
+              f"{info['attention_backend']['resolved']}; http://{args.host}:{port}; API key "
+              f"{'required' if options.api_key else 'off'}", file=sys.stderr, flush=True)
+        if options.api_key is None and not _is_loopback(args.host):
+            print(f"[kvq serve] warning: listening on {args.host} without an API key: anyone who can reach it can "
+                  f"use it (--api-key or ${API_KEY_ENV})", file=sys.stderr, flush=True)
+        uvicorn.Server(uvicorn_config(app, args.host, port, args.uvicorn_log_level)).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

@@ -1,16 +1,20 @@
-"""Building a server, and running one in a background thread (tests, benchmarks)."""
+"""Building a server, binding its socket, and running one in a background thread (tests, benchmarks)."""
 
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 import time
 
 from kvq.engine.llm_engine import EngineConfig, LLMEngine
 from kvq.server.async_engine import AsyncEngine
 from kvq.server.metrics import ServerMetrics
+from kvq.server.options import ServerOptions
 
 
-def build_server(config: EngineConfig, served_model_names: list[str] | None = None, max_queue_len: int = 256):
+def build_server(config: EngineConfig, served_model_names: list[str] | None = None, max_queue_len: int = 256,
+                 options: ServerOptions | None = None):
     """(app, async_engine) for ``config``: the engine is loaded here, its thread starts with the app."""
     from kvq.server.app import build_app
 
@@ -18,7 +22,39 @@ def build_server(config: EngineConfig, served_model_names: list[str] | None = No
     metrics = ServerMetrics()
     async_engine = AsyncEngine(engine, max_queue_len=max_queue_len, events=metrics.events)
     metrics.watch(async_engine)
-    return build_app(async_engine, metrics, served_model_names or [config.model]), async_engine
+    return build_app(async_engine, metrics, served_model_names or [config.model], options), async_engine
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not yet listening), or ValueError saying why not: called before
+    the model loads, so a port in use is reported at once."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT port may be reused
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = "; another process is listening there: stop it or pick another --port" \
+            if e.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    return sock
+
+
+def uvicorn_config(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "info"):
+    """uvicorn's config for ``app`` with its options' connection timeouts (h11, with the header deadline)."""
+    import uvicorn
+
+    from kvq.server.connection import header_deadline_protocol
+
+    options: ServerOptions = app.state.options
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5,
+                          timeout_keep_alive=options.timeout_keep_alive,
+                          http=header_deadline_protocol(options.timeout_headers))
 
 
 class ServerThread:
@@ -27,8 +63,7 @@ class ServerThread:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
         self.host = host
         self.thread = threading.Thread(target=self.server.run, name="kvq-uvicorn", daemon=True)
 

@@ -8,6 +8,12 @@ never believes a setting was honoured when it was dropped.  Types are strict
 ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (token ids in each
 choice, and a stream chunk for every token even where the text has not grown).
 
+Bounds checked here, while parsing (the stop checks run on the engine thread
+every step, so their size is bounded): at most ``MAX_STOP_STRINGS`` stop
+strings of at most ``MAX_STOP_CHARS`` characters, at most
+``MAX_STOP_TOKEN_IDS`` stop token ids.  Limits that depend on the server
+(``n``, prompt length, body size) are kvq/server/admission.py's and app.py's.
+
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -25,6 +31,11 @@ UNSUPPORTED = frozenset({
     "functions", "function_call", "response_format", "parallel_tool_calls", "audio", "modalities",
     "prediction", "reasoning_effort", "service_tier", "store", "metadata", "web_search_options",
 })
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 class ApiError(Exception):
@@ -80,8 +91,21 @@ class _GenerationRequest(_Strict):
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v):
-        if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(stops)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+        if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string is {max(map(len, stops))} characters; at most {MAX_STOP_CHARS} "
+                             "are allowed")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v):
+        if v is not None and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"{len(v)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         return v
 
     def sampling(self, max_tokens: int | None, seed_offset: int = 0) -> dict:

@@ -1,0 +1,55 @@
+"""What the server enforces at its HTTP edge, as one value: auth, browser exposure, request limits, timeouts.
+
+Built from ``kvq serve``'s flags (kvq/server/command.py) and validated here, before
+the model loads.  docs/server.md lists every limit and the status code it gives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_MAX_N = 16
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """``api_key``: None serves everyone; otherwise ``Authorization: Bearer <key>`` is required on
+    ``/v1/*``, and on ``/metrics`` and ``/status`` unless ``public_metrics`` (``/health`` is always open).
+
+    ``allowed_origins``: browser origins answered with CORS headers (empty: none; ``"*"``: any).
+    ``enable_docs``: serve ``/docs``, ``/redoc`` and ``/openapi.json``.
+
+    ``max_n``: the largest ``n``.  ``max_request_bytes``: the largest request body (413 beyond).
+    ``timeout_keep_alive``: an idle kept-alive connection is closed after this many seconds.
+    ``timeout_headers``: a request's headers must be complete this many seconds after the connection
+    opened or the request's first byte arrived, else the connection is closed.  ``timeout_body``: the
+    body must be complete this many seconds after its headers (408 otherwise).
+    """
+
+    api_key: str | None = None
+    public_metrics: bool = False
+    allowed_origins: tuple[str, ...] = ()
+    enable_docs: bool = False
+    max_n: int = DEFAULT_MAX_N
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    timeout_keep_alive: float = 5.0
+    timeout_headers: float = 10.0
+    timeout_body: float = 30.0
+
+    def __post_init__(self):
+        if self.api_key is not None and (not self.api_key.strip() or self.api_key != self.api_key.strip()):
+            raise ValueError("--api-key / KVQ_API_KEY must be non-empty, without surrounding whitespace")
+        if self.max_n < 1:
+            raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be at least 1KiB, got {self.max_request_bytes}")
+        for name in ("timeout_keep_alive", "timeout_headers", "timeout_body"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+        for origin in self.allowed_origins:
+            if origin != "*" and (not origin.startswith(("http://", "https://")) or origin.endswith("/")):
+                raise ValueError(f"--allowed-origins: {origin!r} is not an origin; write e.g. https://example.com "
+                                 "(scheme and host, no path), or * for any")
