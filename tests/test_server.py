@@ -333,8 +333,9 @@ def test_client_leaving_mid_body_is_one_log_line(server):
 
 def test_huge_requests_are_refused_while_streams_and_health_go_on(server, monkeypatch):
     """n = 2**40, a 3 MB prompt and a slow tokenization, while a stream runs and /health is polled:
-    the refusals are quick, the big prompt is never tokenized, no text is tokenized on the engine
-    thread, the stream keeps producing tokens while a tokenization is stuck, /health keeps answering."""
+    the refusals are quick (and never wait behind the stuck tokenization), the big prompt is never
+    tokenized, no text is tokenized on the engine thread, the stream keeps producing tokens while a
+    tokenization is stuck, /health keeps answering."""
     url, engine = server
     _idle_check(url)
     real_encode = engine.engine.encode
@@ -361,7 +362,7 @@ def test_huge_requests_are_refused_while_streams_and_health_go_on(server, monkey
     def post(body):
         t0 = time.monotonic()
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
-        return r.status_code, r.json(), time.monotonic() - t0
+        return r.status_code, r.json(), time.monotonic() - t0, time.monotonic()
 
     streamer = threading.Thread(target=stream)
     streamer.start()
@@ -387,6 +388,7 @@ def test_huge_requests_are_refused_while_streams_and_health_go_on(server, monkey
     assert all(name.startswith("kvq-tokenize") for name, *_ in encoded), encoded
     assert max(chars for _, chars, *_ in encoded) < 10_000, "the 3 MB prompt was tokenized"
     start, end = next((t0, t1) for _, chars, t0, t1 in encoded if t1 - t0 >= 2.0)
+    assert huge_n[3] < end and big[3] < end, "a refusal waited for another request's tokenization"
     during = sum(start + 0.25 < t < end - 0.25 for t in arrivals)
     assert during >= 3, f"the stream stalled while a prompt was tokenized: {during} chunks in {end - start:.1f} s"
     assert len(arrivals) >= 100  # every token (return_token_ids: a chunk each)

@@ -4,16 +4,18 @@ tokenized on a worker thread (never on the engine thread, whose stall would stal
 Order, cheapest first; nothing proportional to ``n`` or to a prompt's length is built before
 the check that bounds it::
 
-    parse + field checks (400: stop strings, stop_token_ids, types)
-    -> model served? (404 model_not_found)
-    -> n <= --max-n (400) -> prompts x n admissible (400 if never, 429 if not now, 503 if no engine)
-    -> each prompt: token ids <= max_model_len, or text bytes <= max_prompt_bytes (400)
-    -> tokenize (this worker thread) -> tokens <= max_model_len (400) -> PromptSpecs
+    checks (the loop's default executor: a refusal never waits behind a tokenization)
+      parse + field checks (400: stop strings, stop_token_ids, types)
+      -> model served? (404 model_not_found)
+      -> n <= --max-n (400) -> prompts x n admissible (400 if never, 429 if not now, 503 if no engine)
+      -> each prompt: token ids <= max_model_len, or text (chat: contents) bytes <= max_prompt_bytes (400)
+    build (the one tokenizer worker thread)
+      -> chat template -> tokenize -> tokens <= max_model_len (400) -> PromptSpecs
 
 ``max_prompt_bytes`` is ``max_model_len`` times the longest token of the vocabulary in bytes:
 a text longer than that cannot tokenize to ``max_model_len`` tokens, so it is refused without
-being tokenized.  The worker is one thread: tokenizations run one at a time (the Rust
-tokenizer releases the GIL while it works, so the event loop and the engine thread go on).
+being tokenized.  Tokenizations run one at a time on their worker (the Rust tokenizer releases
+the GIL while it works, so the event loop and the engine thread go on).
 """
 
 from __future__ import annotations
@@ -51,14 +53,18 @@ class Admission:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvq-tokenize")
 
     async def prepare(self, kind: type, body: bytes) -> tuple:
-        """Raises ApiError, ValueError (400), OverloadedError (429) or EngineDeadError (503)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare, kind, body)
+        """(request, model name, specs).  Raises ApiError, ValueError (400), OverloadedError (429) or
+        EngineDeadError (503).  The checks run on the loop's default executor, so a refusal never
+        waits behind another request's tokenization; the tokenizations run on the one worker."""
+        checked = await asyncio.to_thread(self._check, kind, body)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._build, *checked)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- on the worker thread ---------------------------------------------------------------------
-    def _prepare(self, kind: type, body: bytes) -> tuple:
+    # -- on worker threads ------------------------------------------------------------------------
+    def _check(self, kind: type, body: bytes) -> tuple:
+        """Parse and check everything that needs no tokenizer: (request, model, prompts, max_tokens)."""
         req = parse_request(kind, body)
         model = req.model or self.names[0]
         if model not in self.names:
@@ -67,16 +73,24 @@ class Admission:
         if req.n > self.max_n:
             raise ApiError(400, f"n is {req.n}; this server allows at most {self.max_n} (--max-n)", param="n",
                            code="invalid_value")
-        if kind is ChatCompletionRequest:
-            prompts, limit = [None], req.output_limit()
+        chat = kind is ChatCompletionRequest
+        if chat:  # one prompt: the messages
+            prompts, limit = [[m.template_dict() for m in req.messages]], req.output_limit()
         else:
             prompts, limit = req.prompts(), 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
         self.engine.check_room(len(prompts) * req.n)  # before any prompt is looked at
-        if kind is ChatCompletionRequest:
-            token_ids = [self._chat_ids(req)]
+        if chat:
+            self._check_contents(prompts[0])
         else:
             for i, p in enumerate(prompts):
                 self._check_length(p, "prompt", i if len(prompts) > 1 else None)
+        return req, model, prompts, limit
+
+    def _build(self, req, model: str, prompts: list, limit: int | None) -> tuple:
+        """On the tokenizer worker: token ids, then one PromptSpec per prompt and sample."""
+        if isinstance(req, ChatCompletionRequest):
+            token_ids = [self._chat_ids(prompts[0])]
+        else:
             token_ids = [self._prompt_ids(p, i if len(prompts) > 1 else None) for i, p in enumerate(prompts)]
         specs = []
         for ids in token_ids:
@@ -115,18 +129,21 @@ class Admission:
                            param="prompt", code="context_length_exceeded")
         return ids
 
-    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def _check_contents(self, messages: list[dict]) -> None:
+        """The chat template only adds text: contents over the byte bound are refused untemplated."""
+        if self.max_prompt_bytes is None:
+            return
+        size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+        if size > self.max_prompt_bytes:
+            raise ApiError(400, f"the messages' contents are {size} bytes; no text over {self.max_prompt_bytes} "
+                           f"bytes fits in max_model_len={self.max_model_len} tokens with this vocabulary",
+                           param="messages", code="context_length_exceeded")
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
         tok = self.engine.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError(f"model {self.engine.engine.info['model']!r} has no tokenizer or chat template: use "
                              "/v1/completions (with token-id prompts if it has no tokenizer)")
-        messages = [m.template_dict() for m in req.messages]
-        if self.max_prompt_bytes is not None:  # the template only adds text: check the contents first
-            size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
-            if size > self.max_prompt_bytes:
-                raise ApiError(400, f"the messages' contents are {size} bytes; no text over {self.max_prompt_bytes} "
-                               f"bytes fits in max_model_len={self.max_model_len} tokens with this vocabulary",
-                               param="messages", code="context_length_exceeded")
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         self._check_length(text, "messages", None)
         ids = self.engine.engine.encode(text)[1]
@@ -134,4 +151,3 @@ class Admission:
             raise ApiError(400, f"the messages make a prompt of {len(ids)} tokens, which exceeds max_model_len="
                            f"{self.max_model_len}", param="messages", code="context_length_exceeded")
         return ids
-
