@@ -10,12 +10,11 @@ directly on the device (for benchmarks: a shipped config such as
 from __future__ import annotations
 
 import functools
-import json
 
 import torch
 
-from kvq.models.llama import LlamaConfig, LlamaForCausalLM
-from kvq.models.source import ModelSource, resolve_model
+from kvq.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
+from kvq.models.source import ModelFileError, ModelSource, read_hf_config, resolve_model
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -27,13 +26,19 @@ def _hf_config(src: ModelSource):
     if src.gguf_file:
         kw["gguf_file"] = src.gguf_file
     if src.gguf_file is None and (src.folder / "config.json").is_file():
-        data = json.loads((src.folder / "config.json").read_text())
+        data = read_hf_config(src.folder)
         data.pop("_comment", None)
         from transformers import CONFIG_MAPPING
 
         mt = data.get("model_type", "llama")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ModelFileError(f"{src.folder / 'config.json'}: model_type {mt!r} is not one kvq builds; valid: "
+                                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         return CONFIG_MAPPING[mt](**{k: v for k, v in data.items() if k != "model_type"})
-    return AutoConfig.from_pretrained(str(src.folder), **kw)
+    try:
+        return AutoConfig.from_pretrained(str(src.folder), **kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelFileError(f"{src.path}: cannot read the model config ({type(e).__name__}: {e})") from None
 
 
 def build_model(model: str | ModelSource = "default", *, load_format: str = "auto", dtype: torch.dtype = torch.float32,

@@ -9,13 +9,14 @@ per-tensor bars for GGUF conversion and weight loading.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from kvq.models.source import ModelSource, resolve_model
+from kvq.models.source import ModelFileError, ModelSource, resolve_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -39,7 +40,21 @@ def load_tokenizer(model: str | ModelSource):
     from transformers import AutoTokenizer
 
     src = resolve_model(model) if isinstance(model, str) else model
-    return AutoTokenizer.from_pretrained(str(src.folder), **_kwargs(src))
+    with _named_errors(src, "tokenizer"):
+        return AutoTokenizer.from_pretrained(str(src.folder), **_kwargs(src))
+
+
+@contextlib.contextmanager
+def _named_errors(src: ModelSource, what: str):
+    """A checkpoint transformers cannot read (truncated safetensors, garbled GGUF tensors, missing
+    files) -> one ModelFileError naming the file and the loader's complaint, not a traceback."""
+    try:
+        yield
+    except (ModelFileError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers, safetensors and gguf raise many types here
+        msg = " ".join(str(e).split())[:300]
+        raise ModelFileError(f"{src.path}: cannot load the {what} ({type(e).__name__}: {msg})") from e
 
 
 def load_hf_model(model: str | ModelSource = "default", dtype: torch.dtype = torch.float32,
@@ -53,7 +68,8 @@ def load_hf_model(model: str | ModelSource = "default", dtype: torch.dtype = tor
         tok = load_tokenizer(src)
         bar.update()
         bar.set_postfix_str("weights")
-        lm = AutoModelForCausalLM.from_pretrained(str(src.folder), dtype=dtype, **_kwargs(src))
+        with _named_errors(src, "weights"):
+            lm = AutoModelForCausalLM.from_pretrained(str(src.folder), dtype=dtype, **_kwargs(src))
         bar.update()
         bar.set_postfix_str(f"to {device}")
         lm = lm.to(device).eval()
