@@ -19,10 +19,12 @@ demo: install
 	$(PY) -m kvq.cli formats --model default
 	$(PY) -m kvq.cli eval --model default --out kvq-eval
 
-# Lint (the repo's ruff config) and the test suite: what CI runs.
+# Lint (the repo's ruff config) and the test suite: what CI runs.  Progress per file with a running
+# percentage, the 15 slowest tests at the end; pytest's exit code 5 ("no tests ran") fails the target.
+# One torch thread (tests/conftest.py pins it too): fastest on a shared 2-core machine.
 test: install-test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
 .PHONY: gpu-test bench-kernels bench-engine bench-server

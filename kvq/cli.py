@@ -22,6 +22,24 @@ class UsageError(ValueError):
     """Bad command-line input (exit code 2)."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag raises :class:`UsageError`: :func:`main` reports every usage error
+    the same way, in one line with exit code 2 (``--help`` still exits 0 through SystemExit)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def check_range(flag: str, value, low=None, high=None, *, optional: bool = True) -> None:
+    """UsageError unless ``low <= value <= high`` (either bound may be None); None passes if optional."""
+    if value is None and optional:
+        return
+    if value is None or (low is not None and not value >= low) or (high is not None and not value <= high):
+        valid = (f"in [{low}, {high}]" if low is not None and high is not None
+                 else f">= {low}" if low is not None else f"<= {high}")
+        raise UsageError(f"{flag} must be {valid}, got {value}")
+
+
 # -- shared option groups -----------------------------------------------------------------------
 def add_model_args(p: argparse.ArgumentParser, *, bare: bool = True) -> None:
     g = p.add_argument_group("model")
@@ -52,6 +70,9 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per cache block (default 16, or a multiple of the KIVI group)")
 
 
+BARE_MODEL_DTYPES = ("bfloat16", "float16", "float32")
+
+
 def shape_from_args(args: argparse.Namespace):
     bare = [args.num_layers, args.num_kv_heads, args.head_dim]
     if any(x is not None for x in bare):
@@ -59,21 +80,31 @@ def shape_from_args(args: argparse.Namespace):
             raise UsageError("give either --model or --num-layers/--num-kv-heads/--head-dim, not both")
         if any(x is None for x in bare):
             raise UsageError("a bare config needs all of --num-layers, --num-kv-heads and --head-dim")
+        for flag, value in (("--num-layers", args.num_layers), ("--num-kv-heads", args.num_kv_heads),
+                            ("--head-dim", args.head_dim), ("--max-model-len", args.max_model_len)):
+            check_range(flag, value, 1)
+        if args.dtype not in BARE_MODEL_DTYPES:
+            raise UsageError(f"unknown --dtype {args.dtype!r} for a bare config; valid: {', '.join(BARE_MODEL_DTYPES)}")
         return bare_model(args.num_layers, args.num_kv_heads, args.head_dim,
-                          max_position_embeddings=args.max_model_len or 8192, dtype=args.dtype)
+                          max_position_embeddings=8192 if args.max_model_len is None else args.max_model_len,
+                          dtype=args.dtype)
     return model_shape(args.model or DEFAULT_MODEL)
 
 
 def kv_config_from_args(args: argparse.Namespace) -> KVCacheConfig:
-    """The KV flags as one object (what the plan and the engine take)."""
-    return KVCacheConfig(dtype=args.kv_cache_dtype, k=args.kv_cache_dtype_k, v=args.kv_cache_dtype_v,
-                         skip_layers=tuple(args.kv_cache_dtype_skip_layers or ()), sink_tokens=args.kv_sink_tokens,
-                         residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
-                         block_size=args.block_size)
+    """The KV flags as one object (what the plan and the engine take), range-checked, and
+    refusing options the chosen format does not use (``--kivi-group-size`` with fp8)."""
+    kv = KVCacheConfig(dtype=args.kv_cache_dtype, k=args.kv_cache_dtype_k, v=args.kv_cache_dtype_v,
+                       skip_layers=tuple(args.kv_cache_dtype_skip_layers or ()), sink_tokens=args.kv_sink_tokens,
+                       residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
+                       block_size=args.block_size)
+    kv.check_options_apply()
+    return kv
 
 
 def plan_from_args(args: argparse.Namespace, shape=None) -> CachePlan:
-    return kv_config_from_args(args).plan(shape if shape is not None else shape_from_args(args))
+    kv = kv_config_from_args(args)  # flags checked before a model file is read
+    return kv.plan(shape if shape is not None else shape_from_args(args))
 
 
 # -- kvq formats ---------------------------------------------------------------------------------
@@ -147,8 +178,10 @@ def plan_record(plan: CachePlan, memory: int, context_len: int | None) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    check_range("--context-len", args.context_len, 1)
+    memory = parse_bytes(args.memory)
     plan = plan_from_args(args)  # arithmetic only: no torch (the FP8 numerics check runs where pools are made)
-    rec = plan_record(plan, parse_bytes(args.memory), args.context_len)
+    rec = plan_record(plan, memory, args.context_len)
     if args.json:
         print(json.dumps(rec, indent=2))
         return 0
@@ -194,32 +227,54 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule and launch each step before the previous step's tokens are read (outputs "
                         "unchanged; the host prepares a step while the device runs the previous one); "
                         "default: on with CUDA, off on the CPU")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 on the CPU unless OMP_NUM_THREADS is set, torch's own "
+                        "with CUDA; 0 = torch's own).  One thread never stalls on a busy machine (2 on a shared "
+                        "2-core machine measured 3-13x slower); on an idle machine with many cores, 4-8 run "
+                        "1.6-5x faster (README, Threads)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
+    """The engine flags as one EngineConfig; every range is checked here, before a model file is
+    opened (ValueError: exit code 2)."""
     from kvq.engine.llm_engine import EngineConfig
 
-    return EngineConfig(
-        model=args.model or DEFAULT_MODEL, kv_cache=kv_config_from_args(args), attention_backend=args.attention_backend,
-        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-    )
+    kv = kv_config_from_args(args)
+    try:
+        return EngineConfig(
+            model=args.model or DEFAULT_MODEL, kv_cache=kv, attention_backend=args.attention_backend,
+            device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,
+            enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, threads=args.threads,
+        )
+    except ValueError as e:  # the API names its fields; here they are flags
+        msg = str(e)
+        field = msg.split(" ", 1)[0].rstrip(":")
+        if field.isidentifier() and hasattr(args, field):
+            msg = "--" + field.replace("_", "-") + msg[len(field):]
+        raise UsageError(msg) from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvq.engine.llm import LLM
     from kvq.engine.sampling_params import SamplingParams
 
+    if not args.prompt:
+        raise UsageError("the prompt is empty")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sample_seed, stop=tuple(args.stop or ()))
-    llm = LLM(config=engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    max_len = config.max_model_len or model_shape(config.model).max_position_embeddings  # the header only
+    if args.max_tokens >= max_len:
+        raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the "
+                         f"{max_len}-token context (--max-model-len)")
+    llm = LLM(config=config)
     info = llm.engine.info
     print(f"[kvq] {info['model']} on {info['device']} ({info['dtype']}); KV {info['kv_cache_dtype']['k']}/"
           f"{info['kv_cache_dtype']['v']}, block {info['block_size']}; backend {info['attention_backend']['resolved']} "
           f"({info['attention_backend']['reason']}); pool {info['kv_pool']['q_blocks']} blocks = "
-          f"{info['kv_pool']['tokens']} tokens", file=sys.stderr, flush=True)
+          f"{info['kv_pool']['tokens']} tokens; {info['threads']} thread(s)", file=sys.stderr, flush=True)
     prompt = args.prompt
     if not args.no_chat and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
         prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
@@ -231,7 +286,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # -- entry point -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvq", description="kvq: an LLM inference engine core with a quantized, "
+    p = Parser(prog="kvq", description="kvq: an LLM inference engine core with a quantized, "
                                 "paged KV cache.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -276,12 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command -> exit code: 0, or 2 with one line ``kvq: error: ...`` on stderr for bad
+    input (flags, files, budgets), found before any model weights load."""
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:  # bad user input: named, exit code 2
-        print(f"kvq: error: {e}", file=sys.stderr)
+        print(f"kvq: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

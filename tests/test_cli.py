@@ -99,3 +99,25 @@ def test_help_names_every_attention_backend(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for name in backend_names():
         assert name in text.rsplit("--attention-backend", 1)[1][:200], name  # the option's help, not usage
+
+
+def test_usage_errors_are_one_line_and_return_2(capsys):
+    """argparse's own errors (unknown flag, a value that is not a number) come back as exit code 2
+    with one line, like every other bad input; --help still exits 0."""
+    for argv, want in ((["plan", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+                       (["plan", *BARE, "--context-len", "ten"], "invalid int value: 'ten'"),
+                       (["generate"], "the following arguments are required: prompt"),
+                       (["nope"], "invalid choice: 'nope'")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("kvq: error: ") and err.count("\n") == 1 and want in err, err
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--help"])
+    assert e.value.code == 0
+
+
+def test_engine_commands_take_threads(capsys):
+    for command in ("generate", "serve", "eval"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--threads" in capsys.readouterr().out, command

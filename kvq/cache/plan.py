@@ -200,6 +200,37 @@ class KVCacheConfig:
     group_size: int | None = None
     block_size: int | None = None
 
+    def __post_init__(self) -> None:
+        """Types and ranges, before any model is read (what needs the model: :meth:`plan`)."""
+        for name in ("dtype", "k", "v"):
+            val = getattr(self, name)
+            if not (val is None and name != "dtype") and (not isinstance(val, str) or not val.strip()):
+                raise ValueError(f"KV cache format {name!r} must be a format name (see `kvq formats`), got {val!r}")
+        skips = self.skip_layers
+        skips = (skips,) if isinstance(skips, (str, int)) else tuple(skips or ())
+        object.__setattr__(self, "skip_layers", skips)
+        for name, flag, low in (("sink_tokens", "--kv-sink-tokens", 0), ("residual_tokens", "--kv-residual-tokens", 0),
+                                ("group_size", "--kivi-group-size", 1), ("block_size", "--block-size", 1)):
+            val = getattr(self, name)
+            if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < low):
+                raise ValueError(f"{flag} must be an int >= {low}, got {val!r}")
+        if self.group_size is not None and self.group_size & (self.group_size - 1):
+            raise ValueError(f"--kivi-group-size must be a power of two, got {self.group_size}")
+
+    def check_options_apply(self) -> None:
+        """Raise ValueError for a format option the chosen formats do not use (``--kivi-group-size``
+        with a format that has no groups); the CLI and ``LLM`` call it, `kvq eval` (one group size
+        for several formats) does not."""
+        if self.group_size is None:
+            return
+        fmt = resolve_kv(self.dtype, self.k, self.v, group_size=self.group_size)
+        if fmt.k.group_size is None and fmt.v.group_size is None:
+            from kvq.formats.registry import entries
+
+            grouped = [e.name for e in entries() if resolve_kv(e.name).k.group_size or resolve_kv(e.name).v.group_size]
+            raise ValueError(f"--kivi-group-size applies only to formats quantized in groups ({', '.join(grouped)}); "
+                             f"{fmt.requested or fmt.k.name} has none")
+
     def with_spec(self, spec: str) -> KVCacheConfig:
         """This config with a format spec applied: ``name[:rN][:sN][:gN]``, the format plus
         its recent window (r), sink tokens (s) or KIVI group size (g), e.g. ``fp8_e4m3:r128:s4``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Iterator
 
 from tqdm.auto import tqdm
@@ -12,12 +13,20 @@ from kvq.engine.sampling_params import SamplingParams
 
 class LLM:
     """An engine plus convenience calls.  Keyword arguments are :class:`EngineConfig` fields,
-    e.g. ``LLM(model="default", kv_cache_dtype="fp8_e4m3")``."""
+    e.g. ``LLM(model="default", kv_cache_dtype="fp8_e4m3", threads=2)``.  Every bad choice raises
+    ValueError before the weights load; what was resolved is logged at INFO on the "kvq" logger
+    (``logging.basicConfig(level=logging.INFO)`` to see it) and kept in ``llm.engine.info``."""
 
     def __init__(self, model: str = "default", config: EngineConfig | None = None, **kwargs):
         if config is not None and kwargs:
             raise ValueError("give either config or keyword arguments, not both")
-        self.engine = LLMEngine(config or EngineConfig(model=model, **kwargs))
+        unknown = sorted(set(kwargs) - {f.name for f in fields(EngineConfig)})
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s) {', '.join(unknown)}; valid: "
+                             f"{', '.join(f.name for f in fields(EngineConfig) if f.name != 'model')}")
+        config = config or EngineConfig(model=model, **kwargs)
+        config.kv_cache_config.check_options_apply()
+        self.engine = LLMEngine(config)
 
     @property
     def tokenizer(self):
@@ -25,20 +34,29 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts (strings or token-id lists) -> outputs in the same order."""
+        """Prompts (strings or token-id lists) -> outputs in the same order.
+
+        All or nothing: a bad prompt or parameter raises ValueError before any request is
+        queued; an exception while generating (Ctrl-C included) aborts the call's requests,
+        so none of them runs during a later call."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.engine.add_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
+        prompts = list(prompts)
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) \
+            else [sampling_params] * len(prompts)
+        ids = self.engine.add_requests(prompts, params)
         done: dict[int, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished and out.request_id not in done:
-                        done[out.request_id] = out
-                        bar.update()
+        try:
+            with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
+                while self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        if out.finished and out.request_id not in done:
+                            done[out.request_id] = out
+                            bar.update()
+        finally:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort(rid)
         return [done[i] for i in ids]
 
     def apply_chat_template(self, messages: list[dict]) -> str:
@@ -54,17 +72,23 @@ class LLM:
         return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one request as tokens arrive."""
-        rid = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        """Yield text deltas of one request as tokens arrive.  Closing the generator early
+        (``close()``, ``break`` out of a for loop, garbage collection) aborts the request and
+        frees its KV blocks at once."""
+        rid = self.engine.add_request(prompt, sampling_params)
         sent = ""
-        while True:
-            outs = [o for o in self.engine.step() if o.request_id == rid]
-            for o in outs:
-                text = o.outputs[0].text
-                if len(text) > len(sent) and text.startswith(sent):
-                    yield text[len(sent):]
-                    sent = text
-                if o.finished:
-                    return
-            if not self.engine.has_unfinished():
-                return
+        finished = False
+        try:
+            while not finished:
+                outs = [o for o in self.engine.step() if o.request_id == rid]
+                for o in outs:
+                    text = o.outputs[0].text
+                    finished = finished or o.finished
+                    if len(text) > len(sent) and text.startswith(sent):
+                        yield text[len(sent):]
+                        sent = text
+                if not self.engine.has_unfinished():
+                    finished = True
+        finally:
+            if not finished:
+                self.engine.abort(rid)

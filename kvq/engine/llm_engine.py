@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import math
+import operator
+import os
+import re
 from dataclasses import dataclass, field
 
 import torch
 
-from kvq.attention.backends import select_backend
+from kvq.attention.backends import backend_names, select_backend
 from kvq.cache.block_manager import BlockManager, BlockRef
 from kvq.cache.plan import CachePlan, KVCacheConfig
 from kvq.cache.pool import KVPool
@@ -33,11 +37,21 @@ from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
 from kvq.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from kvq.engine.sequence import Sequence
-from kvq.models.builder import build_model
+from kvq.models.builder import LOAD_FORMATS, build_model
 from kvq.models.source import model_shape, resolve_model
-from kvq.units import parse_bytes
+from kvq.units import format_bytes, parse_bytes
 
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+#: torch CPU threads when ``threads`` is None on a CPU device and OMP_NUM_THREADS is unset.  Measured
+#: on SmolLM2-135M shapes: one thread is never much slower than on an idle machine, while more threads
+#: than free cores stall at every op's barrier (shared 2-core machine: 2 threads 3-13x slower than 1;
+#: 16 cores all busy: 4 threads 3x slower on a 1000-token prefill, 8 threads 17x slower decoding).  On
+#: an idle 16-core machine 4-8 threads are 1.6-5x faster: ``threads=N`` / ``--threads N`` there.
+DEFAULT_CPU_THREADS = 1
+CPU_DEFAULT_KV_MEMORY = "1GiB"
+
+logger = logging.getLogger("kvq")
 
 
 @dataclass(frozen=True)
@@ -69,11 +83,55 @@ class EngineConfig:
     # runs one step while the host prepares the next; off on the CPU, where nothing overlaps)
     async_scheduling: bool | None = None
     kv_cache: KVCacheConfig | None = None  # the KV choices as one object (instead of the kv_* fields above)
+    # torch CPU threads for this process: N >= 1 sets it, 0 keeps torch's own; None: DEFAULT_CPU_THREADS
+    # on a CPU device unless OMP_NUM_THREADS is set, torch's own on CUDA
+    threads: int | None = None
 
     def __post_init__(self) -> None:
+        """Every choice range-checked here, before a model file is opened (ValueError naming what is
+        valid); what needs the model's shape (max_model_len, skipped layers) is checked next, still
+        before the weights load."""
         if self.kv_cache is not None and self.kv_cache_config_fields() != KVCacheConfig():
             raise ValueError("give the KV cache choices either as kv_cache=KVCacheConfig(...) or as the "
                              "kv_cache_dtype* / kv_*_tokens / kivi_group_size / block_size fields, not both")
+        if self.kv_cache is not None and not isinstance(self.kv_cache, KVCacheConfig):
+            raise ValueError(f"kv_cache must be a KVCacheConfig, got {type(self.kv_cache).__name__}")
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError(f"model must be 'default', a shipped config, a .gguf path or an HF folder, "
+                             f"got {self.model!r}")
+        check_device_name(self.device)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if self.attention_backend not in backend_names():
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; "
+                             f"valid: {', '.join(backend_names())}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load format {self.load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
+        _check_int("max_model_len", self.max_model_len, 1, optional=True)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence decodes one token each step")
+        _check_int("seed", self.seed, None)
+        _check_int("threads", self.threads, 0, optional=True)
+        if self.kv_cache_memory is not None:
+            if isinstance(self.kv_cache_memory, bool):
+                raise ValueError(f"kv_cache_memory must be a size such as 4GiB, got {self.kv_cache_memory!r}")
+            try:
+                parse_bytes(self.kv_cache_memory)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:  # rejects NaN too
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
+        for name in ("enable_prefix_caching", "enforce_eager", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("freeze_gc", "async_scheduling"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None (the device's default), "
+                                 f"got {getattr(self, name)!r}")
 
     def kv_cache_config_fields(self) -> KVCacheConfig:
         return KVCacheConfig(dtype=self.kv_cache_dtype, k=self.kv_cache_dtype_k, v=self.kv_cache_dtype_v,
@@ -133,13 +191,84 @@ class _Zeros:
         return [0] * (end - start)
 
 
+def _check_int(name: str, value, low: int | None, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
+        raise ValueError(f"{name} must be an int" + (f" >= {low}" if low is not None else "") + f", got {value!r}")
+
+
+def check_device_name(name) -> None:
+    """ValueError unless ``name`` is one of :data:`DEVICES` (whether CUDA exists is checked at start)."""
+    if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ValueError(f"unknown device {name!r}; valid: {', '.join(DEVICES)}")
+
+
 def _resolve_device(name: str) -> torch.device:
+    check_device_name(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but no CUDA device is available (valid here: cpu, auto)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but no CUDA device is available (valid here: cpu, auto)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return dev
+
+
+def resolve_threads(threads: int | None, device: torch.device) -> int | None:
+    """The torch CPU thread count an engine sets (None: leave torch's as it is)."""
+    if threads is None:
+        if device.type != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+            return None
+        return DEFAULT_CPU_THREADS
+    return threads or None
+
+
+def available_host_memory() -> int | None:
+    """Bytes of RAM this process can still take: the smaller of the machine's available memory and
+    the cgroup's limit (containers); None where neither can be read."""
+    found = []
+    try:
+        import psutil
+
+        found.append(int(psutil.virtual_memory().available))
+    except ImportError:
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            found.append(int(info["MemAvailable"].split()[0]) * 1024)
+        except (OSError, KeyError, ValueError):
+            try:
+                found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+            except (ValueError, OSError, AttributeError):
+                pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_memory_fits(nbytes: int, device: torch.device) -> None:
+    """ValueError if a KV budget cannot exist on ``device`` (before anything is loaded)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if nbytes > free:
+            raise ValueError(f"kv_cache_memory {format_bytes(nbytes)} exceeds the {format_bytes(free)} free on "
+                             f"{device} ({format_bytes(total)} total, before the model loads)")
+        return
+    avail = available_host_memory()
+    if avail is not None and nbytes > avail:
+        raise ValueError(f"kv_cache_memory {format_bytes(nbytes)} exceeds the {format_bytes(avail)} of RAM "
+                         f"available to this process (before the model loads); give a smaller --kv-cache-memory")
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -161,6 +290,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         cfg = config or EngineConfig(**kwargs)
         self.config = cfg
+        # Everything that can be wrong with the choices is checked before the weights load (seconds
+        # to minutes): the config's ranges (EngineConfig), the device, the model files' headers, the
+        # plan against the model's shape, the backend, the scheduler's limits, and the KV budget
+        # against the device's memory wherever it is known without profiling.
         self.device = _resolve_device(cfg.device)
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.device.type == "cuda")
@@ -174,30 +307,31 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len or shape.max_position_embeddings
         if self.max_model_len > shape.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"{shape.max_position_embeddings} positions")
+                             f"{shape.max_position_embeddings} positions (valid: 1..{shape.max_position_embeddings})")
+        sched_config = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=self.plan.block_size,
+            block_aligned_chunks=not self.plan.window_policy.write_direct,
+            max_inflight=2 if self.async_scheduling else 1)
+        memory = self._explicit_kv_memory()
+        if memory is not None:
+            check_memory_fits(memory, self.device)
+            self._pool_blocks(memory)  # too small for one block: said now, not after the load
+        threads = resolve_threads(cfg.threads, self.device)
+        if threads is not None:  # process-wide: torch has one intra-op pool
+            torch.set_num_threads(threads)
         self.model, self.tokenizer = build_model(src, load_format=cfg.load_format, dtype=self.dtype,
                                                  device=self.device, seed=cfg.seed, progress=cfg.progress)
-        memory = self._kv_memory()
-        num_hp = hp_blocks_needed(self.plan, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        if num_hp:  # at most a quarter of the memory; admission control keeps within what exists
-            one_seq = hp_blocks_needed(self.plan, 1, self.plan.block_size)
-            num_hp = max(one_seq, min(num_hp, memory // 4 // self.plan.hp_bytes_per_block))
-        num_q = (memory - num_hp * self.plan.hp_bytes_per_block) // self.plan.bytes_per_block
-        if num_q < 1:
-            raise ValueError(f"KV memory {memory} bytes is too small for this plan (needs "
-                             f"{num_hp * self.plan.hp_bytes_per_block + self.plan.bytes_per_block} bytes at least)")
+        if memory is None:
+            memory = self._profiled_kv_memory()
+        num_q, num_hp = self._pool_blocks(memory)
         use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager
                       and self.backend_choice.resolved in ("triton", "cuda"))
         # CUDA graphs pad batches with rows that write to a null block outside the manager's range
         self.pool = KVPool.create(self.plan, int(num_q) + int(use_graphs), num_hp, self.device)
         self.block_manager = BlockManager(int(num_q), num_hp, self.plan.window_policy, cfg.enable_prefix_caching)
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                            max_model_len=self.max_model_len, block_size=self.plan.block_size,
-                            block_aligned_chunks=not self.plan.window_policy.write_direct,
-                            max_inflight=2 if self.async_scheduling else 1),
-            self.block_manager, eos_token_id=eos)
+        self.scheduler = Scheduler(sched_config, self.block_manager, eos_token_id=eos)
         graphs = None
         if use_graphs:
             graphs = DecodeGraphs(self.model, self.pool, self.kernels, self.device, cfg.max_num_seqs,
@@ -225,6 +359,7 @@ class LLMEngine:
                         "bytes": self.pool.nbytes()},
             "max_model_len": self.max_model_len,
             "async_scheduling": self.async_scheduling,
+            "threads": torch.get_num_threads(),
             "cuda_graphs": {"batch_sizes": graphs.sizes, "capture_seconds": round(graphs.capture_seconds, 2)}
             if graphs else None,
         }
@@ -235,15 +370,42 @@ class LLMEngine:
         if cfg.freeze_gc if cfg.freeze_gc is not None else self.device.type == "cuda":
             gc.collect()
             gc.freeze()
+        logger.info("%s", self.describe())
 
-    def _kv_memory(self) -> int:
+    def describe(self) -> str:
+        """What the engine resolved, in one line (logged at INFO on the "kvq" logger when built)."""
+        i = self.info
+        pool = i["kv_pool"]
+        return (f"kvq engine: model {i['model']} on {i['device']} ({i['dtype']}); KV {i['kv_cache_dtype']['name']} "
+                f"(K {i['kv_cache_dtype']['k']}, V {i['kv_cache_dtype']['v']}), block {i['block_size']}; pool "
+                f"{pool['q_blocks']} blocks = {pool['tokens']} tokens + {pool['hp_blocks']} high-precision blocks "
+                f"({format_bytes(pool['bytes'])}); attention {i['attention_backend']['resolved']} "
+                f"({i['attention_backend']['reason']}); max_model_len {i['max_model_len']}; threads {i['threads']}; "
+                f"async scheduling {'on' if i['async_scheduling'] else 'off'}; "
+                f"cuda graphs {'on' if i['cuda_graphs'] else 'off'}")
+
+    def _explicit_kv_memory(self) -> int | None:
+        """The KV budget where it is known before the model loads: given, or the CPU default."""
+        if self.config.kv_cache_memory is not None:
+            return parse_bytes(self.config.kv_cache_memory)
+        return None if self.device.type == "cuda" else parse_bytes(CPU_DEFAULT_KV_MEMORY)
+
+    def _pool_blocks(self, memory: int) -> tuple[int, int]:
+        """(resident, high-precision) blocks that ``memory`` bytes hold for this plan."""
+        num_hp = hp_blocks_needed(self.plan, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        if num_hp:  # at most a quarter of the memory; admission control keeps within what exists
+            one_seq = hp_blocks_needed(self.plan, 1, self.plan.block_size)
+            num_hp = max(one_seq, min(num_hp, memory // 4 // self.plan.hp_bytes_per_block))
+        num_q = (memory - num_hp * self.plan.hp_bytes_per_block) // self.plan.bytes_per_block
+        if num_q < 1:
+            raise ValueError(f"KV memory {memory} bytes is too small for this plan (needs "
+                             f"{num_hp * self.plan.hp_bytes_per_block + self.plan.bytes_per_block} bytes at least)")
+        return int(num_q), int(num_hp)
+
+    def _profiled_kv_memory(self) -> int:
+        """The KV budget on CUDA without kv_cache_memory: gpu_memory_utilization of the device, less
+        what is in use and a profiled forward's activations."""
         cfg = self.config
-        if cfg.kv_cache_memory is not None:
-            return parse_bytes(cfg.kv_cache_memory)
-        if self.device.type != "cuda":
-            return parse_bytes("1GiB")
-        if not 0 < cfg.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
         m = self.model.config
@@ -288,24 +450,60 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """A prompt (text, or token ids) -> (text or None, token ids); ValueError for anything else."""
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (dummy weights): pass token ids")
             return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        ids = [int(t) for t in prompt]
+        if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
+            raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+        try:  # ints, numpy ints, 0-d integer tensors; not floats or bools
+            if any(isinstance(t, bool) for t in prompt):
+                raise TypeError
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError("token ids must be ints") from None
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token ids must be in [0, {vocab})")
         return None, ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        params = params or SamplingParams()
-        text, ids = self.encode(prompt)
-        rid = next(self._ids)
-        self.scheduler.add(Sequence(rid, ids, params))
-        self._prompts[rid] = text
-        self._texts[rid] = ""
-        return rid
+        return self.add_requests([prompt], [params])[0]
+
+    def add_requests(self, prompts: list, params: list[SamplingParams | None]) -> list[int]:
+        """Queue several requests, all or none: a bad one raises ValueError (naming its index when
+        there are several) and leaves nothing queued."""
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        where = (lambda i: f"prompt {i}: ") if len(prompts) > 1 else (lambda i: "")
+        encoded = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            sp = SamplingParams() if sp is None else sp
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"{where(i)}sampling params must be a SamplingParams, got {type(sp).__name__}")
+            try:
+                encoded.append((*self.encode(prompt), sp))
+            except ValueError as e:
+                raise ValueError(f"{where(i)}{e}") from None
+        added: list[int] = []
+        try:
+            for i, (text, ids, sp) in enumerate(encoded):
+                rid = next(self._ids)
+                try:  # the scheduler is the judge of length and capacity
+                    self.scheduler.add(Sequence(rid, ids, sp))
+                except ValueError as e:
+                    raise ValueError(f"{where(i)}{e}") from None
+                added.append(rid)
+                self._prompts[rid] = text
+                self._texts[rid] = ""
+        except BaseException:
+            for rid in added:  # nothing has run: a waiting sequence holds no blocks
+                self.abort(rid)
+            raise
+        return added
 
     def abort(self, request_id: int) -> None:
         self.scheduler.abort(request_id)

@@ -8,6 +8,7 @@ detokenizer (``stop`` strings). Pure Python: no torch here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ class SamplingParams:
     """How to pick each next token, and when to stop.
 
     max_tokens      output tokens to generate at most (>= 1); reaching it finishes with "length"
-    temperature     >= 0; below ``GREEDY_EPS`` the sampler takes the argmax (see :attr:`greedy`)
+    temperature     finite, >= 0; below ``GREEDY_EPS`` the sampler takes the argmax (see :attr:`greedy`)
     top_p           nucleus mass in (0, 1]; 1 disables it
     top_k           keep the k most likely tokens; 0 or -1 disables it
     seed            per-request generator seed, or None for the engine's shared generator
@@ -76,8 +77,8 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0:  # rejects NaN too
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+                or not 0 <= self.temperature < math.inf:  # rejects NaN and infinity too
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:

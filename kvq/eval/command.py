@@ -105,11 +105,49 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_eval)
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Ranges of the flags alone (ValueError: exit code 2), before a model file is read;
+    :func:`kvq.eval.runner.validate` then checks them against the model."""
+    from kvq.attention.backends import backend_names
+    from kvq.cli import check_range
+    from kvq.engine.llm_engine import DTYPES, check_device_name
+
+    check_device_name(args.device)
+    if args.dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {args.dtype!r}; valid: {', '.join(DTYPES)}")
+    if args.attention_backend not in backend_names():
+        raise ValueError(f"unknown --attention-backend {args.attention_backend!r}; valid: {', '.join(backend_names())}")
+    for flag, value, low, high in (
+            ("--threads", args.threads, 0, None), ("--chunk", args.chunk, 1, None), ("--window", args.window, 1, None),
+            ("--passages", args.passages, 1, None), ("--greedy-tokens", args.greedy_tokens, 0, None),
+            ("--passkey-trials", args.passkey_trials, 0, None), ("--max-ppl-increase", args.max_ppl_increase, 0, None),
+            ("--max-kl", args.max_kl, 0, None), ("--min-top1", args.min_top1, 0, 1),
+            ("--max-passkey-drop", args.max_passkey_drop, 0, 1)):
+        check_range(flag, value, low, high)
+    for flag, values in (("--bins", args.bins), ("--passkey-bins", args.passkey_bins)):
+        for b in values or ():
+            check_range(flag, b, 1)
+    if args.kivi_group_size is not None and args.kv_cache_dtype is not None:
+        from kvq.cache.plan import KVCacheConfig
+
+        cfgs = [KVCacheConfig(group_size=args.kivi_group_size).with_spec(f) for f in args.kv_cache_dtype]
+        errors = []
+        for c in cfgs:
+            try:
+                c.check_options_apply()
+            except ValueError as e:
+                errors.append(e)
+        if errors and len(errors) == len(cfgs):
+            raise errors[0]
+
+
 def settings_from_args(args: argparse.Namespace):
     """EvalSettings from the flags (ValueError on bad input, before anything heavy runs)."""
     import torch
 
     from kvq.cache.plan import KVCacheConfig
+
+    check_flags(args)
     from kvq.eval.records import Thresholds
     from kvq.eval.runner import EvalSettings
     from kvq.models.source import DEFAULT_MODEL, model_shape
