@@ -85,16 +85,31 @@ def test_blocks_are_registered_only_once_computed():
 
 
 def test_prefix_hit_only_from_the_pool_the_block_must_live_in():
+    """A cached prefix of h blocks is reused only if each block is cached in the pool the window rule
+    gives it at length h * bs: the first computed query must read exactly what the rule says."""
     policy = WindowPolicy(4, sink_blocks=1, residual_tokens=4, write_direct=False)
     m = BlockManager(16, 8, policy)
     m.allocate_prompt("a", list(range(10)))  # blocks: hp(sink) hp hp
-    m.mark_computed("a", 10)
-    m.free("a")
-    # Same 10 tokens: block 1 is hp at n=10, and was cached in hp -> hit 8.
+    m.append_slots("a", [10, 11, 12])  # settles at 10: block 1 stays hp; block 2 fills up
+    m.mark_computed("a", 13)
+    m.free("a")  # cached: blocks 0, 1, 2, all in hp
+    # Same 10 tokens: a hit of 2 blocks ends at 8, where block 1 is hp (within 4 of 8) -> hit 8.
     assert m.allocate_prompt("b", list(range(10))) == PrefixHit(8)
-    # 13 tokens: block 1 must be q at n=13; the hp copy is not used -> only the sink hits.
-    assert m.allocate_prompt("c", list(range(13))) == PrefixHit(4)
-    assert [r.pool for r in m.block_table("c")] == ["hp", "q", "hp", "hp"]
+    # 14 tokens could hit 3 blocks, but at 12 block 1 must be q and only its hp copy is cached ->
+    # the longest valid hit is 2 blocks; block 2 is recomputed.
+    assert m.prefix_hit(list(range(14))) == 8
+    assert m.allocate_prompt("c", list(range(14))) == PrefixHit(8)
+    assert [r.pool for r in m.block_table("c")] == ["hp", "hp", "hp", "hp"]  # settled at 8; new at 14
+    m.check_integrity()
+    m.free("b")
+    m.free("c")
+    # Once block 1's sealed copy is cached too, all 3 blocks hit (the q copy of block 1).
+    m.allocate_prompt("d", list(range(14)))
+    m.append_slots("d", [14])  # settles at 14: blocks 1 (ends 8 <= 10) sealed into q
+    m.mark_computed("d", 15)
+    m.free("d")
+    assert m.allocate_prompt("e", list(range(14))) == PrefixHit(12)
+    assert [r.pool for r in m.block_table("e")] == ["hp", "q", "hp", "hp"]
     m.check_integrity()
 
 

@@ -108,6 +108,11 @@ class Engine:
             assert t == self.bm.block_table(item.seq_id), "the mirror drifted from the block manager"
             end = item.start + item.num_new_tokens
             assert list(item.slots) == self.bm.slots(item.seq_id, item.start, end)
+            # The window rule as the step's first query reads it: blocks before the step settled at its
+            # start (a prompt chunk as much as a decode), new blocks at its end.
+            for i, ref in enumerate(t):
+                n = item.start if i * self.bs < item.start else end
+                assert ref.pool == block_state(i, n, self.policy), (item, i, t)
 
     def forward(self, item, prev: dict) -> int | None:
         """``prev``: the previous launch's samples, which feed a pending token (the real runner
@@ -412,14 +417,16 @@ def test_newest_decode_preempts_itself_and_resumes_by_recompute():
     assert seq.output_token_ids == reference(seq.prompt_token_ids, seq.params, 16)[0]
 
 
-def literal_peak(first, last, p) -> tuple[int, int]:
-    """peak_blocks by brute force over block_state: prompts at every length, appends that open a block."""
+def literal_peak(last, p, max_chunk) -> tuple[int, int]:
+    """peak_blocks by brute force over block_state: every call that grows a sequence from any
+    length by 1..max_chunk tokens (the blocks it had settle at the old length, new ones follow
+    the new length)."""
     q = hp = 0
-    for n in range(first, last + 1):
-        states = [block_state(i, n, p) for i in range(-(-n // p.block_size))]
-        opens = n < last and n % p.block_size == 0
-        q = max(q, states.count("q"))
-        hp = max(hp, states.count("hp") + (opens and block_state(n // p.block_size, n + 1, p) == "hp"))
+    for n_old in range(last):
+        for n_new in range(n_old + 1, min(n_old + max_chunk, last) + 1):
+            nb_old, nb_new = -(-n_old // p.block_size), -(-n_new // p.block_size)
+            states = [block_state(i, n_old if i < nb_old else n_new, p) for i in range(nb_new)]
+            q, hp = max(q, states.count("q")), max(hp, states.count("hp"))
     return q, hp
 
 
@@ -431,9 +438,17 @@ def test_rule_counts_and_peak_match_block_state(bs, sink, res, write_direct):
     for n in range(1, 60):
         states = [block_state(i, n, p) for i in range(-(-n // bs))]
         assert rule_counts(n, p) == (states.count("q"), states.count("hp")), n
-    for first in range(1, 30):
-        for last in range(first, 60, 3):
-            assert peak_blocks(first, last, p) == literal_peak(first, last, p), (first, last)
+    for last in [*range(1, 40, 2), 61, 97]:
+        for chunk in (1, 2, 5, bs, 16, 40, 200):
+            assert peak_blocks(last, p, chunk) == literal_peak(last, p, chunk), (last, chunk)
+
+
+def test_a_chunk_holds_two_windows_in_hp():
+    """While a chunk is reserved, the window its first query reads and the one it ends with are both hp."""
+    p = WindowPolicy(16, sink_blocks=1, residual_tokens=128)
+    assert peak_blocks(4096, p, 1)[1] == 1 + 8 + 1  # decode only: sink + window + the block a token opens
+    # chunks: sink + the old window + the new one (128 tokens span 9 blocks off a block boundary)
+    assert peak_blocks(4096, p, 512)[1] == 1 + 9 + 9
 
 
 # -- stateful ---------------------------------------------------------------------------------
@@ -461,7 +476,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.stopped: set[int] = set()  # finished by the engine (abort, stop string), not by the scheduler
 
     def fits(self, prompt, max_tokens) -> bool:
-        q, hp = literal_peak(len(prompt), len(prompt) + max_tokens - 1, self.e.policy)
+        q, hp = literal_peak(len(prompt) + max_tokens - 1, self.e.policy, self.e.cfg.max_num_batched_tokens)
         return q <= self.e.bm.allocator("q").num_blocks and hp <= self.e.bm.allocator("hp").num_blocks
 
     @rule(data=st.data(), burst=st.integers(1, 4))

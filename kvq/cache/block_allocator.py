@@ -252,6 +252,10 @@ class BlockAllocator:
         """Whether :meth:`lookup` would hit, without taking a reference."""
         return self.probe(block_hash, token_ids) is not None
 
+    def note_miss(self) -> None:
+        """Count a prefix lookup that found nothing usable without looking it up."""
+        self.num_misses += 1
+
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> int | None:
         """Return the verified cached block and give the caller a reference, or None.
 

@@ -209,32 +209,57 @@ class BlockManager:
         seq.num_registered = upto
 
     # -- prompts ----------------------------------------------------------------------------
+    def _prefix_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], list[dict[Pool, int]]]:
+        """Hashes of the prompt's leading full blocks found cached, and in which pools (no mutation).
+        The last token is never covered: it is always computed."""
+        bs = self.block_size
+        hashes: list[int] = []
+        found: list[dict[Pool, int]] = []
+        if not self.enable_prefix_caching:
+            return hashes, found
+        parent = None
+        for i in range((len(token_ids) - 1) // bs):
+            toks = token_ids[i * bs:(i + 1) * bs]
+            h = hash_block_tokens(parent, toks)
+            where = {p: b for p in POOLS if (b := self._alloc[p].probe(h, toks)) is not None}
+            if not where:
+                break
+            hashes.append(h)
+            found.append(where)
+            parent = h
+        return hashes, found
+
+    def _hit_blocks(self, found: list[dict[Pool, int]]) -> int:
+        """The longest cached prefix of ``h`` blocks that the window rule lets the prompt reuse: block
+        ``i < h`` must be cached in pool ``block_state(i, h * bs)``, the pool it has when the first
+        computed token (at ``h * bs``) reads it (so that query reads exact what the rule says)."""
+        h = len(found)
+        while h and any(block_state(i, h * self.block_size, self.policy) not in found[i] for i in range(h)):
+            h -= 1
+        return h
+
+    def prefix_hit(self, token_ids: Sequence[int]) -> int:
+        """Tokens of a prompt :meth:`allocate_prompt` would take from the prefix cache now (whole
+        blocks, fewer than ``len(token_ids)``); allocating any ``token_ids[:end]`` with ``end`` past
+        them hits the same blocks."""
+        return self._hit_blocks(self._prefix_blocks(token_ids)[1]) * self.block_size
+
     def _plan_prompt(self, token_ids: Sequence[int], use_cache: bool = True):
         """(hits, hashes, miss, feasible) for a prompt, without mutating anything."""
         L, bs = len(token_ids), self.block_size
-        hits: list[int] = []
-        hashes: list[int] = []
-        miss = None  # (pool, hash, tokens) of the first lookup that misses
+        hashes, found = self._prefix_blocks(token_ids) if use_cache else ([], [])
+        h = self._hit_blocks(found)
+        hits = [found[i][block_state(i, h * bs, self.policy)] for i in range(h)]
+        miss = h < (L - 1) // bs and self.enable_prefix_caching and use_cache  # a lookup that did not hit
         taken_free = {"q": 0, "hp": 0}  # cached-free hits stop being allocatable
-        if self.enable_prefix_caching and use_cache:
-            parent = None
-            for i in range((L - 1) // bs):  # the last token is always computed
-                toks = token_ids[i * bs:(i + 1) * bs]
-                h = hash_block_tokens(parent, toks)
-                pool = block_state(i, L, self.policy)
-                bid = self._alloc[pool].probe(h, toks)
-                if bid is None:
-                    miss = (pool, h, toks)
-                    break
-                hits.append(bid)
-                hashes.append(h)
-                taken_free[pool] += self._alloc[pool].refcount(bid) == 0
-                parent = h
+        for i, bid in enumerate(hits):
+            pool = block_state(i, h * bs, self.policy)
+            taken_free[pool] += self._alloc[pool].refcount(bid) == 0
         need = {"q": 0, "hp": 0}
-        for i in range(len(hits), -(-L // bs)):
+        for i in range(h, -(-L // bs)):
             need[block_state(i, L, self.policy)] += 1
         ok = all(need[p] <= self._alloc[p].num_free - taken_free[p] for p in POOLS)
-        return hits, hashes, miss, ok
+        return hits, hashes[:h], miss, ok
 
     def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
         """Whether :meth:`allocate_prompt` of ``num_tokens`` tokens would succeed now.
@@ -250,12 +275,14 @@ class BlockManager:
         return self._plan_prompt(token_ids)[3]
 
     def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int]) -> PrefixHit:
-        """Reserve blocks for a whole prompt, reusing cached full blocks of its prefix.
+        """Reserve blocks for a prompt (or its first chunk: the scheduler appends the others with
+        :meth:`append_slots`), reusing cached full blocks of its prefix.
 
-        Block ``i`` is taken from pool ``block_state(i, len(prompt))``; a cached
-        block is reused only from that pool, hits stop at the first miss and
-        never cover the last token. The engine computes tokens
-        ``[num_cached_tokens, len(prompt))``; ``num_computed`` starts at
+        A cached prefix of ``h`` blocks is reused when block ``i < h`` is cached in
+        pool ``block_state(i, h * bs)`` (:meth:`prefix_hit`); hits never cover the
+        last token. The other blocks come from pool ``block_state(i, len(token_ids))``,
+        as :meth:`append_slots` would give them. The engine computes tokens
+        ``[num_cached_tokens, len(token_ids))``; ``num_computed`` starts at
         ``num_cached_tokens`` (call :meth:`mark_computed` after the prefill).
         """
         if seq_id in self._seqs:
@@ -272,16 +299,17 @@ class BlockManager:
             )
         table: list[BlockRef] = []
         for i, want in enumerate(hits):  # take hits before allocating, so none is evicted
-            pool = block_state(i, L, self.policy)
+            pool = block_state(i, len(hits) * bs, self.policy)
             got = self._alloc[pool].lookup(hashes[i], self._block_tokens(token_ids, i))
             assert got == want, (pool, got, want)
             table.append(BlockRef(pool, got))
-        if miss is not None:
-            assert self._alloc[miss[0]].lookup(miss[1], miss[2]) is None  # counts the miss
+        if miss:
+            self._alloc[block_state(len(hits), L, self.policy)].note_miss()
         for i in range(len(hits), -(-L // bs)):
             pool = block_state(i, L, self.policy)
             table.append(BlockRef(pool, self._alloc[pool].allocate()))
-        self._seqs[seq_id] = _Seq(token_ids, table, len(hits) * bs, hashes, self.policy.sink_blocks)
+        seq = self._seqs[seq_id] = _Seq(token_ids, table, len(hits) * bs, hashes, self.policy.sink_blocks)
+        seq.num_settled = len(hits) * bs  # the hits follow the rule at their end, as after an append
         return PrefixHit(len(hits) * bs)
 
     # -- appends ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ Pure Python, no tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 Pool = Literal["q", "hp"]
@@ -58,26 +59,67 @@ def rule_counts(n: int, policy: WindowPolicy) -> tuple[int, int]:
     return q, nb - q
 
 
-def peak_blocks(first: int, last: int, policy: WindowPolicy) -> tuple[int, int]:
-    """Most (q, hp) blocks one sequence holds while its cached length grows from ``first`` to ``last``.
+def _hp_below(m: int, n: int, policy: WindowPolicy) -> int:
+    """How many of the logical blocks ``[0, m)`` are hp at length ``n`` (:func:`block_state`)."""
+    sinks = min(m, policy.sink_blocks)
+    if policy.write_direct and policy.residual_tokens == 0:
+        return sinks
+    sealed_to = max(policy.sink_blocks, max(n - policy.residual_tokens, 0) // policy.block_size)
+    return sinks + max(0, m - sealed_to)
 
-    Covers prompt allocations at any length in ``[first, last]`` (re-prefill after
-    preemption) and one-token appends from every length in ``[first, last)``: an
-    append settles the old blocks at the old length and may open a block, so it
-    can hold one hp block more than the rule gives (lazy sealing).
-    """
-    assert 1 <= first <= last
+
+def append_counts(n_old: int, n_new: int, policy: WindowPolicy) -> tuple[int, int]:
+    """(q, hp) blocks a sequence holds right after growing from ``n_old`` to ``n_new`` tokens in one
+    call (lazy sealing: the blocks it had follow :func:`block_state` at ``n_old``, the new ones at
+    ``n_new``).  ``n_old = 0`` is a prompt's first allocation; a prefix hit of ``h`` tokens
+    allocated with the first chunk is ``n_old = h``."""
     bs = policy.block_size
-    q_peak = rule_counts(last, policy)[0]  # q blocks only grow with the length
-    # Past sink_blocks * bs + residual_tokens the hp count repeats with period bs: one period suffices.
-    stop = min(last, max(first, policy.sink_blocks * bs + policy.residual_tokens) + bs)
-    hp_peak = 0
-    for n in range(first, stop + 1):
-        hp = rule_counts(n, policy)[1]
-        if n < last and n % bs == 0:  # appending at n opens block n // bs
-            hp += block_state(n // bs, n + 1, policy) == "hp"
-        hp_peak = max(hp_peak, hp)
-    return q_peak, hp_peak
+    nb_old, nb_new = -(-n_old // bs), -(-n_new // bs)
+    hp = _hp_below(nb_old, n_old, policy) + rule_counts(n_new, policy)[1] - _hp_below(nb_old, n_new, policy)
+    return nb_new - hp, hp
+
+
+@lru_cache(maxsize=4096)
+def _hp_peak(last: int, max_chunk: int, policy: WindowPolicy) -> int:
+    bs = policy.block_size
+    # Past the sinks and one window (plus margins), the count repeats with period bs in n_old, and in
+    # the step once the new blocks reach past the window: these ranges see every value.
+    n_old_stop = min(last, policy.sink_blocks * bs + policy.residual_tokens + 2 * bs)
+    k_cap = policy.sink_blocks * bs + policy.residual_tokens + 3 * bs
+    peak = 0
+    for n_old in range(n_old_stop):
+        k_max = min(max_chunk, last - n_old)
+        for k in (*range(1, min(k_max, k_cap) + 1), k_max):
+            peak = max(peak, append_counts(n_old, n_old + k, policy)[1])
+    return peak
+
+
+@lru_cache(maxsize=4096)
+def _q_peak(last: int, max_chunk: int, policy: WindowPolicy) -> int:
+    # The most q blocks come with the call that reaches ``last``; which old length it starts from
+    # matters only near ``last`` and, further back, repeats with period bs.
+    bs = policy.block_size
+    lo = max(0, last - max_chunk)
+    span = policy.sink_blocks * bs + policy.residual_tokens + 3 * bs
+    olds = {*range(lo, min(last, lo + span)), *range(max(lo, last - span), last)}
+    return max(append_counts(n_old, last, policy)[0] for n_old in olds)
+
+
+def peak_blocks(last: int, policy: WindowPolicy, max_chunk: int | None = None) -> tuple[int, int]:
+    """Most (q, hp) blocks one sequence holds on its way to ``last`` cached tokens, when every call
+    adds at most ``max_chunk`` tokens (prompt chunks, prefix hits, decode steps; default
+    ``last``: the whole prompt at once) starting from any length (re-prefill after preemption).
+
+    A chunk briefly holds two recent windows in hp: the one its first query reads exact (the
+    blocks before it, settled at the old length) and the one that ends it (its new blocks).
+    """
+    assert last >= 1
+    max_chunk = last if max_chunk is None else max(1, min(max_chunk, last))
+    bs = policy.block_size
+    horizon = policy.sink_blocks * bs + policy.residual_tokens + 6 * bs  # the hp peak stops growing past it
+    k_cap = policy.sink_blocks * bs + policy.residual_tokens + 3 * bs
+    return (_q_peak(last, max_chunk, policy),
+            _hp_peak(min(last, horizon + k_cap), min(max_chunk, k_cap + bs), policy))
 
 
 def can_seal(policy: WindowPolicy) -> bool:

@@ -31,15 +31,20 @@ Policy of :meth:`Scheduler.schedule`, per step, with a token budget of
    with ``num_computed_tokens = 0``), repeatedly; with no newer one left the
    sequence preempts itself. A sequence never displaces an older one.
 2. Partially prefilled sequences (PREFILL), oldest first, get the next chunk
-   of their prompt. A chunk that would be empty (no budget, or no whole block
+   of their prompt, reserved now by ``append_slots`` (a prompt is allocated
+   chunk by chunk, so the blocks before a chunk are settled at its start and
+   its first query reads its recent window exact, as a decode would; see
+   :func:`~kvq.cache.window.exact_from`). If the cache cannot take the chunk,
+   newer sequences are preempted as in 1, a decode already taken this step
+   included (it leaves the step). A chunk that would be empty (no budget, or no whole block
    under ``block_aligned_chunks``) stalls the phase and admission (a guard:
    under this policy a running prefill never gets less budget than its
    previous chunk, since what is left after a non-final chunk is too little
    to admit any sequence that would not finish its prompt in that step).
 3. Admission, FCFS, only in a step that preempted nothing and did not stall a
    prefill: the head of the waiting queue is admitted while ``max_num_seqs``,
-   the budget and ``can_allocate`` allow; ``allocate_prompt`` reserves the
-   whole effective prompt and its prefix hit becomes ``num_computed_tokens``.
+   the budget and ``can_allocate`` allow; ``allocate_prompt`` reserves its
+   prefix hit and first chunk, and the hit becomes ``num_computed_tokens``.
    A head that does not fit blocks everything behind it (no starvation).
 
 Chunks: ``min(remaining, budget)``; one that does not finish the prompt must
@@ -50,8 +55,9 @@ admitted sequence runs in its admission step. Both queues are kept in arrival
 order: a preempted sequence rejoins the waiting queue ahead of later arrivals.
 
 Liveness: :meth:`Scheduler.add` rejects a request that could not fit the
-cache even alone (:func:`peak_blocks`), so the oldest unfinished request can
-always progress and every request finishes.
+cache even alone (:func:`peak_blocks`, with chunks of at most
+``max_num_batched_tokens``), so the oldest unfinished request can always
+progress and every request finishes.
 """
 
 from __future__ import annotations
@@ -214,7 +220,7 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id!r}: prompt ({p}) + max_tokens ({seq.params.max_tokens}) "
                              f"exceeds max_model_len={cfg.max_model_len}")
         # The last output token is sampled but never cached: at most p + max_tokens - 1 tokens hold KV.
-        q, hp = peak_blocks(p, p + seq.params.max_tokens - 1, self.block_manager.policy)
+        q, hp = peak_blocks(p + seq.params.max_tokens - 1, self.block_manager.policy, cfg.max_num_batched_tokens)
         nq, nhp = (self.block_manager.allocator(pool).num_blocks for pool in ("q", "hp"))
         if q > nq or hp > nhp:
             raise ValueError(f"sequence {seq.seq_id!r} needs up to {q} q and {hp} hp blocks; "
@@ -279,6 +285,28 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
 
+        def untake(seq: Sequence) -> None:  # a sequence taken this step, then preempted by an older one
+            nonlocal budget
+            i = next(i for i, x in enumerate(scheduled) if x.seq_id == seq.seq_id)
+            item = scheduled.pop(i)
+            budget += item.num_new_tokens
+            seq.num_pending -= item.sample
+
+        def grow(seq: Sequence, tokens: list[int]) -> bool:
+            """Reserve ``tokens`` for ``seq``, preempting newer sequences (then itself) until they fit."""
+            while True:  # append_slots plans once and raises, the manager unchanged, when it cannot
+                try:
+                    ops.extend(bm.append_slots(seq.seq_id, tokens))
+                    return True
+                except NoFreeBlocksError:
+                    victim = self._running[-1]  # the newest; `seq` itself when no newer one is left
+                    if any(x.seq_id == victim.seq_id for x in scheduled):
+                        untake(victim)
+                    self._preempt(victim)
+                    preempted.append(victim.seq_id)
+                    if victim is seq:
+                        return False
+
         for seq in list(self._running):  # 1. decodes
             if seq.status is not SeqStatus.DECODE:  # PREFILL, or preempted by an older decode
                 continue
@@ -286,42 +314,38 @@ class Scheduler:
                 continue
             assert budget >= 1, "max_num_batched_tokens >= max_num_seqs leaves every decode a token"
             token = seq.last_token_id if seq.num_pending == 0 else PENDING_TOKEN
-            while True:  # append_slots plans once and raises, the manager unchanged, when it cannot
-                try:
-                    ops.extend(bm.append_slots(seq.seq_id, [token]))
-                    break
-                except NoFreeBlocksError:
-                    victim = self._running[-1]  # the newest; `seq` itself when no newer one is left
-                    self._preempt(victim)
-                    preempted.append(victim.seq_id)
-                    if victim is seq:
-                        break
-            if seq.status is SeqStatus.DECODE:
+            if grow(seq, [token]):
                 take(seq, 1, is_prefill=False)
 
         stalled = False
-        for seq in self._running:  # 2. prompt chunks of running sequences
-            if seq.status is SeqStatus.PREFILL:
-                n = self._chunk(seq.num_scheduled_tokens, seq.num_tokens, budget)
-                if n == 0:
-                    stalled = True
-                    break
+        for seq in list(self._running):  # 2. prompt chunks of running sequences (allocated chunk by chunk)
+            if seq.status is not SeqStatus.PREFILL:  # DECODE, or preempted just now
+                continue
+            start = seq.num_scheduled_tokens
+            n = self._chunk(start, seq.num_tokens, budget)
+            if n == 0:
+                stalled = True
+                break
+            if grow(seq, seq.all_token_ids[start:start + n]):
                 take(seq, n, is_prefill=True)
 
         while not preempted and not stalled and self._waiting and len(self._running) < cfg.max_num_seqs:  # 3.
             seq = self._waiting[0]
             tokens = seq.all_token_ids
-            if self._chunk(0, len(tokens), budget) == 0 or not bm.can_allocate(len(tokens), tokens):
+            if self._chunk(0, len(tokens), budget) == 0:
+                break
+            hit = bm.prefix_hit(tokens)
+            first = tokens[:hit + self._chunk(hit, len(tokens), budget)]  # a hit only shortens the remainder
+            if not bm.can_allocate(len(first), first):
                 break
             assert seq.num_pending == 0, "a sequence re-admitted before its in-flight token arrived"
-            hit = bm.allocate_prompt(seq.seq_id, tokens)
+            got = bm.allocate_prompt(seq.seq_id, first)
+            assert got.num_cached_tokens == hit, (got, hit)
             self._waiting.pop(0)
             seq.status = SeqStatus.PREFILL
-            seq.num_computed_tokens = seq.num_scheduled_tokens = hit.num_cached_tokens
+            seq.num_computed_tokens = seq.num_scheduled_tokens = hit
             self._insort(self._running, seq)
-            n = self._chunk(seq.num_scheduled_tokens, seq.num_tokens, budget)
-            assert n > 0, "a prefix hit only shortens the chunk's remainder"
-            take(seq, n, is_prefill=True)
+            take(seq, len(first) - hit, is_prefill=True)
 
         released = tuple(dict.fromkeys(self._released))  # a sequence preempted, rescheduled and finished: once
         self._released.clear()
@@ -459,7 +483,8 @@ class Scheduler:
             assert seq.num_computed_tokens <= bm.num_computed(sid) <= seq.num_scheduled_tokens, seq
             assert 0 <= seq.num_pending <= cfg.max_inflight, seq
             if seq.status is SeqStatus.PREFILL:
-                assert seq.num_pending == 0 and 0 <= seq.num_scheduled_tokens < n and bm.num_tokens(sid) == n, seq
+                assert seq.num_pending == 0 and 0 <= seq.num_scheduled_tokens < n, seq
+                assert bm.num_tokens(sid) == seq.num_scheduled_tokens, seq  # reserved chunk by chunk
             else:
                 assert seq.num_scheduled_tokens == n + seq.num_pending - 1 == bm.num_tokens(sid), seq
             known = min(bm.num_tokens(sid), n)  # slots past the known tokens hold in-flight ones

@@ -7,7 +7,7 @@ the engine's block manager and hands each chunk to the engine's own
 evaluation can keep logits at any position it chooses while using exactly the
 engine's cache path::
 
-    bm.allocate_prompt / bm.append_slots       reserve slots (window rule, lazy sealing)
+    bm.allocate_prompt / bm.append_slots       reserve slots chunk by chunk (window rule, lazy sealing)
     SchedulerOutput(ScheduledSeq(slots, table delta, logit rows), ops)
     runner.execute(...)                        seal/copy ops, metadata, forward: each layer
         writes the new K/V into the cache *in its stored format* first, then attends over
@@ -107,21 +107,28 @@ class CacheSession:
         return self._timed(kind, len(tokens), lambda: self._forward(seq_id, tokens, start, ops, rows))
 
     def prefill(self, seq_id, tokens: Sequence[int], chunk: int, rows: Sequence[int] = ()) -> torch.Tensor:
-        """Allocate a whole prompt as the engine's scheduler does, reuse its cached prefix, compute the
-        rest in block-aligned chunks of at most ``chunk`` tokens; logits at absolute positions ``rows``
-        (each at or after the prefix hit)."""
+        """Prefill a prompt as the engine's scheduler does: reuse its cached prefix, allocate and
+        compute the rest in block-aligned chunks of at most ``chunk`` tokens, each reserved just
+        before it runs (the blocks before a chunk settle at its start); logits at absolute positions
+        ``rows`` (each at or after the prefix hit)."""
         tokens = list(tokens)
-        hit = self.bm.allocate_prompt(seq_id, tokens).num_cached_tokens
+        chunk = max(self.block_size, chunk // self.block_size * self.block_size)
+        hit = self.bm.prefix_hit(tokens)
         if any(r < hit for r in rows):
             raise ValueError(f"rows {list(rows)} fall in the cached prefix (first {hit} tokens)")
-        chunk = max(self.block_size, chunk // self.block_size * self.block_size)
         out = []
         start = hit
         while start < len(tokens):
             end = min(start + chunk, len(tokens))
+            if start == hit:
+                got = self.bm.allocate_prompt(seq_id, tokens[:end]).num_cached_tokens
+                assert got == hit, (got, hit)
+                ops = []
+            else:
+                ops = self.bm.append_slots(seq_id, tokens[start:end])
             mine = [r - start for r in rows if start <= r < end]
             lg = self._timed("prefill", end - start,
-                             lambda: self._forward(seq_id, tokens[start:end], start, (), mine))
+                             lambda: self._forward(seq_id, tokens[start:end], start, ops, mine))
             if mine:
                 out.append(lg)
             start = end
