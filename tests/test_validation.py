@@ -228,6 +228,9 @@ def test_engine_config_is_checked_when_built():
     with pytest.raises(ValueError, match="unknown device"):
         EngineConfig(device="tpu")
     EngineConfig(device="cuda:1", threads=0)  # valid names; whether the device exists is checked at start
+    import torch
+
+    assert EngineConfig(device=torch.device("cpu")).device == "cpu"
 
 
 def test_memory_budget_checked_against_the_device(monkeypatch):

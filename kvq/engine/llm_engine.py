@@ -99,6 +99,8 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError(f"model must be 'default', a shipped config, a .gguf path or an HF folder, "
                              f"got {self.model!r}")
+        if isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
         check_device_name(self.device)
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
