@@ -149,9 +149,10 @@ def _logprobs(spec: str, chunk: int, n: int, window: bool = True):
 @pytest.mark.slow
 def test_logits_do_not_depend_on_the_prefill_chunk(capsys):
     """512 tokens of real text fed in chunks of 256 vs block by block (32, where every query's
-    window is what the cache stores anyway): the mean KL between the two is a small share of
-    the format's own KL against bf16 and of the order of bf16 fed both ways (float summation
-    order moving a few quantized codes); before this rule the chunk moved it by 3-20x."""
+    window is what the cache stores anyway) give the same logits to the bit on the CPU: every
+    query reads the same values (the window rule) with the same arithmetic (the reference's
+    fixed tiles and padded rows); before the rule the chunk moved them by a KL of 3-20% of the
+    format's own KL against bf16."""
     from kvq.eval import metrics
 
     import importlib.util
@@ -169,5 +170,5 @@ def test_logits_do_not_depend_on_the_prefill_chunk(capsys):
         with capsys.disabled():
             print(f"\n[{spec}] KL vs bf16 {kl_fmt:.3g}; chunk 256 vs 32: {diff:.3g} (per-chunk semantics "
                   f"{diff_old:.3g}); bf16 fed both ways {rounding:.3g}")
-        assert diff <= 0.15 * kl_fmt + 5 * rounding, (spec, diff, kl_fmt, rounding)
-        assert diff_old >= 3 * diff, (spec, diff_old, diff)
+        assert rounding == 0.0 and diff == 0.0, (spec, diff, kl_fmt, rounding)
+        assert diff_old > 0.02 * kl_fmt, (spec, diff_old, kl_fmt)

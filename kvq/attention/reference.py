@@ -144,44 +144,97 @@ def sealed_values(layer: LayerKV, role: str, hp_ids: list[int], dtype=torch.floa
     return dequantize(fmt, quantize(fmt, x, layer.static_scale(role)), layer.static_scale(role), dtype)
 
 
+#: Keys are reduced in tiles of this many tokens at fixed positions (0, TILE, 2 TILE, ...), and
+#: the query rows of a tile product are padded to a multiple of ROWS: see :func:`_attend`.
+TILE = 256
+ROWS = 8
+
+
+def _attend(qb, ke, ve, pos, sm_scale, kq=None, vq=None, quant=None):
+    """softmax(q k^T * sm_scale) v of one sequence's queries ``qb`` [t, Hq, D] at positions ``pos``
+    [t] over keys ``ke``/``ve`` [H, n, D] (causal: a query sees keys up to its position), in
+    float32.  With ``kq``/``vq`` and ``quant`` [t, n] (bool), a (query, key) pair where ``quant``
+    holds reads the key from ``kq``/``vq`` instead.
+
+    The arithmetic of a query's row depends only on the keys it reads and which side it reads
+    them from, not on the other queries computed with it nor on how many keys follow it: the keys
+    go in tiles of :data:`TILE` at fixed positions; per tile and side (exact, quantized) one
+    product of fixed shape up to a row count padded to a multiple of :data:`ROWS` (below that the
+    CPU GEMM changes kernel); a row's sides are added in a fixed order (a side it does not read
+    adds exact zeros), the row maximum is exact, and the tiles' sums are added in position order
+    (masked tiles add exact zeros).  So a prompt gives the same bits whether it arrives in one
+    chunk or many, alone or batched."""
+    t, Hq, D = qb.shape
+    H, n = ke.shape[0], ke.shape[1]
+    group, nt = Hq // H, -(-n // TILE)
+    t_pad, n_pad = -(-t // ROWS) * ROWS, nt * TILE
+    dev = qb.device
+
+    def tiles(x):  # [H, n, D] -> [H, nt, TILE, D] (zeros past n: masked)
+        return torch.nn.functional.pad(x, (0, 0, 0, n_pad - n)).view(H, nt, TILE, D)
+
+    def by_tile(x):  # [t, n] -> [nt, 1, t, TILE]
+        return torch.nn.functional.pad(x, (0, n_pad - n)).view(t, nt, TILE).transpose(0, 1)[:, None]
+
+    qh = torch.nn.functional.pad(qb.float().transpose(0, 1), (0, 0, 0, t_pad - t))  # [Hq, t_pad, D]
+    visible = by_tile(torch.arange(n, device=dev)[None, :] <= pos[:, None])
+    if quant is None:
+        sides = [(tiles(ke), tiles(ve), None, list(range(nt)))]
+    else:
+        sides = []
+        for kx, vx, m in ((ke, ve, ~quant), (kq, vq, quant)):
+            m = by_tile(m) & visible
+            sides.append((tiles(kx), tiles(vx), m, m.flatten(1).any(1).nonzero().flatten().tolist()))
+    out = torch.empty(Hq, t, D, dtype=torch.float32, device=dev)
+    for h in range(H):
+        qg = qh[h * group:(h + 1) * group].reshape(group * t_pad, D)  # rows: (query head, query)
+        s = torch.full((nt, group, t, TILE), float("-inf"), device=dev)
+        for kt, _, m, idx in sides:
+            if idx:
+                si = torch.matmul(qg, kt[h, idx].transpose(1, 2)).view(len(idx), group, t_pad, TILE)[:, :, :t]
+                s[idx] = si * sm_scale if m is None else torch.where(m[idx], si * sm_scale, s[idx])
+        s = s.masked_fill(~visible, float("-inf"))
+        p = torch.exp(s - s.amax(dim=(0, 3), keepdim=True))  # [nt, group, t, TILE]
+        o = torch.zeros(nt, group * t_pad, D, device=dev)
+        for _, vt, m, idx in sides:
+            if idx:
+                pi = p[idx] if m is None else p[idx] * m[idx]
+                pi = torch.nn.functional.pad(pi, (0, 0, 0, t_pad - t)).view(len(idx), group * t_pad, TILE)
+                o[idx] = o[idx] + torch.matmul(pi, vt[h, idx])
+        den = p.sum(dim=3)  # [nt, group, t]
+        acc, tot = o[0], den[0]
+        for i in range(1, nt):  # position order
+            acc, tot = acc + o[i], tot + den[i]
+        out[h * group:(h + 1) * group] = acc.view(group, t_pad, D)[:, :t] / tot[..., None]
+    return out.transpose(0, 1)  # [t, Hq, D]
+
+
 def _windowed(qb, kk, vv, layer, window, k_new, v_new, b, n, sm_scale):
     """Attention of one prefill sequence under the per-query window rule (module docstring)."""
-    bs, H = layer.block_size, layer.num_kv_heads
+    bs = layer.block_size
     t = qb.shape[0]
     ex = [(i, row) for bb, i, row in window.exact_rows if bb == b]
     se = [(i, hp) for bb, i, hp in window.sealed_rows if bb == b]
-    # ka/va: the keys as the exact side reads them; the quantized side differs only in the
-    # columns of the blocks listed (``cols``), whose quantized values are kq/vq
-    ka, va = kk.clone(), vv.clone()
-    hp = layer.k_hp.dtype  # exact = as the high-precision pool holds it
+    # ke/ve: the keys as the exact side reads them; kq/vq: as the quantized side does.  They
+    # differ only in the blocks listed: q blocks this step wrote (exact: the new K/V as the
+    # high-precision pool would hold them) and hp blocks some query reads sealed.
+    ke, ve, kq, vq = kk.clone(), vv.clone(), kk, vv
+    hp = layer.k_hp.dtype
     for i, row in ex:  # [bs, H, D] -> [H, bs, D]
-        ka[:, i * bs:(i + 1) * bs] = k_new[row:row + bs].transpose(0, 1).to(hp).float()
-        va[:, i * bs:(i + 1) * bs] = v_new[row:row + bs].transpose(0, 1).to(hp).float()
-    blocks = [i for i, _ in ex] + [i for i, _ in se]
-    dev = qb.device
-    cols = torch.cat([torch.arange(i * bs, (i + 1) * bs, device=dev) for i in blocks])
-    kq, vq = kk[:, cols].clone(), vv[:, cols].clone()  # exact blocks: stored (quantized) values
+        ke[:, i * bs:(i + 1) * bs] = k_new[row:row + bs].transpose(0, 1).to(hp).float()
+        ve[:, i * bs:(i + 1) * bs] = v_new[row:row + bs].transpose(0, 1).to(hp).float()
     if se:
+        kq, vq = kk.clone(), vv.clone()
         ks, vs = sealed_values(layer, "k", [hp for _, hp in se]), sealed_values(layer, "v", [hp for _, hp in se])
-        at = len(ex) * bs
-        kq[:, at:] = ks.permute(1, 0, 2, 3).reshape(H, -1, ks.shape[-1])
-        vq[:, at:] = vs.permute(1, 0, 2, 3).reshape(H, -1, vs.shape[-1])
+        for j, (i, _) in enumerate(se):  # [H, bs, D]
+            kq[:, i * bs:(i + 1) * bs] = ks[j]
+            vq[:, i * bs:(i + 1) * bs] = vs[j]
+    dev = qb.device
     pos = torch.arange(n - t, n, device=dev)
     key = torch.arange(n, device=dev)
     start = torch.tensor([exact_from(int(p), window.policy) for p in pos.tolist()], device=dev)
     exact = (key[None, :] < window.sink_tokens) | (key[None, :] >= start[:, None])  # [t, n]
-    quant = ~exact[:, cols]  # [t, C]: pairs that read the quantized side of a listed block
-    causal = key[None, :] <= pos[:, None]
-    group = qb.shape[1] // H
-    qh = qb.transpose(0, 1)  # [Hq, t, D]
-    out = torch.empty_like(qh)
-    for h in range(H):  # one KV head's query group at a time: [group, t, n] scores
-        qg = qh[h * group:(h + 1) * group]
-        sc = (qg @ ka[h].T) * sm_scale
-        sc[:, :, cols] = torch.where(quant, (qg @ kq[h].T) * sm_scale, sc[:, :, cols])
-        p = torch.softmax(sc.masked_fill(~causal, float("-inf")), dim=-1)
-        out[h * group:(h + 1) * group] = p @ va[h] + (p[:, :, cols] * quant) @ (vq[h] - va[h, cols])
-    return out.transpose(0, 1)  # [t, Hq, D]
+    return _attend(qb, ke, ve, pos, sm_scale, kq, vq, ~exact)
 
 
 def paged_attention(
@@ -218,15 +271,11 @@ def paged_attention(
         assert t <= n, f"sequence {b}: {t} queries but only {n} cached tokens"
         kk = gather_kv(layer, "k", block_tables[b], n)  # [H, n, D]
         vv = gather_kv(layer, "v", block_tables[b], n)
-        if windowed and any(r[0] == b for r in window.exact_rows + window.sealed_rows):
+        if windowed:  # every prompt sequence: its pairs split by the rule, whatever the step lists
             out[cu[b] : cu[b + 1]] = _windowed(qb, kk, vv, layer, window, k_new, v_new, b, n, sm_scale).to(q.dtype)
             continue
-        # softmax(q k^T * sm_scale) v in float32, query i at position n - t + i seeing keys 0..n-t+i;
-        # SDPA computes exactly this without materializing [Hq, t, n] scores (GQA: head h reads h // group).
-        visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - t, n, device=q.device)[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qb.transpose(0, 1)[None], kk[None], vv[None], attn_mask=visible, scale=sm_scale, enable_gqa=True)
-        out[cu[b] : cu[b + 1]] = o[0].transpose(0, 1).to(q.dtype)  # [t, Hq, D]
+        pos = torch.arange(n - t, n, device=q.device)  # query i at position n - t + i sees keys 0..n-t+i
+        out[cu[b] : cu[b + 1]] = _attend(qb, kk, vv, pos, sm_scale).to(q.dtype)
     return out
 
 

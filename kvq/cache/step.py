@@ -84,9 +84,10 @@ class PrefillWindow:
 
 def prefill_window_rows(step: HostStep, table: np.ndarray, policy: WindowPolicy | None):
     """(exact, sealed) rows of :class:`PrefillWindow` for the step's prefill sequences, or None
-    when the rule adds nothing to the cache as stored (no windowed format, no prefill, or no
-    block read differently from how it is stored)."""
-    if policy is None or not can_seal(policy):
+    without a windowed format or a prefill.  Both lists may be empty (no block read differently
+    from how it is stored): the kernels then read the cache as stored, and the reference still
+    splits each query's keys by the rule (the same arithmetic whatever the chunk)."""
+    if policy is None or not can_seal(policy) or len(step.num_new) == step.num_decodes:
         return None
     bs, nd = policy.block_size, step.num_decodes
     exact, sealed = [], []
@@ -105,7 +106,7 @@ def prefill_window_rows(step: HostStep, table: np.ndarray, policy: WindowPolicy 
             elif i * bs >= s:  # a q block this step writes: whole, inside the chunk
                 exact.append((b, i, row + i * bs - s))
         row += t
-    return (exact, sealed) if exact or sealed else None
+    return exact, sealed
 
 
 def _full_blocks(slots: list[int], block_size: int) -> list[tuple[int, int]]:

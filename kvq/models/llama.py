@@ -129,6 +129,28 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+#: On the CPU a linear layer's rows are padded to a multiple of this (see :class:`Linear`).
+CPU_ROW_MULTIPLE = 8
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose output rows on the CPU do not depend on the other rows of the batch.
+
+    The CPU GEMM picks its kernel and splits its work by the row count: in float32 a row
+    computed among 1-3 rows, or in a remainder tile split off across threads, differs in the
+    last bits from the same row computed among others, and a quantized cache turns such bits
+    into different codes.  Padding the rows to a multiple of :data:`CPU_ROW_MULTIPLE` keeps
+    every row on the same kernel path (checked for 1, 2 and 4 threads), so a request's greedy
+    output is the same alone and batched (``tests/test_batch_invariance.py``).  On CUDA the
+    GEMM is left to cuBLAS, which chooses its algorithm by the batch (docs/engine.md)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = -x.shape[0] % CPU_ROW_MULTIPLE
+        if x.device.type != "cpu" or pad == 0:
+            return super().forward(x)
+        return super().forward(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]))[: x.shape[0]]
+
+
 def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float,
            k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a step's queries over the cache: the leading one-token sequences
@@ -157,8 +179,8 @@ class Attention(nn.Module):
         super().__init__()
         self.index = index
         self.Hq, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.Hq + 2 * self.Hkv) * self.D, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.Hq * self.D, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.Hq + 2 * self.Hkv) * self.D, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.Hq * self.D, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
@@ -186,8 +208,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -241,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -130,7 +130,8 @@ def paged_attention(
 
     ``window`` (:class:`kvq.cache.step.PrefillWindow`, with the step's new ``k_new``,
     ``v_new``): per-query exact windows over a quantized layer, always through the f16
-    scratch (:func:`_windowed`).
+    scratch (:func:`_windowed`); a window that lists no block reads the cache as stored,
+    which is what the rule gives then.
 
     ``dot_f16`` (default: when K and V are both stored in 8 bits) runs both
     products in f16: every FP8/INT8 code is exact in f16 and e4m3 -> f16 is one
@@ -160,7 +161,7 @@ def paged_attention(
     blocks = block_tables.shape[1]
     if max_seq_len is not None:
         blocks = min(blocks, triton.cdiv(max_seq_len, PAGE))
-    if window is not None and layer.fmt.is_quantized:
+    if window is not None and layer.fmt.is_quantized and (window.exact_rows or window.sealed_rows):
         _windowed(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len, window, k_new, v_new,
                   block_m, block_n)
         return out
