@@ -5,7 +5,7 @@ overlap the last ``residual_tokens`` tokens are kept in the model dtype; the
 others are sealed into the resident (quantized) format.  :func:`block_state` is
 the one definition; the block manager follows it (with lazy sealing, see
 :mod:`kvq.cache.block_manager`), and the plan and the scheduler count with it.
-Pure Python, no tensors.
+Host only: Python and numpy, no tensors.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
+
+import numpy as np
 
 Pool = Literal["q", "hp"]
 POOLS: tuple[Pool, Pool] = ("q", "hp")
@@ -81,16 +83,26 @@ def append_counts(n_old: int, n_new: int, policy: WindowPolicy) -> tuple[int, in
 
 @lru_cache(maxsize=4096)
 def _hp_peak(last: int, max_chunk: int, policy: WindowPolicy) -> int:
-    bs = policy.block_size
+    bs, sinks, res = policy.block_size, policy.sink_blocks, policy.residual_tokens
+    direct_only = policy.write_direct and res == 0
+
+    def hp_below(m, n):  # _hp_below over arrays of lengths n
+        head = np.minimum(m, sinks)
+        if direct_only:
+            return head
+        return head + np.maximum(0, m - np.maximum(sinks, np.maximum(n - res, 0) // bs))
+
     # Past the sinks and one window (plus margins), the count repeats with period bs in n_old, and in
     # the step once the new blocks reach past the window: these ranges see every value.
-    n_old_stop = min(last, policy.sink_blocks * bs + policy.residual_tokens + 2 * bs)
-    k_cap = policy.sink_blocks * bs + policy.residual_tokens + 3 * bs
+    n_old_stop = min(last, sinks * bs + res + 2 * bs)
+    k_cap = sinks * bs + res + 3 * bs
     peak = 0
     for n_old in range(n_old_stop):
         k_max = min(max_chunk, last - n_old)
-        for k in (*range(1, min(k_max, k_cap) + 1), k_max):
-            peak = max(peak, append_counts(n_old, n_old + k, policy)[1])
+        n_new = n_old + np.append(np.arange(1, min(k_max, k_cap) + 1), k_max)
+        nb_old, nb_new = -(-n_old // bs), -(-n_new // bs)
+        hp = int(hp_below(nb_old, n_old)) + hp_below(nb_new, n_new) - hp_below(nb_old, n_new)
+        peak = max(peak, int(hp.max()))
     return peak
 
 

@@ -29,7 +29,7 @@ from kvq.attention.backends import backend_names, select_backend
 from kvq.cache.block_manager import BlockManager, BlockRef
 from kvq.cache.plan import CachePlan, KVCacheConfig
 from kvq.cache.pool import KVPool
-from kvq.cache.window import can_seal
+from kvq.cache.window import can_seal, peak_blocks
 from kvq.engine.cuda_graphs import DecodeGraphs
 from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.model_runner import ModelRunner
@@ -396,7 +396,8 @@ class LLMEngine:
         """(resident, high-precision) blocks that ``memory`` bytes hold for this plan."""
         num_hp = hp_blocks_needed(self.plan, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         if num_hp:  # at most a quarter of the memory; admission control keeps within what exists
-            one_seq = hp_blocks_needed(self.plan, 1, self.plan.block_size)
+            # one request alone must fit, whatever its length: sinks and two windows while a chunk is reserved
+            one_seq = peak_blocks(self.max_model_len, self.plan.window_policy, self.config.max_num_batched_tokens)[1]
             num_hp = max(one_seq, min(num_hp, memory // 4 // self.plan.hp_bytes_per_block))
         num_q = (memory - num_hp * self.plan.hp_bytes_per_block) // self.plan.bytes_per_block
         if num_q < 1:

@@ -94,7 +94,8 @@ def _engine(s: EvalSettings, fmt: str):
     return LLMEngine(EngineConfig(
         model=s.model, kv_cache=kv_config(s, fmt), attention_backend=s.attention_backend,
         device=s.device, dtype=s.dtype, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=max(s.chunk, 64),
-        kv_cache_memory=max(64 << 20, 3 * max_bin * hp_token_bytes), seed=s.seed, progress=s.progress))
+        kv_cache_memory=max(64 << 20, 3 * max_bin * hp_token_bytes), seed=s.seed, progress=s.progress,
+        threads=s.threads or 0))
 
 
 @dataclass
