@@ -232,6 +232,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "with CUDA; 0 = torch's own).  One thread never stalls on a busy machine (2 on a shared "
                         "2-core machine measured 3-13x slower); on an idle machine with many cores, 4-8 run "
                         "1.6-5x faster (README, Threads)")
+    g.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"),
+                   help="what a request preempted for KV space becomes: recompute (its KV dropped, prefilled "
+                        "again) or swap (its blocks parked in host memory, --cpu-offload-gb, and resumed before "
+                        "new requests; recompute when that tier is full); default recompute")
+    g.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                   help="GiB of host memory for swapped KV blocks (real bytes: every format's scales and "
+                        "high-precision blocks included); needed by --preemption-mode swap")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -247,6 +254,7 @@ def engine_config_from_args(args: argparse.Namespace):
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, threads=args.threads,
+            preemption_mode=args.preemption_mode, cpu_offload_gb=args.cpu_offload_gb,
         )
     except ValueError as e:  # the API names its fields; here they are flags
         msg = str(e)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvq.cache.block_manager import BlockManager, CopyOp, SealOp, WindowPolicy, block_state
+from kvq.cache.block_manager import BlockManager, CopyOp, SealOp, SwapOp, WindowPolicy, block_state
 from kvq.engine.sampling_params import SamplingParams
 from kvq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, peak_blocks, rule_counts
 from kvq.engine.sequence import SeqStatus, Sequence
@@ -60,7 +60,7 @@ class Clock:
 class Engine:
     """A fake engine around a real BlockManager and Scheduler."""
 
-    def __init__(self, policy: WindowPolicy, nq=64, nhp=16, prefix=True, eos=EOS, pipelined=False, **cfg):
+    def __init__(self, policy: WindowPolicy, nq=64, nhp=16, prefix=True, eos=EOS, pipelined=False, host=(0, 0), **cfg):
         if pipelined:  # asynchronous scheduling: step N+1 is scheduled and launched before step N's update
             cfg["max_inflight"] = 2
         self.pipelined = pipelined
@@ -69,11 +69,12 @@ class Engine:
         cfg.setdefault("max_num_seqs", 4)
         cfg.setdefault("block_aligned_chunks", not policy.write_direct)
         self.policy, self.bs = policy, policy.block_size
-        self.bm = BlockManager(nq, nhp, policy, enable_prefix_caching=prefix)
+        self.bm = BlockManager(nq, nhp, policy, enable_prefix_caching=prefix, host_blocks=host)
         self.cfg = SchedulerConfig(block_size=self.bs, **cfg)
         self.clock = Clock()
         self.s = Scheduler(self.cfg, self.bm, eos_token_id=eos, clock=self.clock)
         self.mem = {"q": [[None] * self.bs for _ in range(nq)], "hp": [[None] * self.bs for _ in range(nhp)]}
+        self.host = {p: [[None] * self.bs for _ in range(n)] for p, n in zip(("q", "hp"), host)}
         self.seqs: dict[int, Sequence] = {}
         self.num_preempted = 0
         self.tables: dict[int, list] = {}  # the runner's mirror, built only from scheduler outputs
@@ -88,6 +89,11 @@ class Engine:
         for op in ops:
             if isinstance(op, CopyOp):
                 self.mem[op.dst.pool][op.dst.block_id] = list(self.mem[op.src.pool][op.src.block_id])
+            elif isinstance(op, SwapOp):  # blocks between the device and the host tier, as they are
+                src, dst = (self.mem, self.host) if op.direction == "out" else (self.host, self.mem)
+                for pool, pairs in (("q", op.q), ("hp", op.hp)):
+                    for a, b in pairs:
+                        dst[pool][b] = list(src[pool][a])
             else:
                 assert isinstance(op, SealOp)
                 i, bs = op.logical_index, self.bs
@@ -148,12 +154,14 @@ class Engine:
         assert out.num_batched_tokens == sum(x.num_new_tokens for x in out.scheduled) <= cfg.max_num_batched_tokens
         self.num_preempted += len(out.preempted)
         for sid in out.preempted:
-            assert self.seqs[sid].status is SeqStatus.WAITING and sid not in self.bm
+            assert self.seqs[sid].status in (SeqStatus.WAITING, SeqStatus.SWAPPED) and sid not in self.bm
+            assert (self.seqs[sid].status is SeqStatus.SWAPPED) == self.bm.is_swapped(sid)
         self.s.check_integrity()
         stalled = [q for q in self.seqs.values() if q.status is SeqStatus.PREFILL and q.seq_id not in ids]
         assert not stalled, f"a running prefill got no chunk: {stalled}"  # the policy's no-stall claim
         self.mirror(out)
-        if not out.scheduled:
+        if not out.scheduled:  # its ops still run: a swap-out can come with no work
+            self.execute(out.ops)
             return out, self.flush()
         if abort_one is not None:  # an abort between schedule() and update()
             assert self.s.abort(ids[abort_one % len(ids)])
@@ -451,6 +459,59 @@ def test_a_chunk_holds_two_windows_in_hp():
     assert peak_blocks(4096, p, 512)[1] == 1 + 9 + 9
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_swap_parks_kv_in_the_host_tier_and_resumes_first(pipelined):
+    """Seed 002's smoke test: a 3-block pool, 10 requests; with swap every one completes with the
+    tokens it would have alone, preempted requests come back from the host tier (no recompute),
+    and nothing is left on either tier."""
+    e = Engine(WindowPolicy(4), nq=3, nhp=0, host=(12, 0), max_num_seqs=4, max_num_batched_tokens=8,
+               preemption_mode="swap", pipelined=pipelined)
+    for i in range(10):
+        e.add(i, [1 + i, 2, 3], max_tokens=6, ignore_eos=True)
+    e.run()
+    assert e.s.num_swapped_out > 0 and e.s.num_swapped_in == e.s.num_swapped_out and e.s.num_swap_fallbacks == 0
+    for sid, seq in e.seqs.items():
+        assert (seq.output_token_ids, seq.finish_reason) == reference(seq.prompt_token_ids, seq.params, 64), sid
+    assert e.used_blocks() == 0 and e.bm.num_swapped == 0
+    assert all(e.bm.host_allocator(p).num_used == 0 for p in ("q", "hp"))
+
+
+def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():
+    e = Engine(WindowPolicy(4), nq=3, nhp=0, host=(0, 0), max_num_seqs=4, max_num_batched_tokens=8,
+               preemption_mode="swap")
+    for i in range(4):
+        e.add(i, [1 + i, 2, 3], max_tokens=6, ignore_eos=True)
+    e.run()
+    assert e.s.num_swap_fallbacks > 0 and e.s.num_swapped_out == 0  # a tier of no blocks holds nothing
+    for sid, seq in e.seqs.items():
+        assert (seq.output_token_ids, seq.finish_reason) == reference(seq.prompt_token_ids, seq.params, 64), sid
+    assert e.used_blocks() == 0 and e.bm.num_swapped == 0
+
+
+def test_swapped_request_can_be_aborted():
+    e = Engine(WindowPolicy(4), nq=3, nhp=0, host=(12, 0), max_num_seqs=4, max_num_batched_tokens=8,
+               preemption_mode="swap")
+    for i in range(3):
+        e.add(i, [1 + i, 2, 3], max_tokens=8, ignore_eos=True)
+    for _ in range(20):
+        e.step()
+        if e.s.num_swapped:
+            break
+    swapped = [sid for sid, q in e.seqs.items() if q.status is SeqStatus.SWAPPED]
+    assert swapped, "the 3-block pool should have swapped a request out"
+    assert e.bm.host_allocator("q").num_used > 0
+    assert e.s.abort(swapped[0]) and not e.bm.is_swapped(swapped[0])
+    e.s.check_integrity()
+    e.bm.check_integrity()
+    e.run()
+    assert e.used_blocks() == 0 and e.bm.host_allocator("q").num_used == 0
+
+
+def test_bad_preemption_mode():
+    with pytest.raises(ValueError, match="recompute, swap"):
+        SchedulerConfig(block_size=4, max_model_len=16, preemption_mode="drop")
+
+
 # -- stateful ---------------------------------------------------------------------------------
 class SchedulerMachine(RuleBasedStateMachine):
     """Random requests (shared prefixes), steps, aborts and stop strings over random policies and tiny pools."""
@@ -458,8 +519,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(bs=st.integers(1, 8), sink=st.integers(0, 2), res=st.integers(0, 10), direct=st.booleans(),
                 prefix=st.booleans(), mml=st.integers(8, 48), dq=st.integers(-3, 4), dhp=st.integers(-3, 3),
                 seqs=st.integers(1, 5), extra=st.sampled_from([0, 0, 1, 2, 3, 5, 8, 16]), chunked=st.booleans(),
-                aligned=st.booleans(), pipelined=st.booleans())
-    def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, aligned, pipelined):
+                aligned=st.booleans(), pipelined=st.booleans(),
+                swap=st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 6))))
+    def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, aligned, pipelined, swap):
         policy = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=direct)
         # Pools around what one long request needs: sometimes too small (rejections), often contended.
         nb = -(-mml // bs)
@@ -469,7 +531,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget = max(seqs, bs if chunked and aligned else 1, 1 if chunked else mml) + extra
         self.e = Engine(policy, nq=nq, nhp=nhp, prefix=prefix, max_model_len=mml, max_num_seqs=seqs,
                         max_num_batched_tokens=budget, chunked_prefill=chunked, block_aligned_chunks=aligned,
-                        pipelined=pipelined)
+                        pipelined=pipelined,
+                        host=swap or (0, 0), preemption_mode="swap" if swap else "recompute")
         event("pipelined" if pipelined else "synchronous")
         self.history: list[list[int]] = [[]]
         self.next_id = 0
@@ -549,6 +612,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert (seq.output_token_ids, seq.finish_reason) == \
                     reference(seq.prompt_token_ids, seq.params, e.cfg.max_model_len), sid
         event(f"teardown: {'preemptions' if e.num_preempted else 'no preemption'}")
+        if e.s.num_swapped_out:
+            event("teardown: swapped out and back")
+        assert e.s.num_swapped_in <= e.s.num_swapped_out  # the rest finished (abort, stop) while swapped
+        assert e.bm.num_swapped == 0 and all(e.bm.host_allocator(p).num_used == 0 for p in ("q", "hp"))
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

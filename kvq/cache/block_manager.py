@@ -87,7 +87,19 @@ class PrefixHit:
     num_cached_tokens: int
 
 
-Op = SealOp | CopyOp
+@dataclass(frozen=True)
+class SwapOp:
+    """Move one sequence's blocks between the device pools and the host tier: ``direction`` "out"
+    copies device -> host, "in" host -> device; ``q`` and ``hp`` are ``(src, dst)`` block ids of
+    each pool (device ids on the device side, host ids on the host side)."""
+
+    seq_id: SeqId
+    direction: str
+    q: tuple[tuple[int, int], ...]
+    hp: tuple[tuple[int, int], ...]
+
+
+Op = SealOp | CopyOp | SwapOp
 
 
 class _Seq:
@@ -119,7 +131,8 @@ class BlockManager:
     raise ``KeyError``; bad arguments raise ``ValueError``.
     """
 
-    def __init__(self, num_q_blocks: int, num_hp_blocks: int, policy: WindowPolicy, enable_prefix_caching: bool = True):
+    def __init__(self, num_q_blocks: int, num_hp_blocks: int, policy: WindowPolicy, enable_prefix_caching: bool = True,
+                 host_blocks: tuple[int, int] = (0, 0)):
         if not isinstance(policy, WindowPolicy):
             raise TypeError(f"policy must be a WindowPolicy, got {type(policy).__name__}")
         self.policy = policy
@@ -130,6 +143,10 @@ class BlockManager:
             "hp": BlockAllocator(num_hp_blocks, policy.block_size, enable_prefix_caching, name="hp"),
         }
         self._seqs: dict[SeqId, _Seq] = {}
+        # The host tier of request-level swap: (q, hp) blocks in host memory, no prefix index.
+        self._host = {pool: BlockAllocator(n, policy.block_size, False, name=f"host {pool}")
+                      for pool, n in zip(POOLS, host_blocks)}
+        self._swapped: dict[SeqId, _Seq] = {}  # tables hold host block ids
 
     # -- queries ----------------------------------------------------------------------------
     def _seq(self, seq_id: SeqId) -> _Seq:
@@ -138,8 +155,29 @@ class BlockManager:
         except KeyError:
             raise KeyError(f"unknown sequence id {seq_id!r} (not allocated, or already freed)") from None
 
+    def _any(self, seq_id: SeqId) -> _Seq:
+        """A sequence on the device or swapped to the host."""
+        seq = self._seqs.get(seq_id) or self._swapped.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence id {seq_id!r} (not allocated, or already freed)")
+        return seq
+
     def __contains__(self, seq_id: SeqId) -> bool:
+        """Whether the sequence has device blocks (a swapped one has not: :meth:`is_swapped`)."""
         return seq_id in self._seqs
+
+    def is_swapped(self, seq_id: SeqId) -> bool:
+        return seq_id in self._swapped
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._swapped)
+
+    def host_allocator(self, pool: Pool) -> BlockAllocator:
+        """The host tier's allocator of ``pool`` blocks (counters; do not mutate it)."""
+        if pool not in self._host:
+            raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
+        return self._host[pool]
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -166,13 +204,13 @@ class BlockManager:
         return start, tuple(seq.table[start:]), n
 
     def num_tokens(self, seq_id: SeqId) -> int:
-        return len(self._seq(seq_id).tokens)
+        return len(self._any(seq_id).tokens)
 
     def num_computed(self, seq_id: SeqId) -> int:
-        return self._seq(seq_id).num_computed
+        return self._any(seq_id).num_computed
 
     def token_ids(self, seq_id: SeqId) -> tuple[int, ...]:
-        return tuple(self._seq(seq_id).tokens)
+        return tuple(self._any(seq_id).tokens)
 
     def slots(self, seq_id: SeqId, start: int, end: int) -> list[tuple[str, int, int]]:
         """``(pool, block_id, offset)`` for each token position in ``[start, end)``."""
@@ -412,7 +450,7 @@ class BlockManager:
         """Give the token at ``position``, appended as :data:`PENDING_TOKEN` (asynchronous
         scheduling appends a token before the step that samples it has finished), its id.
         Pending tokens are never hashed: they lie past every computed position."""
-        seq = self._seq(seq_id)
+        seq = self._any(seq_id)
         if not 0 <= position < len(seq.tokens) or seq.tokens[position] != PENDING_TOKEN:
             raise ValueError(f"position {position} of {seq_id!r} holds no pending token")
         assert position >= seq.num_computed, (position, seq.num_computed)
@@ -424,11 +462,12 @@ class BlockManager:
         Full blocks below it become prefix-cacheable. Call it after a prefill
         forward (or before :meth:`free`) so a finished prompt's blocks are cached.
         """
-        seq = self._seq(seq_id)
+        seq = self._any(seq_id)
         if not 0 <= num_computed <= len(seq.tokens):
             raise ValueError(f"num_computed={num_computed} outside [0, {len(seq.tokens)}] for {seq_id!r}")
         seq.num_computed = max(seq.num_computed, num_computed)
-        self._register_computed(seq)
+        if seq_id in self._seqs:  # a swapped sequence's blocks are registered when it returns
+            self._register_computed(seq)
 
     # -- fork / free ------------------------------------------------------------------------
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
@@ -446,11 +485,84 @@ class BlockManager:
         Blocks are released tail first, so the LRU evicts a prefix's tail
         before its head.
         """
+        if seq_id in self._swapped:
+            for ref in reversed(self._swapped.pop(seq_id).table):
+                self._host[ref.pool].free(ref.block_id)
+            return
         seq = self._seq(seq_id)
         self._register_computed(seq)
         for ref in reversed(seq.table):
             self._alloc[ref.pool].free(ref.block_id)
         del self._seqs[seq_id]
+
+    # -- swap (request-level, to the host tier) ---------------------------------------------
+    @staticmethod
+    def _count(table: Sequence[BlockRef]) -> dict[str, int]:
+        need = {"q": 0, "hp": 0}
+        for ref in table:
+            need[ref.pool] += 1
+        return need
+
+    def can_swap_out(self, seq_id: SeqId) -> bool:
+        """Whether the host tier has a block for every block of the sequence (its budget)."""
+        need = self._count(self._seq(seq_id).table)
+        return all(need[p] <= self._host[p].num_free for p in POOLS)
+
+    def swap_out(self, seq_id: SeqId) -> SwapOp:
+        """Park a sequence in the host tier: host blocks are taken for each of its blocks (the
+        budget is checked first: :class:`NoFreeBlocksError` with nothing changed), the returned op
+        copies them, and only then are its device blocks released (computed full blocks stay in
+        the prefix cache).  The op must run before the step's forward, like every op (module
+        docstring): a released block may be reused by a later call of the same step.  Its tokens,
+        lazy-sealing state and hashes stay as they were."""
+        seq = self._seq(seq_id)
+        if not self.can_swap_out(seq_id):
+            need = self._count(seq.table)
+            raise NoFreeBlocksError(f"cannot swap {seq_id!r} out: needs {need['q']} q and {need['hp']} hp host "
+                                    f"blocks, {self._host['q'].num_free} and {self._host['hp'].num_free} free")
+        pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
+        host_table = []
+        for ref in seq.table:
+            h = self._host[ref.pool].allocate()
+            pairs[ref.pool].append((ref.block_id, h))
+            host_table.append(BlockRef(ref.pool, h))
+        self._register_computed(seq)
+        for ref in reversed(seq.table):
+            self._alloc[ref.pool].free(ref.block_id)
+        del self._seqs[seq_id]
+        seq.table = host_table
+        self._swapped[seq_id] = seq
+        return SwapOp(seq_id, "out", tuple(pairs["q"]), tuple(pairs["hp"]))
+
+    def can_swap_in(self, seq_id: SeqId) -> bool:
+        """Whether the device pools have a private block for every block of a swapped sequence
+        (prefix-cache hits are not reused: it may need more blocks than it released)."""
+        seq = self._swapped[seq_id]
+        need = self._count(seq.table)
+        return all(need[p] <= self._alloc[p].num_free for p in POOLS)
+
+    def swap_in(self, seq_id: SeqId) -> SwapOp:
+        """Bring a swapped sequence back into fresh device blocks (whole table, so a mirror
+        rebuilds it) and release its host blocks; the op copies host -> device first."""
+        if seq_id not in self._swapped:
+            raise KeyError(f"sequence {seq_id!r} is not swapped")
+        if not self.can_swap_in(seq_id):
+            need = self._count(self._swapped[seq_id].table)
+            raise NoFreeBlocksError(f"cannot swap {seq_id!r} in: needs {need['q']} q and {need['hp']} hp blocks, "
+                                    f"{self.num_free_blocks('q')} and {self.num_free_blocks('hp')} free")
+        seq = self._swapped.pop(seq_id)
+        pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
+        table = []
+        for ref in seq.table:
+            d = self._alloc[ref.pool].allocate()
+            pairs[ref.pool].append((ref.block_id, d))
+            table.append(BlockRef(ref.pool, d))
+        for ref in reversed(seq.table):
+            self._host[ref.pool].free(ref.block_id)
+        seq.table, seq.changed, seq.num_registered = table, 0, 0
+        self._seqs[seq_id] = seq
+        self._register_computed(seq)
+        return SwapOp(seq_id, "in", tuple(pairs["q"]), tuple(pairs["hp"]))
 
     # -- checks -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -486,6 +598,18 @@ class BlockManager:
                 if stored is not None and i < len(seq.hashes) and \
                         self._alloc[ref.pool].block_hash(ref.block_id) != seq.hashes[i]:
                     raise AssertionError(f"seq {sid!r}: block {i} ({ref}) holds another hash")
+        host_refs = {p: [0] * self._host[p].num_blocks for p in POOLS}
+        for sid, seq in self._swapped.items():
+            if sid in self._seqs:
+                raise AssertionError(f"seq {sid!r} is both on the device and swapped")
+            for ref in seq.table:
+                host_refs[ref.pool][ref.block_id] += 1
+        for pool, counts in host_refs.items():
+            self._host[pool].check_integrity()
+            for bid, c in enumerate(counts):
+                if self._host[pool].refcount(bid) != c:
+                    raise AssertionError(f"host {pool} block {bid}: refcount {self._host[pool].refcount(bid)} "
+                                         f"but {c} swapped table references")
         for pool, counts in refs.items():
             for bid, c in enumerate(counts):
                 rc = self._alloc[pool].refcount(bid)

@@ -27,6 +27,7 @@ import torch
 
 from kvq.attention.backends import backend_names, select_backend
 from kvq.cache.block_manager import BlockManager, BlockRef
+from kvq.cache.host_pool import HostKVPool
 from kvq.cache.plan import CachePlan, KVCacheConfig
 from kvq.cache.pool import KVPool
 from kvq.cache.window import can_seal, peak_blocks
@@ -35,7 +36,7 @@ from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.model_runner import ModelRunner
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
-from kvq.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from kvq.engine.scheduler import PREEMPTION_MODES, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from kvq.engine.sequence import Sequence
 from kvq.models.builder import LOAD_FORMATS, build_model
 from kvq.models.source import model_shape, resolve_model
@@ -86,6 +87,10 @@ class EngineConfig:
     # torch CPU threads for this process: N >= 1 sets it, 0 keeps torch's own; None: DEFAULT_CPU_THREADS
     # on a CPU device unless OMP_NUM_THREADS is set, torch's own on CUDA
     threads: int | None = None
+    # what a preempted request becomes: "recompute" (its KV dropped, prefilled again) or "swap" (its
+    # blocks parked in a host tier of cpu_offload_gb GiB, resumed before new admissions)
+    preemption_mode: str = "recompute"
+    cpu_offload_gb: float = 0.0
 
     def __post_init__(self) -> None:
         """Every choice range-checked here, before a model file is opened (ValueError naming what is
@@ -134,6 +139,13 @@ class EngineConfig:
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None (the device's default), "
                                  f"got {getattr(self, name)!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}; valid: {', '.join(PREEMPTION_MODES)}")
+        g = self.cpu_offload_gb
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < float("inf"):
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {g!r}")
+        if self.preemption_mode == "swap" and g <= 0:
+            raise ValueError("preemption_mode 'swap' needs a host tier: cpu_offload_gb > 0 (--cpu-offload-gb)")
 
     def kv_cache_config_fields(self) -> KVCacheConfig:
         return KVCacheConfig(dtype=self.kv_cache_dtype, k=self.kv_cache_dtype_k, v=self.kv_cache_dtype_v,
@@ -259,18 +271,19 @@ def available_host_memory() -> int | None:
     return min(found) if found else None
 
 
-def check_memory_fits(nbytes: int, device: torch.device) -> None:
-    """ValueError if a KV budget cannot exist on ``device`` (before anything is loaded)."""
+def check_memory_fits(nbytes: int, device: torch.device, what: str = "kv_cache_memory") -> None:
+    """ValueError if a KV budget (``what``) cannot exist on ``device`` (before anything is loaded)."""
+    flag = "--" + what.replace("_", "-")
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         if nbytes > free:
-            raise ValueError(f"kv_cache_memory {format_bytes(nbytes)} exceeds the {format_bytes(free)} free on "
+            raise ValueError(f"{what} {format_bytes(nbytes)} exceeds the {format_bytes(free)} free on "
                              f"{device} ({format_bytes(total)} total, before the model loads)")
         return
     avail = available_host_memory()
     if avail is not None and nbytes > avail:
-        raise ValueError(f"kv_cache_memory {format_bytes(nbytes)} exceeds the {format_bytes(avail)} of RAM "
-                         f"available to this process (before the model loads); give a smaller --kv-cache-memory")
+        raise ValueError(f"{what} {format_bytes(nbytes)} exceeds the {format_bytes(avail)} of RAM "
+                         f"available to this process (before the model loads); give a smaller {flag}")
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -314,7 +327,10 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=self.plan.block_size,
             block_aligned_chunks=not self.plan.window_policy.write_direct,
-            max_inflight=2 if self.async_scheduling else 1)
+            max_inflight=2 if self.async_scheduling else 1, preemption_mode=cfg.preemption_mode)
+        offload = int(cfg.cpu_offload_gb * (1 << 30))
+        if offload:
+            check_memory_fits(offload, torch.device("cpu"), "cpu_offload_gb")
         memory = self._explicit_kv_memory()
         if memory is not None:
             check_memory_fits(memory, self.device)
@@ -331,7 +347,11 @@ class LLMEngine:
                       and self.backend_choice.resolved in ("triton", "cuda"))
         # CUDA graphs pad batches with rows that write to a null block outside the manager's range
         self.pool = KVPool.create(self.plan, int(num_q) + int(use_graphs), num_hp, self.device)
-        self.block_manager = BlockManager(int(num_q), num_hp, self.plan.window_policy, cfg.enable_prefix_caching)
+        # the host tier of request-level swap: the same block layout in (pinned) host memory
+        self.host_pool = HostKVPool.create(self.pool, *self._host_blocks(offload)) if offload else None
+        host = (self.host_pool.num_q_blocks, self.host_pool.num_hp_blocks) if self.host_pool else (0, 0)
+        self.block_manager = BlockManager(int(num_q), num_hp, self.plan.window_policy, cfg.enable_prefix_caching,
+                                          host_blocks=host)
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         self.scheduler = Scheduler(sched_config, self.block_manager, eos_token_id=eos)
         graphs = None
@@ -340,7 +360,8 @@ class LLMEngine:
                                   self.max_model_len, null_block=int(num_q), has_hp=num_hp > 0,
                                   can_seal=can_seal(self.plan.window_policy))
             graphs.capture()
-        self.runner = ModelRunner(self.model, self.pool, self.kernels, self.device, graphs, cfg.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.pool, self.kernels, self.device, graphs, cfg.max_num_seqs,
+                                  host_pool=self.host_pool)
         self.sampler = Sampler()
         self.seed_state = SeedState()
         self._ids = itertools.count()
@@ -360,6 +381,10 @@ class LLMEngine:
             "kv_pool": {"q_blocks": int(num_q), "hp_blocks": num_hp, "tokens": int(num_q) * self.plan.block_size,
                         "bytes": self.pool.nbytes()},
             "max_model_len": self.max_model_len,
+            "preemption_mode": cfg.preemption_mode,
+            "cpu_offload": {"q_blocks": host[0], "hp_blocks": host[1],
+                            "bytes": self.host_pool.capacity_bytes if self.host_pool else 0,
+                            "pinned": bool(self.host_pool and self.host_pool.pinned)},
             "async_scheduling": self.async_scheduling,
             "threads": torch.get_num_threads(),
             "cuda_graphs": {"batch_sizes": graphs.sizes, "capture_seconds": round(graphs.capture_seconds, 2)}
@@ -391,6 +416,22 @@ class LLMEngine:
         if self.config.kv_cache_memory is not None:
             return parse_bytes(self.config.kv_cache_memory)
         return None if self.device.type == "cuda" else parse_bytes(CPU_DEFAULT_KV_MEMORY)
+
+    def _host_blocks(self, budget: int) -> tuple[int, int]:
+        """(q, hp) blocks of the swap tier in ``budget`` bytes.  Running and swapped requests together
+        never exceed max_num_seqs (nothing is admitted while one is swapped), and a request holds at
+        most :func:`peak_blocks` hp blocks whatever its length: the tier keeps that many hp blocks (at
+        most half the budget) and gives the rest to resident blocks, which grow with the length."""
+        pol, plan = self.plan.window_policy, self.plan
+        num_hp = 0
+        if plan.hp_bytes_per_block and not (pol.write_direct and pol.residual_tokens == 0 and pol.sink_blocks == 0):
+            per_seq = peak_blocks(self.max_model_len, pol, self.config.max_num_batched_tokens)[1]
+            num_hp = min(self.config.max_num_seqs * per_seq, budget // 2 // plan.hp_bytes_per_block)
+        num_q = (budget - num_hp * plan.hp_bytes_per_block) // plan.bytes_per_block
+        if num_q < 1:
+            raise ValueError(f"cpu_offload_gb {format_bytes(budget)} holds no KV block of this plan "
+                             f"({format_bytes(plan.bytes_per_block)} per block)")
+        return int(num_q), int(num_hp)
 
     def _pool_blocks(self, memory: int) -> tuple[int, int]:
         """(resident, high-precision) blocks that ``memory`` bytes hold for this plan."""
@@ -538,6 +579,8 @@ class LLMEngine:
         """Schedule a step and enqueue its forward and sampling; nothing here waits for the device."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if sched.ops:  # a swap-out can come with no work; it must still happen before the next step
+                self.runner.apply_ops(sched.ops)
             return None
         seqs = {s.seq_id: self.scheduler.get(s.seq_id) for s in sched.scheduled}
         prev = self._inflight  # its samples feed the tokens this step schedules before they are known

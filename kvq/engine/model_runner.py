@@ -24,13 +24,19 @@ from kvq.engine.staging import Staging
 
 
 class ModelRunner:
-    def __init__(self, model, pool, kernels, device: torch.device, graphs=None, max_num_seqs: int = 64):
+    def __init__(self, model, pool, kernels, device: torch.device, graphs=None, max_num_seqs: int = 64,
+                 host_pool=None):
         self.model, self.pool, self.kernels, self.device = model, pool, kernels, device
+        self.host_pool = host_pool  # HostKVPool of request-level swap, or None
         self.block_size = pool.plan.block_size
         self.graphs = graphs  # DecodeGraphs or None (eager)
         self.graph_steps = 0
         self.tables = BlockTables(rows=max_num_seqs)
         self.staging = Staging(device)  # eager steps: every input array in one host->device copy
+
+    def apply_ops(self, ops) -> None:
+        """Run a step's cache ops (seals, copies, swaps) in order, before anything writes KV."""
+        apply_ops(self.pool, self.kernels, ops, self.host_pool)
 
     def execute(self, sched, seqs: dict, feed: tuple[torch.Tensor, dict] | None = None
                 ) -> tuple[torch.Tensor | None, list[int]]:
@@ -71,7 +77,7 @@ class ModelRunner:
                 sample_ids.append(item.seq_id)
         seals = layer_seals(sched.ops)
         if seals is None:
-            apply_ops(self.pool, self.kernels, sched.ops)
+            self.apply_ops(sched.ops)
         step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums, seals or ())
         i64 = [np.int64] * 2
         if self.graphs is not None and logits_rows == list(range(len(ids))) and self.graphs.serves(step):

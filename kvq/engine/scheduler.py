@@ -71,6 +71,7 @@ from kvq.cache.block_manager import PENDING_TOKEN, BlockManager, BlockRef, NoFre
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
 from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
 
+PREEMPTION_MODES = ("recompute", "swap")
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -85,6 +86,8 @@ class SchedulerConfig:
                             (needed when the KV format writes whole blocks: write_direct=False)
     max_inflight            scheduled outputs not yet update()d: 1 (schedule after each update),
                             or 2: asynchronous scheduling, step N+1 decided while step N runs
+    preemption_mode         "recompute" (drop the KV, prefill again) or "swap" (park it in the
+                            block manager's host tier; recompute when the tier is full)
     """
 
     max_num_seqs: int = 64
@@ -94,8 +97,11 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     block_aligned_chunks: bool = False
     max_inflight: int = 1
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}; valid: {', '.join(PREEMPTION_MODES)}")
         if self.max_inflight not in (1, 2):
             raise ValueError(f"SchedulerConfig.max_inflight must be 1 (synchronous) or 2 (asynchronous scheduling), "
                              f"got {self.max_inflight!r}")
@@ -182,6 +188,9 @@ class Scheduler:
         self._running: list[Sequence] = []  # PREFILL / DECODE, in arrival order
         self._inflight: list[tuple[SchedulerOutput, dict[int, Sequence]]] = []  # not yet update()d, oldest first
         self._released: list[int] = []  # sequences whose blocks were freed since the last schedule()
+        self._swapped: list[Sequence] = []  # SWAPPED, in arrival order: resumed before any admission
+        self._swapped_from: dict[int, SeqStatus] = {}  # PREFILL or DECODE, as they left
+        self.num_swapped_out = self.num_swapped_in = self.num_swap_fallbacks = 0
 
     # -- queries ----------------------------------------------------------------------------
     def get(self, seq_id: int) -> Sequence:
@@ -197,6 +206,10 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._swapped)
 
     @property
     def num_running(self) -> int:
@@ -300,9 +313,11 @@ class Scheduler:
                     return True
                 except NoFreeBlocksError:
                     victim = self._running[-1]  # the newest; `seq` itself when no newer one is left
-                    if any(x.seq_id == victim.seq_id for x in scheduled):
+                    taken = any(x.seq_id == victim.seq_id for x in scheduled)
+                    if taken:
                         untake(victim)
-                    self._preempt(victim)
+                    # a victim taken this step has a slot reserved for work it will not do: recompute
+                    self._preempt(victim, ops, swap=not taken)
                     preempted.append(victim.seq_id)
                     if victim is seq:
                         return False
@@ -329,7 +344,30 @@ class Scheduler:
             if grow(seq, seq.all_token_ids[start:start + n]):
                 take(seq, n, is_prefill=True)
 
-        while not preempted and not stalled and self._waiting and len(self._running) < cfg.max_num_seqs:  # 3.
+        while not preempted and not stalled and self._swapped and len(self._running) < cfg.max_num_seqs:  # 3a.
+            seq = self._swapped[0]
+            n = 1 if self._swapped_from[seq.seq_id] is SeqStatus.DECODE else \
+                self._chunk(seq.num_scheduled_tokens, seq.num_tokens, budget)
+            if n == 0 or budget < n or not bm.can_swap_in(seq.seq_id):
+                break  # the head waits; nothing is admitted behind it
+            ops.append(bm.swap_in(seq.seq_id))
+            self._swapped.pop(0)
+            seq.status = self._swapped_from.pop(seq.seq_id)
+            self._insort(self._running, seq)
+            self.num_swapped_in += 1
+            if seq.status is SeqStatus.DECODE:
+                if self._finishes_when_known(seq):
+                    continue
+                token = seq.last_token_id if seq.num_pending == 0 else PENDING_TOKEN
+                if grow(seq, [token]):
+                    take(seq, 1, is_prefill=False)
+            else:
+                start = seq.num_scheduled_tokens
+                if grow(seq, seq.all_token_ids[start:start + n]):
+                    take(seq, n, is_prefill=True)
+
+        while (not preempted and not stalled and not self._swapped and self._waiting
+               and len(self._running) < cfg.max_num_seqs):  # 3b.
             seq = self._waiting[0]
             tokens = seq.all_token_ids
             if self._chunk(0, len(tokens), budget) == 0:
@@ -380,7 +418,8 @@ class Scheduler:
         for s in live:
             seq = seqs[s.seq_id]
             end = s.start + s.num_new_tokens
-            if seq.is_running:  # not preempted since it was scheduled (that dropped the KV)
+            held = seq.is_running or seq.status is SeqStatus.SWAPPED  # its KV was not dropped since
+            if held:  # (a swap-out runs after this step's forward: the host copy holds its KV)
                 assert seq.num_computed_tokens == s.start and seq.num_scheduled_tokens >= end, (seq, s)
                 seq.num_computed_tokens = end
                 bm.mark_computed(seq.seq_id, end)
@@ -389,7 +428,7 @@ class Scheduler:
             assert end == seq.num_tokens and seq.num_pending >= 1, (seq, s)
             seq.num_pending -= 1
             token = int(sampled[s.seq_id])
-            if seq.is_running and bm.num_tokens(seq.seq_id) > end:  # a later step already took its slot
+            if held and bm.num_tokens(seq.seq_id) > end:  # a later step already took its slot
                 bm.set_token(seq.seq_id, end, token)
             seq.append_token(token, now)
             stop = self._stop_condition(seq)
@@ -420,9 +459,25 @@ class Scheduler:
         return (seq.num_output_tokens + seq.num_pending >= seq.params.max_tokens
                 or seq.num_tokens + seq.num_pending >= self.config.max_model_len)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: drop the KV, keep every token (an in-flight one still
-        arrives through :meth:`update`), requeue in arrival order."""
+    def _preempt(self, seq: Sequence, ops: list | None = None, swap: bool = True) -> None:
+        """Preempt a running sequence.  With ``preemption_mode="swap"`` (and ``swap``) its KV goes to
+        the host tier (a swap-out op appended to ``ops``) and it waits in SWAPPED, state kept,
+        to resume before any admission; when the tier cannot hold it (or without swap) it is
+        preempted by recompute: drop the KV, keep every token (an in-flight one still arrives
+        through :meth:`update`), requeue in arrival order."""
+        bm = self.block_manager
+        if swap and ops is not None and self.config.preemption_mode == "swap":
+            if bm.can_swap_out(seq.seq_id):
+                ops.append(bm.swap_out(seq.seq_id))
+                self._released.append(seq.seq_id)
+                self._running.remove(seq)
+                self._swapped_from[seq.seq_id] = seq.status
+                seq.status = SeqStatus.SWAPPED
+                seq.num_preemptions += 1
+                self.num_swapped_out += 1
+                self._insort(self._swapped, seq)
+                return
+            self.num_swap_fallbacks += 1
         self.block_manager.free(seq.seq_id)  # computed full blocks stay in the prefix cache
         self._released.append(seq.seq_id)
         self._running.remove(seq)
@@ -443,10 +498,17 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        if seq.seq_id in self.block_manager:
-            self.block_manager.free(seq.seq_id)
+        bm = self.block_manager
+        if seq.seq_id in bm:
+            bm.free(seq.seq_id)
             self._released.append(seq.seq_id)
-        (self._running if seq.is_running else self._waiting).remove(seq)
+        elif bm.is_swapped(seq.seq_id):
+            bm.free(seq.seq_id)  # its host blocks
+        if seq.status is SeqStatus.SWAPPED:
+            self._swapped.remove(seq)
+            del self._swapped_from[seq.seq_id]
+        else:
+            (self._running if seq.is_running else self._waiting).remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason  # type: ignore[assignment]
         seq.stop_reason = stop_reason
@@ -466,10 +528,15 @@ class Scheduler:
         """Assert the queues, statuses and block manager agree (see the module docstring)."""
         bm, cfg = self.block_manager, self.config
         assert len(self._running) <= cfg.max_num_seqs
-        assert set(self._seqs) == {s.seq_id for s in self._waiting} | {s.seq_id for s in self._running}
-        assert len(self._seqs) == len(self._waiting) + len(self._running), "a sequence queued twice"
+        queues = (self._waiting, self._running, self._swapped)
+        assert set(self._seqs) == {s.seq_id for q in queues for s in q}
+        assert len(self._seqs) == sum(map(len, queues)), "a sequence queued twice"
         assert len(bm) == len(self._running), "the block manager holds sequences the scheduler does not run"
-        for queue in (self._waiting, self._running):
+        assert bm.num_swapped == len(self._swapped) == len(self._swapped_from), "swapped sequences disagree"
+        for seq in self._swapped:
+            assert seq.status is SeqStatus.SWAPPED and bm.is_swapped(seq.seq_id), seq
+            assert self._swapped_from[seq.seq_id] in (SeqStatus.PREFILL, SeqStatus.DECODE), seq
+        for queue in queues:
             ranks = [self._rank[s.seq_id] for s in queue]
             assert ranks == sorted(ranks), "queues must stay in arrival order"
         for seq in self._waiting:

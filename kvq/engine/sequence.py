@@ -5,8 +5,13 @@ Life cycle (the scheduler moves it; nothing else should set ``status``)::
     WAITING --admit--> PREFILL --last prompt chunk sampled--> DECODE --stop--> FINISHED
        ^                  |                                      |
        +----preempt-------+--------------------------------------+      (abort: any state -> FINISHED)
+                          |                                      |
+                          +--swap out--> SWAPPED <--swap out------+
+                                            |
+                          resume (before admissions) back to the state it left
 
-SWAPPED is reserved for request-level CPU swap; nothing enters it yet.
+SWAPPED (``preemption_mode="swap"``): its KV waits in the block manager's host
+tier with every counter kept; it resumes before any new admission.
 
 Token accounting. ``prompt_token_ids`` never changes; sampled tokens go to
 ``output_token_ids``. ``num_computed_tokens`` counts the leading tokens of
@@ -48,7 +53,7 @@ class SeqStatus(enum.Enum):
     PREFILL = "prefill"  # blocks for the effective prompt reserved; prompt partially computed
     DECODE = "decode"  # prompt computed; one new token per step
     FINISHED = "finished"  # blocks released; finish_reason says why
-    SWAPPED = "swapped"  # reserved: KV parked in CPU memory (request-level swap)
+    SWAPPED = "swapped"  # KV parked in the host tier (request-level swap); state kept
 
 
 class Sequence:

@@ -354,8 +354,10 @@ class AsyncEngine:
         return {
             "running": sched.num_running,
             "waiting": sched.num_waiting,
-            # the engine has no swap yet (SeqStatus.SWAPPED is reserved); read it once the scheduler counts it
-            "swapped": int(getattr(sched, "num_swapped", 0)),
+            "swapped": sched.num_swapped,
+            "swap": {"out": sched.num_swapped_out, "in": sched.num_swapped_in, "fallbacks": sched.num_swap_fallbacks,
+                     "host_blocks": {p: {"total": h.num_blocks, "used": h.num_used}
+                                     for p, h in ((p, bm.host_allocator(p)) for p in ("q", "hp"))}},
             "live_requests": len(self._live),
             "kv_blocks": blocks,
             "steps": self.num_steps,

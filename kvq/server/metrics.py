@@ -89,7 +89,7 @@ class EngineEvents:
             self.e2e.observe(e2e)
 
 
-SWAPPED_DOC = "Requests whose KV is swapped to CPU (seed 002's swapped_requests; the engine has no swap yet: 0)"
+SWAPPED_DOC = "Requests whose KV is parked in the host tier (--preemption-mode swap)"
 
 
 class EngineStateCollector:
@@ -113,6 +113,19 @@ class EngineStateCollector:
             for state, g in gauges.items():
                 g.add_metric([pool], b["total" if state == "capacity" else state])
         yield from gauges.values()
+        swap = snap["swap"]
+        for name, key, doc in (("kvq_requests_swapped", "out", "Preempted requests whose KV went to the host tier"),
+                               ("kvq_requests_resumed", "in", "Swapped requests brought back to the device"),
+                               ("kvq_swap_fallbacks", "fallbacks", "Preemptions that found the host tier full "
+                                                                   "and recomputed instead")):
+            yield CounterMetricFamily(name, doc, value=swap[key])
+        host = GaugeMetricFamily("kvq_cpu_offload_blocks", "Host-tier KV blocks (swap)", labels=["pool", "state"])
+        for pool, b in swap["host_blocks"].items():
+            host.add_metric([pool, "used"], b["used"])
+            host.add_metric([pool, "capacity"], b["total"])
+        yield host
+        yield GaugeMetricFamily("kvq_cpu_offload_budget_bytes", "Bytes of the host tier (--cpu-offload-gb)",
+                                value=info["cpu_offload"]["bytes"])
         q = snap["kv_blocks"]["q"]
         yield GaugeMetricFamily("kvq_kv_cache_usage_ratio", "Used share of the resident (q) pool",
                                 value=q["used"] / q["total"] if q["total"] else 0.0)

