@@ -123,6 +123,12 @@ class _Seq:
         return s  # changed = 0: the clone's table is new to whoever mirrors it
 
 
+def _pick(allocators: dict[str, BlockAllocator], pool: Pool) -> BlockAllocator:
+    if pool not in allocators:
+        raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
+    return allocators[pool]
+
+
 class BlockManager:
     """Block tables for sequences, over a q pool and an hp pool.
 
@@ -175,18 +181,14 @@ class BlockManager:
 
     def host_allocator(self, pool: Pool) -> BlockAllocator:
         """The host tier's allocator of ``pool`` blocks (counters; do not mutate it)."""
-        if pool not in self._host:
-            raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
-        return self._host[pool]
+        return _pick(self._host, pool)
 
     def __len__(self) -> int:
         return len(self._seqs)
 
     def allocator(self, pool: Pool) -> BlockAllocator:
         """The pool's allocator, for counters and stats; do not mutate it directly."""
-        if pool not in self._alloc:
-            raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
-        return self._alloc[pool]
+        return _pick(self._alloc, pool)
 
     def num_free_blocks(self, pool: Pool) -> int:
         return self.allocator(pool).num_free
