@@ -185,27 +185,26 @@ def _attend(qb, ke, ve, pos, sm_scale, kq=None, vq=None, quant=None):
         for kx, vx, m in ((ke, ve, ~quant), (kq, vq, quant)):
             m = by_tile(m) & visible
             sides.append((tiles(kx), tiles(vx), m, m.flatten(1).any(1).nonzero().flatten().tolist()))
-    out = torch.empty(Hq, t, D, dtype=torch.float32, device=dev)
-    for h in range(H):
-        qg = qh[h * group:(h + 1) * group].reshape(group * t_pad, D)  # rows: (query head, query)
-        s = torch.full((nt, group, t, TILE), float("-inf"), device=dev)
-        for kt, _, m, idx in sides:
-            if idx:
-                si = torch.matmul(qg, kt[h, idx].transpose(1, 2)).view(len(idx), group, t_pad, TILE)[:, :, :t]
-                s[idx] = si * sm_scale if m is None else torch.where(m[idx], si * sm_scale, s[idx])
-        s = s.masked_fill(~visible, float("-inf"))
-        p = torch.exp(s - s.amax(dim=(0, 3), keepdim=True))  # [nt, group, t, TILE]
-        o = torch.zeros(nt, group * t_pad, D, device=dev)
-        for _, vt, m, idx in sides:
-            if idx:
-                pi = p[idx] if m is None else p[idx] * m[idx]
-                pi = torch.nn.functional.pad(pi, (0, 0, 0, t_pad - t)).view(len(idx), group * t_pad, TILE)
-                o[idx] = o[idx] + torch.matmul(pi, vt[h, idx])
-        den = p.sum(dim=3)  # [nt, group, t]
-        acc, tot = o[0], den[0]
-        for i in range(1, nt):  # position order
-            acc, tot = acc + o[i], tot + den[i]
-        out[h * group:(h + 1) * group] = acc.view(group, t_pad, D)[:, :t] / tot[..., None]
+    qg = qh.reshape(H, 1, group * t_pad, D)  # rows: (query head, query), per KV head
+    s = torch.full((H, nt, group, t, TILE), float("-inf"), device=dev)
+    for kt, _, m, idx in sides:
+        if idx:
+            si = torch.matmul(qg, kt[:, idx].transpose(2, 3)).view(H, len(idx), group, t_pad, TILE)[..., :t, :]
+            s[:, idx] = si * sm_scale if m is None else torch.where(m[idx], si * sm_scale, s[:, idx])
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.exp(s - s.amax(dim=(1, 4), keepdim=True))  # [H, nt, group, t, TILE]
+    o = torch.zeros(H, nt, group * t_pad, D, device=dev)
+    for _, vt, m, idx in sides:
+        if idx:
+            pi = p[:, idx] if m is None else p[:, idx] * m[idx]
+            pi = torch.nn.functional.pad(pi, (0, 0, 0, t_pad - t)).view(H, len(idx), group * t_pad, TILE)
+            o[:, idx] = o[:, idx] + torch.matmul(pi, vt[:, idx])
+    den = p.sum(dim=4)  # [H, nt, group, t]
+    acc, tot = o[:, 0], den[:, 0]
+    for i in range(1, nt):  # position order
+        acc, tot = acc + o[:, i], tot + den[:, i]
+    out = acc.view(H, group, t_pad, D)[:, :, :t] / tot[..., None]
+    out = out.reshape(Hq, t, D)
     return out.transpose(0, 1)  # [t, Hq, D]
 
 
