@@ -182,6 +182,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     memory = parse_bytes(args.memory)
     plan = plan_from_args(args)  # arithmetic only: no torch (the FP8 numerics check runs where pools are made)
     rec = plan_record(plan, memory, args.context_len)
+    g = args.cpu_offload_gb
+    if not 0 <= g < float("inf"):
+        raise UsageError(f"--cpu-offload-gb must be a number of GiB >= 0, got {g}")
+    if g:
+        rec["cpu_offload"] = asdict(plan.capacity(int(g * (1 << 30)), args.context_len))
     if args.json:
         print(json.dumps(rec, indent=2))
         return 0
@@ -200,6 +205,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"windows          {plan.sink_tokens} sink + {plan.residual_tokens} recent tokens in {plan.hp.name}")
     print(f"at context {cap['context_len']:<6}{cap['sequences']} sequences ({cap['tokens_at_context']} tokens; "
           f"{cap['blocks_per_sequence']} resident + {cap['hp_blocks_per_sequence']} high-precision blocks each)")
+    if g:
+        host = rec["cpu_offload"]
+        print(f"host tier        {format_bytes(host['memory_bytes'])}: {host['num_blocks']} blocks, "
+              f"{host['num_tokens']} tokens; {host['sequences']} sequences of {host['context_len']} swapped at once")
     return 0
 
 
@@ -312,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory", default="8GiB", help="memory budget for the KV cache (default 8GiB)")
     pl.add_argument("--context-len", type=int, default=None,
                     help="context length for per-sequence figures (default: the model's maximum)")
+    pl.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                    help="also the host tier of that many GiB (swap, docs/offload.md): blocks are stored as on "
+                         "the device, so the format's ratio holds there too")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(func=cmd_plan)
 

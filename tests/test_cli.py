@@ -80,6 +80,20 @@ def test_plan_default_model(capsys):
     assert rec["capacity"]["hp_blocks_per_sequence"] == 5
 
 
+def test_plan_host_tier_holds_the_formats_ratio_too(capsys):
+    """Swapped blocks are stored as on the device: a 4 GiB host tier holds 4x the blocks of 1 GiB
+    of device memory (up to the windows' rounding), and int4_kivi's tier holds its ratio more
+    tokens than bf16's."""
+    rec = _plan_json(capsys, "--kv-cache-dtype", "int4_kivi", "--memory", "1GiB", "--cpu-offload-gb", "4")
+    host, dev = rec["cpu_offload"], rec["capacity"]
+    assert host["memory_bytes"] == 4 << 30 and abs(host["num_blocks"] - 4 * dev["num_blocks"]) <= 4  # floors
+    bf16 = _plan_json(capsys, "--kv-cache-dtype", "bfloat16", "--memory", "1GiB", "--cpu-offload-gb", "4")
+    assert host["num_tokens"] / bf16["cpu_offload"]["num_tokens"] == pytest.approx(rec["ratio_vs_model_dtype"],
+                                                                                    rel=0.01)
+    assert main(["plan", "--model", "default", "--cpu-offload-gb", "-1"]) == 2
+    assert "--cpu-offload-gb" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["formats"], ["plan", "--num-layers", "36", "--num-kv-heads", "2",
                                                              "--head-dim", "128", "--block-size", "16"],
                                   ["generate", "--help"], ["serve", "--help"], ["eval", "--help"]])
