@@ -264,6 +264,19 @@ def test_windows_and_kv_options_reach_every_evaluated_format(capsys):
     from kvq.eval.runner import kept_windows
 
     assert kept_windows(s) == (32, 160)  # passkey needles stay outside every format's windows
+    from kvq.eval.runner import FormatRun, capacity
+
+    def run(name):
+        return FormatRun(name, {}, kv_config(s, name).plan(shape), [], {}, {}, 0.0)
+
+    # --cpu-offload-gb: the host tier's sequences at the bin, stored as on the device
+    cap = capacity(run("int4_kivi"), run(s.baseline), 1 << 30, 2048, 4 << 30)
+    assert cap["cpu_offload_bytes"] == 4 << 30
+    assert abs(cap["sequences_at_bin_cpu_offload"] - 4 * cap["sequences_at_bin"]) <= 4
+    assert cap["sequences_at_bin_cpu_offload"] > 2 * cap["sequences_at_bin_cpu_offload_baseline"]
+    assert "cpu_offload_bytes" not in capacity(run("int4_kivi"), run(s.baseline), 1 << 30, 2048)
+    assert cli.main(["eval", "--cpu-offload-gb", "-1", "--bins", "192"]) == 2
+    assert "--cpu-offload-gb" in capsys.readouterr().err
     plain = replace(s, kv=type(s.kv)())
     assert kept_windows(replace(plain, formats=("fp8_e4m3",))) == (0, 0)
     assert kept_windows(replace(plain, formats=("fp8_e4m3", "fp8_e4m3:r128:s4"))) == (16, 144)

@@ -77,6 +77,8 @@ def register(sub) -> None:
                         "Python 3.11 language reference's prose, the same tokens on every machine); results record "
                         "the file's and the scored tokens' sha256")
     g.add_argument("--memory", default="8GiB", help="KV budget for the capacity figures (default 8GiB)")
+    g.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                   help="also give the capacity of a host tier of that many GiB (swap; default none)")
     t = p.add_argument_group("status thresholds (per bin, against the baseline)")
     t.add_argument("--max-ppl-increase", type=float, default=0.02, help="relative perplexity increase (default 0.02)")
     t.add_argument("--max-kl", type=float, default=0.02, help="mean KL of next-token distributions, nats (0.02)")
@@ -141,6 +143,12 @@ def check_flags(args: argparse.Namespace) -> None:
             raise errors[0]
 
 
+def _offload_bytes(gb: float) -> int:
+    if not 0 <= gb < float("inf"):
+        raise ValueError(f"--cpu-offload-gb must be a number of GiB >= 0, got {gb}")
+    return int(gb * (1 << 30))
+
+
 def settings_from_args(args: argparse.Namespace):
     """EvalSettings from the flags (ValueError on bad input, before anything heavy runs)."""
     import torch
@@ -171,7 +179,8 @@ def settings_from_args(args: argparse.Namespace):
         passkey_bins=tuple(sorted(set(args.passkey_bins if args.passkey_bins is not None else bins))),
         passkey_depths=tuple(args.passkey_depths),
         passkey_trials=mode["passkey_trials"] if args.passkey_trials is None else args.passkey_trials,
-        memory=parse_bytes(args.memory), attention_backend=args.attention_backend, device=args.device,
+        memory=parse_bytes(args.memory), cpu_offload=_offload_bytes(args.cpu_offload_gb),
+        attention_backend=args.attention_backend, device=args.device,
         dtype=args.dtype, seed=args.seed, threads=args.threads or None,
         kv=KVCacheConfig(block_size=args.block_size, sink_tokens=args.kv_sink_tokens,
                          residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,

@@ -48,6 +48,7 @@ class EvalSettings:
     passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     passkey_trials: int = 1
     memory: int = 8 * GIB  # budget for the capacity figures
+    cpu_offload: int = 0  # bytes of a host tier (swap) for the capacity figures; 0: none
     attention_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
@@ -256,9 +257,14 @@ def bin_quality(base: FormatRun, run: FormatRun, i: int, passkey_bins) -> dict:
     return q
 
 
-def capacity(run: FormatRun, base: FormatRun, memory: int, L: int) -> dict:
+def capacity(run: FormatRun, base: FormatRun, memory: int, L: int, cpu_offload: int = 0) -> dict:
     plan, bplan = run.plan, base.plan
     cap, bcap = plan.capacity(memory, L), bplan.capacity(memory, L)
+    host = {}
+    if cpu_offload:  # swapped blocks are stored as on the device (docs/offload.md)
+        host = {"cpu_offload_bytes": cpu_offload,
+                "sequences_at_bin_cpu_offload": plan.capacity(cpu_offload, L).sequences,
+                "sequences_at_bin_cpu_offload_baseline": bplan.capacity(cpu_offload, L).sequences}
     return {
         "bytes_per_token": plan.bytes_per_token,
         "bits_per_value": 8 * plan.bytes_per_token / (2 * plan.model.num_layers * plan.model.num_kv_heads
@@ -273,6 +279,7 @@ def capacity(run: FormatRun, base: FormatRun, memory: int, L: int) -> dict:
         "sequences_at_bin": cap.sequences,
         "sequences_at_bin_baseline": bcap.sequences,
         "bytes_per_sequence_at_bin": cap.bytes_per_sequence,
+        **host,
     }
 
 
@@ -346,7 +353,7 @@ def run_eval(s: EvalSettings) -> dict:
                 hardware=hardware, model=model,
                 kv_cache_dtype=kv, attention_backend=requested,
                 resolved_backend=run.info["attention_backend"]["resolved"], bins=bins, bin=L, quality=q,
-                capacity=capacity(run, base, s.memory, L), throughput_before=_throughput(base, hardware),
+                capacity=capacity(run, base, s.memory, L, s.cpu_offload), throughput_before=_throughput(base, hardware),
                 throughput_after=_throughput(run, hardware), thresholds=s.thresholds)
             rec["baseline"] = s.baseline
             fmt_records.append(rec)
