@@ -27,7 +27,7 @@ test: install-test
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test bench-kernels bench-engine bench-server
+.PHONY: gpu-test bench-kernels bench-engine bench-server bench-offload
 gpu-test:
 	bash scripts/gpu.sh test
 
@@ -49,3 +49,6 @@ bench-server:
 	  --disconnect-fraction 0.1 --time-limit 90 --label "H200, dummy Llama-3-8B, fp8_e4m3 KV" \
 	  --out docs/results/server_llama-3-8b_fp8_e4m3_h200.json -- --model llama-3-8b --load-format dummy \
 	  --kv-cache-dtype fp8_e4m3 --max-num-seqs 64 --max-model-len 4096 --gpu-memory-utilization 0.85
+
+bench-offload:
+	bash scripts/gpu.sh bench-offload --formats bfloat16,fp8_e4m3,int8_per_token_head,int4_kivi

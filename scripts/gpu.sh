@@ -6,6 +6,7 @@
 #   bash scripts/gpu.sh bench-kernels   # decode/write benchmark vs FlashInfer and SDPA
 #   bash scripts/gpu.sh bench-engine    # end-to-end generation vs HF transformers (see benchmarks/README.md)
 #   bash scripts/gpu.sh bench-server    # load test of kvq serve
+#   bash scripts/gpu.sh bench-offload   # swap to host memory: copy GB/s per format, recompute vs swap
 #   bash scripts/gpu.sh probe           # quick decode timing probe
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +25,12 @@ if [ -n "${OUT:-}" ]; then
 fi
 case "$target" in
   test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
-          tests/test_prefill_window.py tests/test_staging.py \
+          tests/test_prefill_window.py tests/test_staging.py tests/test_host_pool.py \
           tests/test_formats_spec.py "$@" ;;
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
   bench-server) python3 benchmarks/bench_server.py "$@" ;;
+  bench-offload) python3 benchmarks/bench_offload.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
-  *) echo "unknown target $target (test, bench-kernels, bench-engine, bench-server, probe)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, bench-kernels, bench-engine, bench-server, bench-offload, probe)" >&2; exit 2 ;;
 esac

@@ -5,7 +5,7 @@ Batch composition reaches a request's numbers through the prefill chunking (the 
 budget is shared, so a prompt is cut differently when others run beside it) and through
 the GEMMs' row count.  The first is closed by the per-query window rule (every query reads
 what `kvq.cache.window.exact_from` says whatever the chunk), the second by
-`kvq.models.llama.Linear` (rows padded to a multiple of 8 on the CPU).  A quantized cache
+`kvq.models.llama.Linear` (rows padded to a multiple of 4 on the CPU).  A quantized cache
 turns any last-bit difference upstream of a key into a different code, so these formats
 are the sharp test: before both fixes fp8_e4m3 diverged at token 26 and int4_kivi with a
 32-token window at token 2.
