@@ -97,7 +97,6 @@ def test_prefix_hit_only_from_the_pool_the_block_must_live_in():
     assert m.allocate_prompt("b", list(range(10))) == PrefixHit(8)
     # 14 tokens could hit 3 blocks, but at 12 block 1 must be q and only its hp copy is cached ->
     # the longest valid hit is 2 blocks; block 2 is recomputed.
-    assert m.prefix_hit(list(range(14))) == 8
     assert m.allocate_prompt("c", list(range(14))) == PrefixHit(8)
     assert [r.pool for r in m.block_table("c")] == ["hp", "hp", "hp", "hp"]  # settled at 8; new at 14
     m.check_integrity()

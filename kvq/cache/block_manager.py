@@ -269,74 +269,84 @@ class BlockManager:
             parent = h
         return hashes, found
 
-    def _hit_blocks(self, found: list[dict[Pool, int]]) -> int:
-        """The longest cached prefix of ``h`` blocks that the window rule lets the prompt reuse: block
-        ``i < h`` must be cached in pool ``block_state(i, h * bs)``, the pool it has when the first
-        computed token (at ``h * bs``) reads it (so that query reads exact what the rule says)."""
-        h = len(found)
-        while h and any(block_state(i, h * self.block_size, self.policy) not in found[i] for i in range(h)):
-            h -= 1
-        return h
+    def _valid_hits(self, found: list[dict[Pool, int]]) -> list[int]:
+        """Lengths ``h`` (in blocks, longest first, 0 last) of cached prefixes the window rule lets a
+        prompt reuse: block ``i < h`` must be cached in pool ``block_state(i, h * bs)``, the pool it
+        has when the first computed token (at ``h * bs``) reads it (so that query reads exact what
+        the rule says)."""
+        bs = self.block_size
+        return [h for h in range(len(found), 0, -1)
+                if all(block_state(i, h * bs, self.policy) in found[i] for i in range(h))] + [0]
 
-    def prefix_hit(self, token_ids: Sequence[int]) -> int:
-        """Tokens of a prompt :meth:`allocate_prompt` would take from the prefix cache now (whole
-        blocks, fewer than ``len(token_ids)``); allocating any ``token_ids[:end]`` with ``end`` past
-        them hits the same blocks."""
-        return self._hit_blocks(self._prefix_blocks(token_ids)[1]) * self.block_size
+    def _plan_prompt(self, token_ids: Sequence[int], use_cache: bool = True, end=None):
+        """(hits, hashes, miss, feasible, reserved length) for a prompt, without mutating anything.
 
-    def _plan_prompt(self, token_ids: Sequence[int], use_cache: bool = True):
-        """(hits, hashes, miss, feasible) for a prompt, without mutating anything."""
-        L, bs = len(token_ids), self.block_size
+        ``end(hit_tokens)`` is how much of the prompt to reserve for a hit of that many tokens
+        (default: all of it).  The longest valid hit whose reservation fits is taken: a shorter hit
+        can need fewer blocks (a hit block of the window is a high-precision block that the prompt
+        without it would store quantized), and no hit at all is always a candidate, so the cache
+        never makes a prompt that fits without it fail."""
+        bs = self.block_size
         hashes, found = self._prefix_blocks(token_ids) if use_cache else ([], [])
-        h = self._hit_blocks(found)
-        hits = [found[i][block_state(i, h * bs, self.policy)] for i in range(h)]
-        miss = h < (L - 1) // bs and self.enable_prefix_caching and use_cache  # a lookup that did not hit
-        taken_free = {"q": 0, "hp": 0}  # cached-free hits stop being allocatable
-        for i, bid in enumerate(hits):
-            pool = block_state(i, h * bs, self.policy)
-            taken_free[pool] += self._alloc[pool].refcount(bid) == 0
-        need = {"q": 0, "hp": 0}
-        for i in range(h, -(-L // bs)):
-            need[block_state(i, L, self.policy)] += 1
-        ok = all(need[p] <= self._alloc[p].num_free - taken_free[p] for p in POOLS)
-        return hits, hashes[:h], miss, ok
+        first = None
+        for h in self._valid_hits(found):
+            L = len(token_ids) if end is None else end(h * bs)
+            assert h * bs < L <= len(token_ids), (h, L, len(token_ids))
+            hits = [found[i][block_state(i, h * bs, self.policy)] for i in range(h)]
+            taken_free = {"q": 0, "hp": 0}  # cached-free hits stop being allocatable
+            for i, bid in enumerate(hits):
+                pool = block_state(i, h * bs, self.policy)
+                taken_free[pool] += self._alloc[pool].refcount(bid) == 0
+            need = {"q": 0, "hp": 0}
+            for i in range(h, -(-L // bs)):
+                need[block_state(i, L, self.policy)] += 1
+            ok = all(need[p] <= self._alloc[p].num_free - taken_free[p] for p in POOLS)
+            miss = h < (L - 1) // bs and self.enable_prefix_caching and use_cache  # a lookup that did not hit
+            plan = (hits, hashes[:h], miss, ok, L)
+            if ok:
+                return plan
+            first = first or plan
+        return first
 
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, end=None) -> bool:
         """Whether :meth:`allocate_prompt` of ``num_tokens`` tokens would succeed now.
 
-        With ``token_ids`` the prefix cache is taken into account.
+        With ``token_ids`` the prefix cache is taken into account (and ``end``, as there).
         """
         if token_ids is None:
             if num_tokens < 1:
                 raise ValueError(f"a prompt needs at least one token, got {num_tokens}")
-            return self._plan_prompt([0] * num_tokens, use_cache=False)[3]
+            return self._plan_prompt([0] * num_tokens, use_cache=False, end=end)[3]
         if len(token_ids) != num_tokens or num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens} with {len(token_ids)} token ids; a prompt needs >= 1")
-        return self._plan_prompt(token_ids)[3]
+        return self._plan_prompt(token_ids, end=end)[3]
 
-    def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int]) -> PrefixHit:
-        """Reserve blocks for a prompt (or its first chunk: the scheduler appends the others with
+    def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int], end=None) -> PrefixHit:
+        """Reserve blocks for a prompt, or for its first chunk (``end(hit_tokens)``: how far to
+        reserve for a given prefix hit; the scheduler appends the other chunks with
         :meth:`append_slots`), reusing cached full blocks of its prefix.
 
         A cached prefix of ``h`` blocks is reused when block ``i < h`` is cached in
-        pool ``block_state(i, h * bs)`` (:meth:`prefix_hit`); hits never cover the
-        last token. The other blocks come from pool ``block_state(i, len(token_ids))``,
-        as :meth:`append_slots` would give them. The engine computes tokens
-        ``[num_cached_tokens, len(token_ids))``; ``num_computed`` starts at
-        ``num_cached_tokens`` (call :meth:`mark_computed` after the prefill).
+        pool ``block_state(i, h * bs)``, the longest such prefix whose reservation fits
+        (:meth:`_plan_prompt`); hits never cover the last token. The other blocks come
+        from pool ``block_state(i, L)`` for the reserved length ``L``, as
+        :meth:`append_slots` would give them. The engine computes tokens
+        ``[num_cached_tokens, L)``; ``num_computed`` starts at ``num_cached_tokens``
+        (call :meth:`mark_computed` after the prefill).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence id {seq_id!r} already has blocks")
         token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
-        hits, hashes, miss, ok = self._plan_prompt(token_ids)
-        L, bs = len(token_ids), self.block_size
+        hits, hashes, miss, ok, L = self._plan_prompt(token_ids, end=end)
+        bs = self.block_size
         if not ok:
             raise NoFreeBlocksError(
                 f"prompt of {L} tokens for {seq_id!r} does not fit: "
                 f"q free {self.num_free_blocks('q')}, hp free {self.num_free_blocks('hp')}"
             )
+        token_ids = token_ids[:L]
         table: list[BlockRef] = []
         for i, want in enumerate(hits):  # take hits before allocating, so none is evicted
             pool = block_state(i, len(hits) * bs, self.policy)

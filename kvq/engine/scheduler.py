@@ -372,18 +372,18 @@ class Scheduler:
             tokens = seq.all_token_ids
             if self._chunk(0, len(tokens), budget) == 0:
                 break
-            hit = bm.prefix_hit(tokens)
-            first = tokens[:hit + self._chunk(hit, len(tokens), budget)]  # a hit only shortens the remainder
-            if not bm.can_allocate(len(first), first):
+            def first_chunk_end(hit: int, n=len(tokens), b=budget) -> int:  # a hit only shortens the remainder
+                return hit + self._chunk(hit, n, b)
+
+            if not bm.can_allocate(len(tokens), tokens, end=first_chunk_end):
                 break
             assert seq.num_pending == 0, "a sequence re-admitted before its in-flight token arrived"
-            got = bm.allocate_prompt(seq.seq_id, first)
-            assert got.num_cached_tokens == hit, (got, hit)
+            hit = bm.allocate_prompt(seq.seq_id, tokens, end=first_chunk_end).num_cached_tokens
             self._waiting.pop(0)
             seq.status = SeqStatus.PREFILL
             seq.num_computed_tokens = seq.num_scheduled_tokens = hit
             self._insort(self._running, seq)
-            take(seq, len(first) - hit, is_prefill=True)
+            take(seq, bm.num_tokens(seq.seq_id) - hit, is_prefill=True)
 
         released = tuple(dict.fromkeys(self._released))  # a sequence preempted, rescheduled and finished: once
         self._released.clear()

@@ -113,19 +113,15 @@ class CacheSession:
         ``rows`` (each at or after the prefix hit)."""
         tokens = list(tokens)
         chunk = max(self.block_size, chunk // self.block_size * self.block_size)
-        hit = self.bm.prefix_hit(tokens)
+        hit = self.bm.allocate_prompt(seq_id, tokens, end=lambda h: min(h + chunk, len(tokens))).num_cached_tokens
         if any(r < hit for r in rows):
+            self.free(seq_id)
             raise ValueError(f"rows {list(rows)} fall in the cached prefix (first {hit} tokens)")
         out = []
         start = hit
         while start < len(tokens):
             end = min(start + chunk, len(tokens))
-            if start == hit:
-                got = self.bm.allocate_prompt(seq_id, tokens[:end]).num_cached_tokens
-                assert got == hit, (got, hit)
-                ops = []
-            else:
-                ops = self.bm.append_slots(seq_id, tokens[start:end])
+            ops = [] if start == hit else self.bm.append_slots(seq_id, tokens[start:end])
             mine = [r - start for r in rows if start <= r < end]
             lg = self._timed("prefill", end - start,
                              lambda: self._forward(seq_id, tokens[start:end], start, ops, mine))
