@@ -13,7 +13,7 @@ from pathlib import Path
 
 #: Context-length ladder; the full run takes every bin the model supports.
 BIN_LADDER = (512, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-#: Quick settings (the default on a CPU): a 2-core machine finishes in about 13 minutes.
+#: Quick settings (the default on a CPU): a 2-core machine finishes in about 18 minutes.
 QUICK = {"bins": (512, 1024), "window": 128, "greedy_tokens": 16, "passkey_trials": 1, "passages": 4}
 FULL = {"window": 256, "greedy_tokens": 32, "passkey_trials": 3, "passages": 6}
 
@@ -24,7 +24,7 @@ several depths; bytes per token, tokens per GiB and sequences per budget; throug
 (format, bin) with a status (ok, quality_regressed, backend_mismatch, capacity_lost), a Markdown report and plots.
 
 Defaults: on a CPU the quick settings (bins 512,1024; 4 passages of the text with 128 scored positions and
-16 greedy tokens per bin each; 1 passkey haystack per bin with a needle at each of 5 depths), about 13 minutes
+16 greedy tokens per bin each; 1 passkey haystack per bin with a needle at each of 5 depths), about 18 minutes
 on 2 cores for every format; on a GPU, or with --full, every bin of the ladder 512,2048,4096,8192,... the model
 supports, 6 passages with 256 scored positions and 32 greedy tokens each, 3 haystacks per bin.  Explicit flags
 override either.  Perplexity change, KL and top-1 carry 95% intervals (batch means over 32-position segments
