@@ -532,19 +532,24 @@ class BlockManager:
             need = self._count(seq.table)
             raise NoFreeBlocksError(f"cannot swap {seq_id!r} out: needs {need['q']} q and {need['hp']} hp host "
                                     f"blocks, {self._host['q'].num_free} and {self._host['hp'].num_free} free")
-        pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
-        host_table = []
-        for ref in seq.table:
-            h = self._host[ref.pool].allocate()
-            pairs[ref.pool].append((ref.block_id, h))
-            host_table.append(BlockRef(ref.pool, h))
         self._register_computed(seq)
-        for ref in reversed(seq.table):
-            self._alloc[ref.pool].free(ref.block_id)
         del self._seqs[seq_id]
-        seq.table = host_table
         self._swapped[seq_id] = seq
-        return SwapOp(seq_id, "out", tuple(pairs["q"]), tuple(pairs["hp"]))
+        return self._move(seq_id, seq, self._alloc, self._host, "out")
+
+    def _move(self, seq_id: SeqId, seq: _Seq, src: dict, dst: dict, direction: str) -> SwapOp:
+        """Give every block of ``seq`` a block of the same pool in ``dst`` (device or host allocators),
+        release the ``src`` ones (tail first) and return the copy between them."""
+        pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
+        table = []
+        for ref in seq.table:
+            b = dst[ref.pool].allocate()
+            pairs[ref.pool].append((ref.block_id, b))
+            table.append(BlockRef(ref.pool, b))
+        for ref in reversed(seq.table):
+            src[ref.pool].free(ref.block_id)
+        seq.table = table
+        return SwapOp(seq_id, direction, tuple(pairs["q"]), tuple(pairs["hp"]))
 
     def can_swap_in(self, seq_id: SeqId) -> bool:
         """Whether the device pools have a private block for every block of a swapped sequence
@@ -563,18 +568,11 @@ class BlockManager:
             raise NoFreeBlocksError(f"cannot swap {seq_id!r} in: needs {need['q']} q and {need['hp']} hp blocks, "
                                     f"{self.num_free_blocks('q')} and {self.num_free_blocks('hp')} free")
         seq = self._swapped.pop(seq_id)
-        pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
-        table = []
-        for ref in seq.table:
-            d = self._alloc[ref.pool].allocate()
-            pairs[ref.pool].append((ref.block_id, d))
-            table.append(BlockRef(ref.pool, d))
-        for ref in reversed(seq.table):
-            self._host[ref.pool].free(ref.block_id)
-        seq.table, seq.changed, seq.num_registered = table, 0, 0
+        op = self._move(seq_id, seq, self._host, self._alloc, "in")
+        seq.changed = seq.num_registered = 0
         self._seqs[seq_id] = seq
         self._register_computed(seq)
-        return SwapOp(seq_id, "in", tuple(pairs["q"]), tuple(pairs["hp"]))
+        return op
 
     # -- checks -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
