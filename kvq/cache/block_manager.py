@@ -46,8 +46,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvq.cache.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
+from kvq.cache.host_tier import HostBlock, HostHit, HostPrefixTier, LoadRequest, StoreRequest
 from kvq.cache.window import POOLS, Pool, WindowPolicy, block_state  # noqa: F401 (re-exported)
 
 #: Id of a token appended before it is known (see :meth:`BlockManager.set_token`).
@@ -82,9 +84,13 @@ class CopyOp:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Tokens of a prompt whose KV came from the prefix cache (whole blocks, < len(prompt))."""
+    """Tokens of a prompt whose KV came from the prefix cache (whole blocks, < len(prompt)).
+
+    ``num_loading_tokens`` of them (the last ones) come from the CPU prefix tier: they are there
+    only once the sequence's :class:`HostLoadOp` has completed (:meth:`BlockManager.load_state`)."""
 
     num_cached_tokens: int
+    num_loading_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,55 @@ class SwapOp:
     hp: tuple[tuple[int, int], ...]
 
 
+@dataclass(frozen=True)
+class HostStoreOp:
+    """Copy full, computed device blocks into the CPU prefix tier (asynchronous: issue it, then
+    report its end with :meth:`BlockManager.host_copy_done`).  The manager holds a reference on
+    each device block until then, so nothing rewrites one while it is read."""
+
+    requests: tuple[StoreRequest, ...]
+
+    def pairs(self, pool: Pool) -> tuple[tuple[int, int], ...]:
+        """``(device, host)`` block ids of ``pool``, the argument order of ``HostKVPool.store``."""
+        return tuple((r.device_block, r.host_block) for r in self.requests if r.pool == pool)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.requests)
+
+
+@dataclass(frozen=True)
+class HostLoadOp:
+    """Copy a prompt's prefix blocks from the CPU prefix tier into the device blocks its table
+    already holds (asynchronous, like :class:`HostStoreOp`).  The sequence must not run until
+    :meth:`BlockManager.load_state` says "done"."""
+
+    seq_id: SeqId
+    request: LoadRequest
+
+    def pairs(self, pool: Pool) -> tuple[tuple[int, int], ...]:
+        """``(host, device)`` block ids of ``pool``, the argument order of ``HostKVPool.load``."""
+        return self.request.q_pairs if pool == "q" else self.request.hp_pairs
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.request.device_blocks)
+
+
+class _PromptPlan(NamedTuple):
+    """A prompt's reservation: device hits (block ids), their hashes, whether the lookup missed,
+    whether it fits, the reserved length, and the blocks to load from the CPU prefix tier."""
+
+    hits: list[int]
+    hashes: list[int]
+    miss: bool
+    ok: bool
+    L: int
+    loads: list[HostBlock]
+
+
 Op = SealOp | CopyOp | SwapOp
+HostOp = HostStoreOp | HostLoadOp
 
 
 class _Seq:
@@ -138,7 +192,7 @@ class BlockManager:
     """
 
     def __init__(self, num_q_blocks: int, num_hp_blocks: int, policy: WindowPolicy, enable_prefix_caching: bool = True,
-                 host_blocks: tuple[int, int] = (0, 0)):
+                 host_blocks: tuple[int, int] = (0, 0), host_tier_blocks: tuple[int, int] = (0, 0)):
         if not isinstance(policy, WindowPolicy):
             raise TypeError(f"policy must be a WindowPolicy, got {type(policy).__name__}")
         self.policy = policy
@@ -153,6 +207,18 @@ class BlockManager:
         self._host = {pool: BlockAllocator(n, policy.block_size, False, name=f"host {pool}")
                       for pool, n in zip(POOLS, host_blocks)}
         self._swapped: dict[SeqId, _Seq] = {}  # tables hold host block ids
+        # The CPU prefix tier: host copies of full computed blocks by prefix hash, at host ids after
+        # the swap tier's (one HostKVPool holds both).  Offered when a sequence frees its blocks,
+        # loaded back when a prompt's prefix misses the device but hits the tier.
+        self.host_tier = (HostPrefixTier(policy.block_size, *host_tier_blocks, first_block=tuple(host_blocks))
+                          if self.enable_prefix_caching and any(host_tier_blocks) else None)
+        self._host_ops: list[HostOp] = []  # issued by nobody yet (take_host_ops)
+        self._stores: dict[int, HostStoreOp] = {}  # outstanding, by first ticket: hold their device blocks
+        self._loads: dict[int, HostLoadOp] = {}  # outstanding, by ticket
+        self._loading: dict[SeqId, HostLoadOp] = {}  # sequences waiting for their load
+        self._failed_loads: set[SeqId] = set()  # sequences whose load failed: recompute them
+        self._quarantine: dict[int, list[BlockRef]] = {}  # load ticket -> destination blocks of a freed sequence
+        self._unpinned: set[int] = set()  # load tickets whose host blocks the tier already released (timeout)
 
     # -- queries ----------------------------------------------------------------------------
     def _seq(self, seq_id: SeqId) -> _Seq:
@@ -249,79 +315,97 @@ class BlockManager:
         seq.num_registered = upto
 
     # -- prompts ----------------------------------------------------------------------------
-    def _prefix_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], list[dict[Pool, int]]]:
-        """Hashes of the prompt's leading full blocks found cached, and in which pools (no mutation).
+    def _prefix_blocks(self, token_ids: Sequence[int], use_host: bool = True
+                       ) -> tuple[list[int], list[dict[Pool, int]], list[dict[Pool, int]]]:
+        """Hashes of the prompt's leading full blocks found cached, and in which pools of the device
+        and of the CPU prefix tier (host ids), up to the first block neither holds (no mutation).
         The last token is never covered: it is always computed."""
         bs = self.block_size
         hashes: list[int] = []
         found: list[dict[Pool, int]] = []
+        host: list[dict[Pool, int]] = []
         if not self.enable_prefix_caching:
-            return hashes, found
+            return hashes, found, host
+        tier = self.host_tier if use_host else None
         parent = None
         for i in range((len(token_ids) - 1) // bs):
             toks = token_ids[i * bs:(i + 1) * bs]
             h = hash_block_tokens(parent, toks)
             where = {p: b for p in POOLS if (b := self._alloc[p].probe(h, toks)) is not None}
-            if not where:
+            there = {} if tier is None else {p: b for p in POOLS if (b := tier.probe(p, h, toks)) is not None}
+            if not where and not there:
                 break
             hashes.append(h)
             found.append(where)
+            host.append(there)
             parent = h
-        return hashes, found
+        return hashes, found, host
 
-    def _valid_hits(self, found: list[dict[Pool, int]]) -> list[int]:
-        """Lengths ``h`` (in blocks, longest first, 0 last) of cached prefixes the window rule lets a
-        prompt reuse: block ``i < h`` must be cached in pool ``block_state(i, h * bs)``, the pool it
-        has when the first computed token (at ``h * bs``) reads it (so that query reads exact what
-        the rule says)."""
-        bs = self.block_size
-        return [h for h in range(len(found), 0, -1)
-                if all(block_state(i, h * bs, self.policy) in found[i] for i in range(h))] + [0]
+    def _valid_hits(self, found: list[dict[Pool, int]], host: list[dict[Pool, int]]) -> list[tuple[int, int]]:
+        """``(h, k)``, longest ``h`` first and ``(0, 0)`` last: cached prefixes of ``h`` blocks the
+        window rule lets a prompt reuse, the first ``k`` from the device and the others loaded from
+        the CPU prefix tier.  Block ``i < h`` must be cached in pool ``block_state(i, h * bs)``, the
+        pool it has when the first computed token (at ``h * bs``) reads it (so that query reads
+        exact what the rule says); ``k`` is the first block the device lacks there, and every
+        block from ``k`` on must be in the tier (in that pool)."""
+        bs, out = self.block_size, []
+        for h in range(len(found), 0, -1):
+            pools = [block_state(i, h * bs, self.policy) for i in range(h)]
+            k = next((i for i in range(h) if pools[i] not in found[i]), h)
+            if all(pools[i] in host[i] for i in range(k, h)):
+                out.append((h, k))
+        return out + [(0, 0)]
 
-    def _plan_prompt(self, token_ids: Sequence[int], use_cache: bool = True, end=None):
-        """(hits, hashes, miss, feasible, reserved length) for a prompt, without mutating anything.
+    def _plan_prompt(self, token_ids: Sequence[int], use_cache: bool = True, end=None,
+                     use_host: bool = True) -> _PromptPlan:
+        """How a prompt would be reserved now, without mutating anything (:class:`_PromptPlan`).
 
         ``end(hit_tokens)`` is how much of the prompt to reserve for a hit of that many tokens
         (default: all of it).  The longest valid hit whose reservation fits is taken: a shorter hit
         can need fewer blocks (a hit block of the window is a high-precision block that the prompt
-        without it would store quantized), and no hit at all is always a candidate, so the cache
-        never makes a prompt that fits without it fail."""
+        without it would store quantized; a block loaded from the host needs a device block), and
+        no hit at all is always a candidate, so the cache never makes a prompt that fits without
+        it fail."""
         bs = self.block_size
-        hashes, found = self._prefix_blocks(token_ids) if use_cache else ([], [])
+        hashes, found, host = self._prefix_blocks(token_ids, use_host) if use_cache else ([], [], [])
         first = None
-        for h in self._valid_hits(found):
+        for h, k in self._valid_hits(found, host):
             L = len(token_ids) if end is None else end(h * bs)
             assert h * bs < L <= len(token_ids), (h, L, len(token_ids))
-            hits = [found[i][block_state(i, h * bs, self.policy)] for i in range(h)]
+            pools = [block_state(i, h * bs, self.policy) for i in range(h)]
+            hits = [found[i][pools[i]] for i in range(k)]
+            loads = [HostBlock(pools[i], host[i][pools[i]], hashes[i]) for i in range(k, h)]
             taken_free = {"q": 0, "hp": 0}  # cached-free hits stop being allocatable
             for i, bid in enumerate(hits):
-                pool = block_state(i, h * bs, self.policy)
-                taken_free[pool] += self._alloc[pool].refcount(bid) == 0
+                taken_free[pools[i]] += self._alloc[pools[i]].refcount(bid) == 0
             need = {"q": 0, "hp": 0}
+            for b in loads:  # a device block to load into
+                need[b.pool] += 1
             for i in range(h, -(-L // bs)):
                 need[block_state(i, L, self.policy)] += 1
             ok = all(need[p] <= self._alloc[p].num_free - taken_free[p] for p in POOLS)
             miss = h < (L - 1) // bs and self.enable_prefix_caching and use_cache  # a lookup that did not hit
-            plan = (hits, hashes[:h], miss, ok, L)
+            plan = _PromptPlan(hits, hashes[:h], miss, ok, L, loads)
             if ok:
                 return plan
             first = first or plan
         return first
 
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, end=None) -> bool:
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, end=None,
+                     use_host: bool = True) -> bool:
         """Whether :meth:`allocate_prompt` of ``num_tokens`` tokens would succeed now.
 
-        With ``token_ids`` the prefix cache is taken into account (and ``end``, as there).
+        With ``token_ids`` the prefix cache is taken into account (``end`` and ``use_host`` as there).
         """
         if token_ids is None:
             if num_tokens < 1:
                 raise ValueError(f"a prompt needs at least one token, got {num_tokens}")
-            return self._plan_prompt([0] * num_tokens, use_cache=False, end=end)[3]
+            return self._plan_prompt([0] * num_tokens, use_cache=False, end=end).ok
         if len(token_ids) != num_tokens or num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens} with {len(token_ids)} token ids; a prompt needs >= 1")
-        return self._plan_prompt(token_ids, end=end)[3]
+        return self._plan_prompt(token_ids, end=end, use_host=use_host).ok
 
-    def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int], end=None) -> PrefixHit:
+    def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int], end=None, use_host: bool = True) -> PrefixHit:
         """Reserve blocks for a prompt, or for its first chunk (``end(hit_tokens)``: how far to
         reserve for a given prefix hit; the scheduler appends the other chunks with
         :meth:`append_slots`), reusing cached full blocks of its prefix.
@@ -333,34 +417,121 @@ class BlockManager:
         :meth:`append_slots` would give them. The engine computes tokens
         ``[num_cached_tokens, L)``; ``num_computed`` starts at ``num_cached_tokens``
         (call :meth:`mark_computed` after the prefill).
+
+        Blocks of the hit that only the CPU prefix tier holds (``use_host``) get fresh device
+        blocks and a :class:`HostLoadOp` (:meth:`take_host_ops`); ``num_computed`` covers them
+        only once it has completed (:meth:`host_copy_done`), and the sequence must not run before
+        (:meth:`load_state`).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence id {seq_id!r} already has blocks")
         token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
-        hits, hashes, miss, ok, L = self._plan_prompt(token_ids, end=end)
-        bs = self.block_size
-        if not ok:
+        plan = self._plan_prompt(token_ids, end=end, use_host=use_host)
+        bs, L = self.block_size, plan.L
+        if not plan.ok:
             raise NoFreeBlocksError(
                 f"prompt of {L} tokens for {seq_id!r} does not fit: "
                 f"q free {self.num_free_blocks('q')}, hp free {self.num_free_blocks('hp')}"
             )
         token_ids = token_ids[:L]
+        k, h = len(plan.hits), len(plan.hits) + len(plan.loads)
         table: list[BlockRef] = []
-        for i, want in enumerate(hits):  # take hits before allocating, so none is evicted
-            pool = block_state(i, len(hits) * bs, self.policy)
-            got = self._alloc[pool].lookup(hashes[i], self._block_tokens(token_ids, i))
+        for i, want in enumerate(plan.hits):  # take hits before allocating, so none is evicted
+            pool = block_state(i, h * bs, self.policy)
+            got = self._alloc[pool].lookup(plan.hashes[i], self._block_tokens(token_ids, i))
             assert got == want, (pool, got, want)
             table.append(BlockRef(pool, got))
-        if miss:
-            self._alloc[block_state(len(hits), L, self.policy)].note_miss()
-        for i in range(len(hits), -(-L // bs)):
+        for b in plan.loads:
+            table.append(BlockRef(b.pool, self._alloc[b.pool].allocate()))
+        if plan.miss:
+            self._alloc[block_state(h, L, self.policy)].note_miss()
+            if self.host_tier is not None and use_host:
+                self.host_tier.note_miss(block_state(h, L, self.policy))
+        for i in range(h, -(-L // bs)):
             pool = block_state(i, L, self.policy)
             table.append(BlockRef(pool, self._alloc[pool].allocate()))
-        seq = self._seqs[seq_id] = _Seq(token_ids, table, len(hits) * bs, hashes, self.policy.sink_blocks)
-        seq.num_settled = len(hits) * bs  # the hits follow the rule at their end, as after an append
-        return PrefixHit(len(hits) * bs)
+        seq = self._seqs[seq_id] = _Seq(token_ids, table, k * bs, plan.hashes[:k], self.policy.sink_blocks)
+        seq.num_settled = h * bs  # the hits follow the rule at their end, as after an append
+        if plan.loads:
+            req = self.host_tier.pin_for_load(HostHit(k, tuple(plan.loads)), [r.block_id for r in table[k:h]])
+            op = self._loading[seq_id] = self._loads[req.ticket] = HostLoadOp(seq_id, req)
+            self._host_ops.append(op)
+        return PrefixHit(h * bs, (h - k) * bs)
+
+    # -- the CPU prefix tier ----------------------------------------------------------------
+    def take_host_ops(self) -> list[HostOp]:
+        """Stores and loads of the CPU prefix tier decided since the last call, to issue (in any
+        order, after the step's ops) and then report with :meth:`host_copy_done`."""
+        ops, self._host_ops = self._host_ops, []
+        return ops
+
+    def load_state(self, seq_id: SeqId) -> str | None:
+        """"loading" while the sequence's host load is outstanding, "failed" once it failed (free
+        the sequence and compute it again), None when it has no load left (it may run)."""
+        self._seq(seq_id)
+        if seq_id in self._loading:
+            return "loading"
+        return "failed" if seq_id in self._failed_loads else None
+
+    def abandon_load(self, seq_id: SeqId) -> None:
+        """Give up waiting for a sequence's load (a timeout): the tier unpins its host blocks and the
+        sequence is freed, its destination blocks kept out of use until the copy reports its end."""
+        op = self._loading.get(seq_id)
+        if op is None:
+            raise ValueError(f"sequence {seq_id!r} has no outstanding load")
+        self.host_tier.load_timed_out(op.request)
+        self._unpinned.add(op.request.ticket)
+        self.free(seq_id)
+
+    def host_copy_done(self, op: HostOp, ok: bool = True) -> None:
+        """A store or load has ended (its copy completed, or ``ok=False``: it failed or was never
+        issued; a failed copy must not still be running).  Stores: the host copies become loadable
+        (or are dropped) and the device blocks are released.  Loads: the sequence's prefix is
+        computed (or the sequence is marked failed: :meth:`load_state`)."""
+        if isinstance(op, HostStoreOp):
+            if self._stores.get(op.requests[0].ticket) is not op:
+                raise ValueError(f"{op!r} is not an outstanding store")
+            del self._stores[op.requests[0].ticket]
+            for r in op.requests:
+                (self.host_tier.store_done if ok else self.host_tier.store_failed)(r)
+                self._alloc[r.pool].free(r.device_block)
+            return
+        ticket = op.request.ticket
+        if self._loads.get(ticket) is not op:
+            raise ValueError(f"{op!r} is not an outstanding load")
+        del self._loads[ticket]
+        if ticket in self._unpinned:
+            self._unpinned.discard(ticket)
+        else:
+            (self.host_tier.load_done if ok else self.host_tier.load_failed)(op.request)
+        for ref in self._quarantine.pop(ticket, ()):
+            self._alloc[ref.pool].free(ref.block_id)
+        if self._loading.get(op.seq_id) is not op:
+            return  # the sequence was freed meanwhile
+        del self._loading[op.seq_id]
+        if not ok:
+            self._failed_loads.add(op.seq_id)
+            return
+        seq = self._seqs[op.seq_id]
+        seq.num_computed = max(seq.num_computed, op.request.hit.end * self.block_size)
+        self._register_computed(seq)
+
+    def _offer(self, seq: _Seq, held: set[BlockRef]) -> None:
+        """Offer a freed sequence's registered full blocks to the CPU prefix tier (one store op)."""
+        reqs = []
+        for i in range(seq.num_registered):
+            ref = seq.table[i]
+            if ref in held:
+                continue
+            r = self.host_tier.offer(ref.pool, seq.hashes[i], self._block_tokens(seq.tokens, i), ref.block_id)
+            if r is not None:
+                self._alloc[ref.pool].incref(ref.block_id)  # held until the copy has read it
+                reqs.append(r)
+        if reqs:
+            op = self._stores[reqs[0].ticket] = HostStoreOp(tuple(reqs))
+            self._host_ops.append(op)
 
     # -- appends ----------------------------------------------------------------------------
     def _seal_candidates(self, seq: _Seq, n: int) -> tuple[list[int], int]:
@@ -503,8 +674,18 @@ class BlockManager:
             return
         seq = self._seq(seq_id)
         self._register_computed(seq)
+        self._failed_loads.discard(seq_id)
+        held: set[BlockRef] = set()
+        op = self._loading.pop(seq_id, None)
+        if op is not None:  # its load may still write these: out of use until it reports its end
+            req = op.request
+            held = {BlockRef(b.pool, d) for b, d in zip(req.hit.blocks, req.device_blocks)}
+            self._quarantine[req.ticket] = sorted(held, key=lambda r: (r.pool, r.block_id))
+        if self.host_tier is not None:
+            self._offer(seq, held)
         for ref in reversed(seq.table):
-            self._alloc[ref.pool].free(ref.block_id)
+            if ref not in held:
+                self._alloc[ref.pool].free(ref.block_id)
         del self._seqs[seq_id]
 
     # -- swap (request-level, to the host tier) ---------------------------------------------
@@ -518,6 +699,8 @@ class BlockManager:
     def can_swap_out(self, seq_id: SeqId) -> bool:
         """Whether the host tier has a block for every block of the sequence (its budget)."""
         need = self._count(self._seq(seq_id).table)
+        if seq_id in self._loading:  # its prefix is not on the device yet
+            return False
         return all(need[p] <= self._host[p].num_free for p in POOLS)
 
     def swap_out(self, seq_id: SeqId) -> SwapOp:
@@ -608,6 +791,24 @@ class BlockManager:
                 if stored is not None and i < len(seq.hashes) and \
                         self._alloc[ref.pool].block_hash(ref.block_id) != seq.hashes[i]:
                     raise AssertionError(f"seq {sid!r}: block {i} ({ref}) holds another hash")
+        for op in self._stores.values():  # a store holds its device blocks until it ends
+            for r in op.requests:
+                refs[r.pool][r.device_block] += 1
+        for blocks in self._quarantine.values():
+            for ref in blocks:
+                refs[ref.pool][ref.block_id] += 1
+        if self._quarantine.keys() - self._loads.keys():
+            raise AssertionError("quarantined blocks of a load that is not outstanding")
+        for sid, op in self._loading.items():
+            if sid not in self._seqs or self._loads.get(op.request.ticket) is not op:
+                raise AssertionError(f"seq {sid!r} waits for a load that is not outstanding")
+            seq = self._seqs[sid]
+            hit = op.request.hit
+            if seq.num_computed != hit.start * bs or [r.block_id for r in seq.table[hit.start:hit.end]] != \
+                    list(op.request.device_blocks):
+                raise AssertionError(f"seq {sid!r}: its table or progress disagrees with its load")
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()
         host_refs = {p: [0] * self._host[p].num_blocks for p in POOLS}
         for sid, seq in self._swapped.items():
             if sid in self._seqs:

@@ -309,6 +309,12 @@ class HostKVPool:
         return sum(t.numel() * t.element_size() for hl in self.layers for t in hl.tensors())
 
     # -- copies ------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Block the host until every copy queued so far has finished (after a failed call, before
+        its blocks are used again; not the step loop)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
     def store(self, pool: KVPool, q_pairs: Sequence = (), hp_pairs: Sequence = ()) -> CopyHandle:
         """Copy device blocks to host slots: ``q_pairs`` / ``hp_pairs`` are ``(device_block_id,
         host_block_id)``.  Free the device blocks only once the handle is done."""

@@ -21,16 +21,17 @@ import math
 import operator
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from kvq.attention.backends import backend_names, select_backend
-from kvq.cache.block_manager import BlockManager, BlockRef
+from kvq.cache.block_manager import BlockManager, BlockRef, HostStoreOp
 from kvq.cache.host_pool import HostKVPool
 from kvq.cache.plan import CachePlan, KVCacheConfig
 from kvq.cache.pool import KVPool
-from kvq.cache.window import can_seal, peak_blocks
+from kvq.cache.window import block_state, can_seal, peak_blocks
 from kvq.engine.cuda_graphs import DecodeGraphs
 from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.model_runner import ModelRunner
@@ -53,6 +54,10 @@ DEFAULT_CPU_THREADS = 1
 CPU_DEFAULT_KV_MEMORY = "1GiB"
 
 logger = logging.getLogger("kvq")
+
+#: Counters of :meth:`LLMEngine.host_offload_stats` kept by the engine (the tier keeps its own).
+HOST_STAT_KEYS = ("stored_blocks", "stored_bytes", "store_seconds", "reloaded_blocks", "reloaded_bytes",
+                  "reload_seconds", "store_failed", "load_failed")
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,10 @@ class EngineConfig:
     # blocks parked in a host tier of cpu_offload_gb GiB, resumed before new admissions)
     preemption_mode: str = "recompute"
     cpu_offload_gb: float = 0.0
+    # the CPU prefix tier: full computed blocks kept in host memory by prefix hash after their request
+    # ends, loaded back on a device prefix miss (None: on when cpu_offload_gb > 0 and prefix caching is on;
+    # with preemption_mode "swap" too, swap and the tier get half of cpu_offload_gb each)
+    cpu_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         """Every choice range-checked here, before a model file is opened (ValueError naming what is
@@ -146,6 +155,20 @@ class EngineConfig:
             raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {g!r}")
         if self.preemption_mode == "swap" and g <= 0:
             raise ValueError("preemption_mode 'swap' needs a host tier: cpu_offload_gb > 0 (--cpu-offload-gb)")
+        if self.cpu_prefix_cache not in (None, True, False):
+            raise ValueError(f"cpu_prefix_cache must be True, False or None (on when cpu_offload_gb > 0 and "
+                             f"prefix caching is on), got {self.cpu_prefix_cache!r}")
+        if self.cpu_prefix_cache and g <= 0:
+            raise ValueError("cpu_prefix_cache needs host memory: cpu_offload_gb > 0 (--cpu-offload-gb)")
+        if self.cpu_prefix_cache and not self.enable_prefix_caching:
+            raise ValueError("cpu_prefix_cache keeps prefix-cached blocks: it needs enable_prefix_caching")
+
+    @property
+    def uses_cpu_prefix_cache(self) -> bool:
+        """Whether the engine keeps a CPU prefix tier (the resolved ``cpu_prefix_cache``)."""
+        if self.cpu_prefix_cache is not None:
+            return self.cpu_prefix_cache
+        return self.cpu_offload_gb > 0 and self.enable_prefix_caching
 
     def kv_cache_config_fields(self) -> KVCacheConfig:
         return KVCacheConfig(dtype=self.kv_cache_dtype, k=self.kv_cache_dtype_k, v=self.kv_cache_dtype_v,
@@ -347,11 +370,14 @@ class LLMEngine:
                       and self.backend_choice.resolved in ("triton", "cuda"))
         # CUDA graphs pad batches with rows that write to a null block outside the manager's range
         self.pool = KVPool.create(self.plan, int(num_q) + int(use_graphs), num_hp, self.device)
-        # the host tier of request-level swap: the same block layout in (pinned) host memory
-        self.host_pool = HostKVPool.create(self.pool, *self._host_blocks(offload)) if offload else None
-        host = (self.host_pool.num_q_blocks, self.host_pool.num_hp_blocks) if self.host_pool else (0, 0)
+        # host memory: the swap tier's blocks, then the CPU prefix tier's, in one pool shaped like the
+        # device's (pinned on CUDA)
+        host, tier = self._host_split(offload)
+        self.host_pool = HostKVPool.create(self.pool, host[0] + tier[0], host[1] + tier[1]) if offload else None
         self.block_manager = BlockManager(int(num_q), num_hp, self.plan.window_policy, cfg.enable_prefix_caching,
-                                          host_blocks=host)
+                                          host_blocks=host, host_tier_blocks=tier)
+        self._host_copies: list[tuple] = []  # (op, handle, issue time) of the tier's copies in flight
+        self._host_stats = dict.fromkeys(HOST_STAT_KEYS, 0)
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         self.scheduler = Scheduler(sched_config, self.block_manager, eos_token_id=eos)
         graphs = None
@@ -384,7 +410,11 @@ class LLMEngine:
             "preemption_mode": cfg.preemption_mode,
             "cpu_offload": {"q_blocks": host[0], "hp_blocks": host[1],
                             "bytes": self.host_pool.capacity_bytes if self.host_pool else 0,
-                            "pinned": bool(self.host_pool and self.host_pool.pinned)},
+                            "pinned": bool(self.host_pool and self.host_pool.pinned),
+                            "prefix_tier": {"q_blocks": tier[0], "hp_blocks": tier[1],
+                                            "tokens": tier[0] * self.plan.block_size,
+                                            "bytes": tier[0] * self.plan.bytes_per_block
+                                            + tier[1] * self.plan.hp_bytes_per_block}},
             "async_scheduling": self.async_scheduling,
             "threads": torch.get_num_threads(),
             "cuda_graphs": {"batch_sizes": graphs.sizes, "capture_seconds": round(graphs.capture_seconds, 2)}
@@ -416,6 +446,33 @@ class LLMEngine:
         if self.config.kv_cache_memory is not None:
             return parse_bytes(self.config.kv_cache_memory)
         return None if self.device.type == "cuda" else parse_bytes(CPU_DEFAULT_KV_MEMORY)
+
+    def _host_split(self, budget: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(q, hp) blocks of the swap tier and of the CPU prefix tier in ``budget`` bytes of host
+        memory: all of it for the one in use, half each when both are."""
+        swap = self.config.preemption_mode == "swap"
+        tier = self.config.uses_cpu_prefix_cache
+        if not budget or not (swap or tier):
+            return (0, 0), (0, 0)
+        share = budget // 2 if swap and tier else budget
+        return (self._host_blocks(share) if swap else (0, 0)), (self._tier_blocks(share) if tier else (0, 0))
+
+    def _tier_blocks(self, budget: int) -> tuple[int, int]:
+        """(q, hp) blocks of the CPU prefix tier in ``budget`` bytes.  A cached prefix is reusable
+        only with its sink and window blocks (high precision), so the tier keeps them in the
+        proportion a prefix of min(max_model_len, 1024) tokens has."""
+        pol, plan = self.plan.window_policy, self.plan
+        bs = pol.block_size
+        length = min(self.max_model_len, 1024)
+        hp = sum(block_state(i, length, pol) == "hp" for i in range(length // bs)) if plan.hp_bytes_per_block else 0
+        q = max(length // bs - hp, 1)
+        per = q * plan.bytes_per_block + hp * plan.hp_bytes_per_block
+        num_hp = budget * hp // per if hp else 0
+        num_q = (budget - num_hp * plan.hp_bytes_per_block) // plan.bytes_per_block
+        if num_q < 1:
+            raise ValueError(f"cpu_offload_gb {format_bytes(budget)} holds no KV block of this plan "
+                             f"({format_bytes(plan.bytes_per_block)} per block)")
+        return int(num_q), int(num_hp)
 
     def _host_blocks(self, budget: int) -> tuple[int, int]:
         """(q, hp) blocks of the swap tier in ``budget`` bytes.  Running and swapped requests together
@@ -571,20 +628,26 @@ class LLMEngine:
         forward by one call; :meth:`has_unfinished` stays true until the last is read."""
         launched = self._launch()
         if not self.async_scheduling:
-            return self._complete(launched) if launched is not None else []
-        done, self._inflight = self._inflight, launched
-        return self._complete(done) if done is not None else []
+            outputs = self._complete(launched) if launched is not None else []
+        else:
+            done, self._inflight = self._inflight, launched
+            outputs = self._complete(done) if done is not None else []
+        self._issue_host_ops(self.scheduler.take_host_ops())  # the finished requests' blocks, stored now
+        return outputs
 
     def _launch(self) -> _Launched | None:
         """Schedule a step and enqueue its forward and sampling; nothing here waits for the device."""
+        self.poll_host_copies()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if sched.ops:  # a swap-out can come with no work; it must still happen before the next step
                 self.runner.apply_ops(sched.ops)
+            self._issue_host_ops(sched.host_ops)
             return None
         seqs = {s.seq_id: self.scheduler.get(s.seq_id) for s in sched.scheduled}
         prev = self._inflight  # its samples feed the tokens this step schedules before they are known
         logits, sample_ids = self.runner.execute(sched, seqs, prev.feed() if prev is not None else None)
+        self._issue_host_ops(sched.host_ops)  # on the copy stream, after this step's forward
         if not sample_ids:
             return _Launched(sched, seqs, [], None, None, None)
         params = [seqs[i].params for i in sample_ids]
@@ -634,6 +697,59 @@ class LLMEngine:
             if seq.is_finished:
                 self._forget(sid)
         return outputs
+
+    # -- the CPU prefix tier's copies ---------------------------------------------------------
+    def _issue_host_ops(self, ops) -> None:
+        """Start the tier's stores and loads on the host pool's copy stream; their ends are polled."""
+        for op in ops:
+            store = isinstance(op, HostStoreOp)
+            copy = self.host_pool.store if store else self.host_pool.load
+            try:
+                handle = copy(self.pool, op.pairs("q"), op.pairs("hp"))
+            except Exception:  # nothing lost: a store's blocks stay on the device, a load's prompt is computed
+                logger.exception("kvq: a CPU prefix tier %s of %d blocks failed", "store" if store else "load",
+                                 op.num_blocks)
+                self.host_pool.synchronize()  # whatever it queued has finished before its blocks are reused
+                self._host_stats["store_failed" if store else "load_failed"] += 1
+                self.scheduler.host_copy_done(op, ok=False)
+                continue
+            self._host_copies.append((op, handle, time.perf_counter()))
+
+    def poll_host_copies(self, wait: bool = False) -> int:
+        """Report the tier's copies that have completed (all of them, waiting, with ``wait``) to the
+        scheduler; -> how many are still in flight.  Every step polls first (no host sync)."""
+        left = []
+        now = time.perf_counter()
+        for op, handle, t0 in self._host_copies:
+            if wait:
+                handle.synchronize()
+            elif not handle.done():
+                left.append((op, handle, t0))
+                continue
+            kind = "stored" if isinstance(op, HostStoreOp) else "reloaded"
+            n = self._host_stats
+            n[f"{kind}_blocks"] += op.num_blocks
+            q, hp = len(op.pairs("q")), len(op.pairs("hp"))
+            n[f"{kind}_bytes"] += q * self.host_pool.bytes_per_q_block + hp * self.host_pool.bytes_per_hp_block
+            n["store_seconds" if kind == "stored" else "reload_seconds"] += now - t0
+            self.scheduler.host_copy_done(op)
+        self._host_copies = left
+        return len(left)
+
+    def host_offload_stats(self) -> dict:
+        """Counters of the CPU prefix tier: blocks and bytes stored and reloaded, seconds from issue
+        to observed completion, failures, timeouts, and the tier's own counters (hits, evictions,
+        offers rejected because every host block was busy), summed over its two pools."""
+        out = dict(self._host_stats)
+        s = self.scheduler
+        out.update(load_timeouts=s.num_load_timeouts, loads_abandoned_for_failure=s.num_load_failures,
+                   requests_loaded=s.num_host_loads)
+        tier = self.block_manager.host_tier
+        for key in ("hits", "misses", "evictions", "rejected", "stores", "store_failures"):
+            out[f"tier_{key}"] = sum(getattr(tier.stats(p), key) for p in ("q", "hp")) if tier else 0
+        for key in ("num_loadable", "num_used"):
+            out[f"tier_{key}_blocks"] = sum(getattr(tier.stats(p), key) for p in ("q", "hp")) if tier else 0
+        return out
 
     def discard_inflight(self) -> None:
         """Drop the launched step(s) after a failed step (every live request aborted first)."""

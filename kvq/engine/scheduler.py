@@ -67,7 +67,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvq.cache.block_manager import PENDING_TOKEN, BlockManager, BlockRef, NoFreeBlocksError, Op
+from kvq.cache.block_manager import PENDING_TOKEN, BlockManager, BlockRef, HostOp, NoFreeBlocksError, Op
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
 from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
 
@@ -88,6 +88,8 @@ class SchedulerConfig:
                             or 2: asynchronous scheduling, step N+1 decided while step N runs
     preemption_mode         "recompute" (drop the KV, prefill again) or "swap" (park it in the
                             block manager's host tier; recompute when the tier is full)
+    load_timeout_s          how long a LOADING sequence waits for its prefix to load from the CPU
+                            prefix tier before it is computed instead
     """
 
     max_num_seqs: int = 64
@@ -98,8 +100,11 @@ class SchedulerConfig:
     block_aligned_chunks: bool = False
     max_inflight: int = 1
     preemption_mode: str = "recompute"
+    load_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.load_timeout_s, int | float) or not self.load_timeout_s > 0:
+            raise ValueError(f"SchedulerConfig.load_timeout_s must be a number > 0, got {self.load_timeout_s!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}; valid: {', '.join(PREEMPTION_MODES)}")
         if self.max_inflight not in (1, 2):
@@ -156,6 +161,9 @@ class SchedulerOutput:
     preempted: tuple[int, ...] = ()
     num_batched_tokens: int = 0
     released: tuple[int, ...] = ()  # sequences whose blocks were freed since the previous output
+    # stores and loads of the CPU prefix tier: issue them after the step's forward is enqueued (they
+    # touch no block the step reads or writes) and report each end with Scheduler.host_copy_done
+    host_ops: tuple[HostOp, ...] = ()
 
 
 class Scheduler:
@@ -191,6 +199,9 @@ class Scheduler:
         self._swapped: list[Sequence] = []  # SWAPPED, in arrival order: resumed before any admission
         self._swapped_from: dict[int, SeqStatus] = {}  # PREFILL or DECODE, as they left
         self.num_swapped_out = self.num_swapped_in = self.num_swap_fallbacks = 0
+        self._load_since: dict[int, float] = {}  # LOADING sequences -> when they were admitted
+        self._no_host: set[int] = set()  # sequences whose load failed or timed out: computed instead
+        self.num_host_loads = self.num_load_failures = self.num_load_timeouts = 0
 
     # -- queries ----------------------------------------------------------------------------
     def get(self, seq_id: int) -> Sequence:
@@ -261,6 +272,16 @@ class Scheduler:
         """Finish with reason "abort" (see :meth:`finish`)."""
         return self.finish(seq_id, "abort")
 
+    def host_copy_done(self, op: HostOp, ok: bool = True) -> None:
+        """A store or load of :attr:`SchedulerOutput.host_ops` has ended (``ok=False``: it failed, and
+        is not running); a sequence it loaded for may run from the next :meth:`schedule`."""
+        self.block_manager.host_copy_done(op, ok)
+
+    def take_host_ops(self) -> list[HostOp]:
+        """Tier stores decided outside :meth:`schedule` (requests freed by :meth:`update` or
+        :meth:`finish`), to issue now rather than with the next step."""
+        return self.block_manager.take_host_ops()
+
     def discard_inflight(self) -> None:
         """Forget the steps :meth:`schedule` started when their forward failed and :meth:`update`
         will never come.  Every sequence of those steps must be finished first (e.g. aborted):
@@ -322,6 +343,10 @@ class Scheduler:
                     if victim is seq:
                         return False
 
+        for seq in list(self._running):  # 0. loads from the CPU prefix tier that have ended
+            if seq.status is SeqStatus.LOADING:
+                self._check_load(seq, now)
+
         for seq in list(self._running):  # 1. decodes
             if seq.status is not SeqStatus.DECODE:  # PREFILL, or preempted by an older decode
                 continue
@@ -337,6 +362,13 @@ class Scheduler:
             if seq.status is not SeqStatus.PREFILL:  # DECODE, or preempted just now
                 continue
             start = seq.num_scheduled_tokens
+            reserved = bm.num_tokens(seq.seq_id) - start
+            if reserved:  # a loaded prompt's first chunk, reserved when it was admitted
+                if reserved > budget:
+                    stalled = True
+                    break
+                take(seq, reserved, is_prefill=True)
+                continue
             n = self._chunk(start, seq.num_tokens, budget)
             if n == 0:
                 stalled = True
@@ -375,20 +407,26 @@ class Scheduler:
             def first_chunk_end(hit: int, n=len(tokens), b=budget) -> int:  # a hit only shortens the remainder
                 return hit + self._chunk(hit, n, b)
 
-            if not bm.can_allocate(len(tokens), tokens, end=first_chunk_end):
+            use_host = seq.seq_id not in self._no_host
+            if not bm.can_allocate(len(tokens), tokens, end=first_chunk_end, use_host=use_host):
                 break
             assert seq.num_pending == 0, "a sequence re-admitted before its in-flight token arrived"
-            hit = bm.allocate_prompt(seq.seq_id, tokens, end=first_chunk_end).num_cached_tokens
+            hit = bm.allocate_prompt(seq.seq_id, tokens, end=first_chunk_end, use_host=use_host)
             self._waiting.pop(0)
-            seq.status = SeqStatus.PREFILL
-            seq.num_computed_tokens = seq.num_scheduled_tokens = hit
+            seq.num_computed_tokens = seq.num_scheduled_tokens = hit.num_cached_tokens
             self._insort(self._running, seq)
-            take(seq, bm.num_tokens(seq.seq_id) - hit, is_prefill=True)
+            if hit.num_loading_tokens:  # it runs once its prefix has loaded; the others go on meanwhile
+                seq.status = SeqStatus.LOADING
+                self._load_since[seq.seq_id] = now
+                self.num_host_loads += 1
+                continue
+            seq.status = SeqStatus.PREFILL
+            take(seq, bm.num_tokens(seq.seq_id) - hit.num_cached_tokens, is_prefill=True)
 
         released = tuple(dict.fromkeys(self._released))  # a sequence preempted, rescheduled and finished: once
         self._released.clear()
         out = SchedulerOutput(tuple(scheduled), tuple(ops), tuple(preempted), sum(s.num_new_tokens for s in scheduled),
-                              released)
+                              released, tuple(bm.take_host_ops()))
         self._check_output(out)
         if scheduled:
             self._inflight.append((out, {s.seq_id: self._seqs[s.seq_id] for s in scheduled}))
@@ -466,6 +504,10 @@ class Scheduler:
         preempted by recompute: drop the KV, keep every token (an in-flight one still arrives
         through :meth:`update`), requeue in arrival order."""
         bm = self.block_manager
+        if seq.status is SeqStatus.LOADING:  # nothing computed yet: give its blocks back
+            self._requeue(seq)
+            seq.num_preemptions += 1
+            return
         if swap and ops is not None and self.config.preemption_mode == "swap":
             if bm.can_swap_out(seq.seq_id):
                 ops.append(bm.swap_out(seq.seq_id))
@@ -478,13 +520,37 @@ class Scheduler:
                 self._insort(self._swapped, seq)
                 return
             self.num_swap_fallbacks += 1
-        self.block_manager.free(seq.seq_id)  # computed full blocks stay in the prefix cache
+        self._requeue(seq)
+        seq.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence, abandon_load: bool = False) -> None:
+        """Drop a running sequence's KV (computed full blocks stay in the prefix caches) and put it
+        back in the waiting queue, in arrival order, every token kept."""
+        if abandon_load:
+            self.block_manager.abandon_load(seq.seq_id)
+        else:
+            self.block_manager.free(seq.seq_id)
         self._released.append(seq.seq_id)
         self._running.remove(seq)
+        self._load_since.pop(seq.seq_id, None)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = seq.num_scheduled_tokens = 0
-        seq.num_preemptions += 1
         self._insort(self._waiting, seq)
+
+    def _check_load(self, seq: Sequence, now: float) -> None:
+        """A LOADING sequence whose load has completed becomes PREFILL; one whose load failed or
+        timed out goes back to WAITING, to be computed without the CPU prefix tier."""
+        state = self.block_manager.load_state(seq.seq_id)
+        if state is None:
+            seq.status = SeqStatus.PREFILL
+            del self._load_since[seq.seq_id]
+        elif state == "failed" or now - self._load_since[seq.seq_id] > self.config.load_timeout_s:
+            if state == "failed":
+                self.num_load_failures += 1
+            else:
+                self.num_load_timeouts += 1
+            self._no_host.add(seq.seq_id)
+            self._requeue(seq, abandon_load=state == "loading")
 
     def _stop_condition(self, seq: Sequence) -> tuple[str, int | None] | None:
         """(finish_reason, stop_reason) after a new token, or None to continue; stop tokens win over length."""
@@ -509,6 +575,8 @@ class Scheduler:
             del self._swapped_from[seq.seq_id]
         else:
             (self._running if seq.is_running else self._waiting).remove(seq)
+        self._load_since.pop(seq.seq_id, None)
+        self._no_host.discard(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason  # type: ignore[assignment]
         seq.stop_reason = stop_reason
@@ -546,12 +614,18 @@ class Scheduler:
             sid, n = seq.seq_id, seq.num_tokens
             assert seq.is_running and sid in bm, seq
             assert n < cfg.max_model_len and seq.num_output_tokens < seq.params.max_tokens, seq
+            assert (seq.status is SeqStatus.LOADING) == (sid in self._load_since), seq
+            if seq.status is SeqStatus.LOADING:  # its hit counts as scheduled; the device part is computed
+                assert seq.num_pending == 0 and seq.num_computed_tokens == seq.num_scheduled_tokens, seq
+                assert bm.num_computed(sid) <= seq.num_computed_tokens < bm.num_tokens(sid) <= n, seq
+                continue
             assert seq.num_computed_tokens <= seq.num_scheduled_tokens, seq
             assert seq.num_computed_tokens <= bm.num_computed(sid) <= seq.num_scheduled_tokens, seq
             assert 0 <= seq.num_pending <= cfg.max_inflight, seq
             if seq.status is SeqStatus.PREFILL:
                 assert seq.num_pending == 0 and 0 <= seq.num_scheduled_tokens < n, seq
-                assert bm.num_tokens(sid) == seq.num_scheduled_tokens, seq  # reserved chunk by chunk
+                # reserved chunk by chunk (a loaded prompt's first chunk is reserved before it runs)
+                assert seq.num_scheduled_tokens <= bm.num_tokens(sid) <= n, seq
             else:
                 assert seq.num_scheduled_tokens == n + seq.num_pending - 1 == bm.num_tokens(sid), seq
             known = min(bm.num_tokens(sid), n)  # slots past the known tokens hold in-flight ones

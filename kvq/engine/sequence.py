@@ -13,6 +13,16 @@ Life cycle (the scheduler moves it; nothing else should set ``status``)::
 SWAPPED (``preemption_mode="swap"``): its KV waits in the block manager's host
 tier with every counter kept; it resumes before any new admission.
 
+LOADING (the CPU prefix tier): admitted with a prefix hit that the device no
+longer holds but host memory does; its blocks are reserved and the hit's blocks
+copy in from the host while other sequences run.  When the copy has completed
+it becomes PREFILL and computes the rest of its prompt; when the copy fails or
+times out it goes back to WAITING and computes the whole prompt::
+
+    WAITING --admit, hit in host memory--> LOADING --copy done--> PREFILL
+       ^                                      |
+       +------copy failed or timed out--------+
+
 Token accounting. ``prompt_token_ids`` never changes; sampled tokens go to
 ``output_token_ids``. ``num_computed_tokens`` counts the leading tokens of
 ``all_token_ids`` whose KV is in the cache. The work left for a running
@@ -54,6 +64,7 @@ class SeqStatus(enum.Enum):
     DECODE = "decode"  # prompt computed; one new token per step
     FINISHED = "finished"  # blocks released; finish_reason says why
     SWAPPED = "swapped"  # KV parked in the host tier (request-level swap); state kept
+    LOADING = "loading"  # admitted; blocks reserved; its prefix loads from the CPU prefix tier first
 
 
 class Sequence:
@@ -120,8 +131,8 @@ class Sequence:
 
     @property
     def is_running(self) -> bool:
-        """Holds blocks in the cache: PREFILL or DECODE."""
-        return self.status in (SeqStatus.PREFILL, SeqStatus.DECODE)
+        """Holds blocks in the cache: PREFILL, DECODE or LOADING."""
+        return self.status in (SeqStatus.PREFILL, SeqStatus.DECODE, SeqStatus.LOADING)
 
     def append_token(self, token_id: int, now: float) -> None:
         """Record a sampled token and when it arrived."""
