@@ -208,7 +208,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if g:
         host = rec["cpu_offload"]
         print(f"host tier        {format_bytes(host['memory_bytes'])}: {host['num_blocks']} blocks, "
-              f"{host['num_tokens']} tokens; {host['sequences']} sequences of {host['context_len']} swapped at once")
+              f"{host['num_tokens']} tokens; {host['sequences']} sequences of {host['context_len']} held at once "
+              f"(swapped, or in the CPU prefix cache)")
     return 0
 
 
@@ -246,8 +247,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "again) or swap (its blocks parked in host memory, --cpu-offload-gb, and resumed before "
                         "new requests; recompute when that tier is full); default recompute")
     g.add_argument("--cpu-offload-gb", type=float, default=0.0,
-                   help="GiB of host memory for swapped KV blocks (real bytes: every format's scales and "
-                        "high-precision blocks included); needed by --preemption-mode swap")
+                   help="GiB of host memory for KV blocks, in the resident format (real bytes: every format's "
+                        "scales and high-precision blocks included): the CPU prefix cache (finished requests' "
+                        "blocks, reloaded when a later prompt shares their prefix) and, with --preemption-mode "
+                        "swap, swapped requests (half each when both are on); needed by --preemption-mode swap")
+    g.add_argument("--cpu-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep finished requests' computed blocks in host memory by prefix hash and load them back "
+                        "on a device prefix miss (default: on when --cpu-offload-gb > 0 and prefix caching is on)")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -264,6 +270,7 @@ def engine_config_from_args(args: argparse.Namespace):
             gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, threads=args.threads,
             preemption_mode=args.preemption_mode, cpu_offload_gb=args.cpu_offload_gb,
+            cpu_prefix_cache=args.cpu_prefix_cache,
         )
     except ValueError as e:  # the API names its fields; here they are flags
         msg = str(e)

@@ -9,6 +9,7 @@ outputs must not depend on batching, chunking, prefix hits or preemption.
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import pytest
@@ -16,7 +17,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvq.cache.block_manager import BlockManager, CopyOp, SealOp, SwapOp, WindowPolicy, block_state
+from kvq.cache.block_manager import (BlockManager, CopyOp, HostLoadOp, HostStoreOp, SealOp, SwapOp, WindowPolicy,
+                                     block_state)
 from kvq.engine.sampling_params import SamplingParams
 from kvq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, peak_blocks, rule_counts
 from kvq.engine.sequence import SeqStatus, Sequence
@@ -60,7 +62,8 @@ class Clock:
 class Engine:
     """A fake engine around a real BlockManager and Scheduler."""
 
-    def __init__(self, policy: WindowPolicy, nq=64, nhp=16, prefix=True, eos=EOS, pipelined=False, host=(0, 0), **cfg):
+    def __init__(self, policy: WindowPolicy, nq=64, nhp=16, prefix=True, eos=EOS, pipelined=False, host=(0, 0),
+                 tier=(0, 0), copy_seed=0, copy_faults=(0.0, 0.0), **cfg):
         if pipelined:  # asynchronous scheduling: step N+1 is scheduled and launched before step N's update
             cfg["max_inflight"] = 2
         self.pipelined = pipelined
@@ -69,12 +72,17 @@ class Engine:
         cfg.setdefault("max_num_seqs", 4)
         cfg.setdefault("block_aligned_chunks", not policy.write_direct)
         self.policy, self.bs = policy, policy.block_size
-        self.bm = BlockManager(nq, nhp, policy, enable_prefix_caching=prefix, host_blocks=host)
+        self.bm = BlockManager(nq, nhp, policy, enable_prefix_caching=prefix, host_blocks=host, host_tier_blocks=tier)
         self.cfg = SchedulerConfig(block_size=self.bs, **cfg)
         self.clock = Clock()
         self.s = Scheduler(self.cfg, self.bm, eos_token_id=eos, clock=self.clock)
         self.mem = {"q": [[None] * self.bs for _ in range(nq)], "hp": [[None] * self.bs for _ in range(nhp)]}
-        self.host = {p: [[None] * self.bs for _ in range(n)] for p, n in zip(("q", "hp"), host)}
+        self.host = {p: [[None] * self.bs for _ in range(n + t)] for p, n, t in zip(("q", "hp"), host, tier)}
+        # the CPU prefix tier's copies in flight: [op, steps left, fault]; each completes after a random
+        # number of steps, fails ("fail": reported, nothing copied) or, for loads, hangs until drain()
+        self.copies: list[list] = []
+        self.copy_rng = random.Random(copy_seed)
+        self.copy_faults = copy_faults  # (P(fail), P(a load hangs))
         self.seqs: dict[int, Sequence] = {}
         self.num_preempted = 0
         self.tables: dict[int, list] = {}  # the runner's mirror, built only from scheduler outputs
@@ -100,6 +108,36 @@ class Engine:
                 expect = kv_chain(self.seqs[op.seq_id].all_token_ids)[i * bs:(i + 1) * bs]
                 assert self.mem["hp"][op.src_hp_block] == expect, "a seal read an incomplete hp block"
                 self.mem["q"][op.dst_q_block] = list(self.mem["hp"][op.src_hp_block])
+
+    def issue(self, ops) -> None:
+        for op in ops:
+            r = self.copy_rng.random()
+            fault = "fail" if r < self.copy_faults[0] else \
+                "hang" if isinstance(op, HostLoadOp) and r < sum(self.copy_faults) else None
+            self.copies.append([op, self.copy_rng.randint(0, 2), fault])
+
+    def progress(self, drain: bool = False) -> None:
+        """Complete the copies whose time has come (every one with ``drain``), moving their data as
+        late as possible: a store reads its device blocks, a load writes its destinations, only now."""
+        left = []
+        for c in self.copies:
+            op, steps, fault = c
+            if not drain and (fault == "hang" or steps > 0):
+                c[1] -= 1
+                left.append(c)
+                continue
+            if fault == "fail":
+                self.s.host_copy_done(op, ok=False)
+                continue
+            if isinstance(op, HostStoreOp):
+                for r in op.requests:
+                    self.host[r.pool][r.host_block] = list(self.mem[r.pool][r.device_block])
+            else:
+                for pool in ("q", "hp"):
+                    for h, d in op.pairs(pool):
+                        self.mem[pool][d] = list(self.host[pool][h])
+            self.s.host_copy_done(op)
+        self.copies = left
 
     def mirror(self, out) -> None:
         """Apply an output's released sequences and table deltas to the mirror; it must equal
@@ -147,7 +185,9 @@ class Engine:
         return next_token(toks)
 
     def step(self, abort_one=None):
+        self.progress()
         out = self.s.schedule()
+        self.issue(out.host_ops)
         cfg = self.s.config
         ids = [x.seq_id for x in out.scheduled]
         assert len(ids) == len(set(ids)) and len(ids) <= cfg.max_num_seqs
@@ -157,12 +197,18 @@ class Engine:
             assert self.seqs[sid].status in (SeqStatus.WAITING, SeqStatus.SWAPPED) and sid not in self.bm
             assert (self.seqs[sid].status is SeqStatus.SWAPPED) == self.bm.is_swapped(sid)
         self.s.check_integrity()
-        stalled = [q for q in self.seqs.values() if q.status is SeqStatus.PREFILL and q.seq_id not in ids]
-        assert not stalled, f"a running prefill got no chunk: {stalled}"  # the policy's no-stall claim
+        # The policy's no-stall claim.  Loaded prompts break it: one admitted LOADING takes no budget until
+        # its load ends, and then runs its chunks (FCFS: before newer prefills admitted meanwhile).
+        if not self.s.num_host_loads:
+            stalled = [q for q in self.seqs.values() if q.status is SeqStatus.PREFILL and q.seq_id not in ids]
+            assert not stalled, f"a running prefill got no chunk: {stalled}"
         self.mirror(out)
         if not out.scheduled:  # its ops still run: a swap-out can come with no work
             self.execute(out.ops)
-            return out, self.flush()
+            self.clock.t += 1.0
+            finished = self.flush()
+            self.issue(self.s.take_host_ops())
+            return out, finished
         if abort_one is not None:  # an abort between schedule() and update()
             assert self.s.abort(ids[abort_one % len(ids)])
         self.execute(out.ops)
@@ -175,9 +221,11 @@ class Engine:
                     sampled[item.seq_id] = tok
         self.clock.t += 1.0
         if not self.pipelined:
-            return out, self.s.update(out, sampled)
-        finished = self.flush()
-        self.pending = (out, sampled)
+            finished = self.s.update(out, sampled)
+        else:
+            finished = self.flush()
+            self.pending = (out, sampled)
+        self.issue(self.s.take_host_ops())  # the stores of requests freed by update()
         return out, finished
 
     def flush(self) -> list:
@@ -189,6 +237,8 @@ class Engine:
         for _ in range(max_steps):
             if not self.s.has_unfinished():
                 self.flush()
+                self.issue(self.s.take_host_ops())
+                self.progress(drain=True)
                 return
             self.step()
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
@@ -507,6 +557,66 @@ def test_swapped_request_can_be_aborted():
     assert e.used_blocks() == 0 and e.bm.host_allocator("q").num_used == 0
 
 
+def _multi_turn(e: Engine, users: int, turns: int, seed: int = 0) -> None:
+    """Each user's next prompt extends its previous prompt and answer, as a chat does."""
+    rng = random.Random(seed)
+    prompts = {u: [rng.randrange(VOCAB) for _ in range(9)] for u in range(users)}
+    for t in range(turns):
+        for u in range(users):
+            e.add(t * users + u, prompts[u], max_tokens=3, ignore_eos=True)
+        e.run()
+        for u in range(users):
+            seq = e.seqs[t * users + u]
+            assert (seq.output_token_ids, seq.finish_reason) == reference(seq.prompt_token_ids, seq.params, 64)
+            prompts[u] = seq.all_token_ids + [rng.randrange(VOCAB) for _ in range(4)]
+
+
+def _no_leaks(e: Engine) -> None:
+    assert e.used_blocks() == 0 and len(e.bm) == 0 and not e.copies, "leaked device blocks or copies"
+    tier = e.bm.host_tier
+    for pool in ("q", "hp"):
+        st_ = tier.stats(pool)
+        assert st_.num_storing == 0 and st_.num_pinned == 0, (pool, st_)
+    e.bm.check_integrity()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("policy", [WindowPolicy(4), WindowPolicy(4, sink_blocks=1, residual_tokens=6,
+                                                                  write_direct=False)])
+def test_cpu_prefix_tier_serves_prefixes_the_device_lost(policy, pipelined):
+    """Multi-turn chats in a pool too small to keep them: later turns load their history from the
+    CPU prefix tier (LOADING, then PREFILL of the rest) and sample exactly the reference tokens,
+    reading only KV that is their own; nothing is left on either tier."""
+    e = Engine(policy, nq=12, nhp=8, tier=(64, 32), max_num_seqs=3, max_num_batched_tokens=16,
+               pipelined=pipelined, copy_seed=1)
+    _multi_turn(e, users=6, turns=3)
+    tier = e.bm.host_tier
+    assert e.s.num_host_loads > 0 and tier.stats("q").hits > 0 and tier.stats("q").loads > 0
+    assert e.s.num_load_timeouts == e.s.num_load_failures == 0
+    _no_leaks(e)
+
+
+def test_cpu_prefix_tier_faults_lose_nothing():
+    """Stores and loads that fail, and loads that never end (timeout): every request still gets its
+    reference tokens, computed instead, and once the late copies end no block is held anywhere."""
+    e = Engine(WindowPolicy(4, sink_blocks=1, residual_tokens=6), nq=12, nhp=8, tier=(64, 32), max_num_seqs=3,
+               max_num_batched_tokens=16, copy_seed=3, copy_faults=(0.25, 0.25), load_timeout_s=3.0)
+    _multi_turn(e, users=6, turns=4)
+    assert e.s.num_load_timeouts > 0 and e.s.num_load_failures > 0
+    assert e.bm.host_tier.stats("q").store_failures > 0
+    _no_leaks(e)
+
+
+def test_cpu_prefix_tier_full_rejects_and_evicts():
+    """A tier of 4 blocks: offers beyond it evict the least recently used, and offers while every
+    block is being stored are rejected; results stay exact."""
+    e = Engine(WindowPolicy(4), nq=12, nhp=0, tier=(4, 0), max_num_seqs=3, max_num_batched_tokens=16, copy_seed=2)
+    _multi_turn(e, users=6, turns=3)
+    st_ = e.bm.host_tier.stats("q")
+    assert st_.evictions > 0 and st_.rejected > 0, st_
+    _no_leaks(e)
+
+
 def test_bad_preemption_mode():
     with pytest.raises(ValueError, match="recompute, swap"):
         SchedulerConfig(block_size=4, max_model_len=16, preemption_mode="drop")
@@ -520,8 +630,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 prefix=st.booleans(), mml=st.integers(8, 48), dq=st.integers(-3, 4), dhp=st.integers(-3, 3),
                 seqs=st.integers(1, 5), extra=st.sampled_from([0, 0, 1, 2, 3, 5, 8, 16]), chunked=st.booleans(),
                 aligned=st.booleans(), pipelined=st.booleans(),
-                swap=st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 6))))
-    def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, aligned, pipelined, swap):
+                swap=st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 6))),
+                tier=st.one_of(st.none(), *[st.tuples(st.integers(0, 24), st.integers(0, 8))] * 3),
+                copy_seed=st.integers(0, 2**16), faults=st.sampled_from([(0.0, 0.0), (0.2, 0.2)]))
+    def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, aligned, pipelined, swap,
+              tier, copy_seed, faults):
         policy = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=direct)
         # Pools around what one long request needs: sometimes too small (rejections), often contended.
         nb = -(-mml // bs)
@@ -532,7 +645,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.e = Engine(policy, nq=nq, nhp=nhp, prefix=prefix, max_model_len=mml, max_num_seqs=seqs,
                         max_num_batched_tokens=budget, chunked_prefill=chunked, block_aligned_chunks=aligned,
                         pipelined=pipelined,
-                        host=swap or (0, 0), preemption_mode="swap" if swap else "recompute")
+                        host=swap or (0, 0), preemption_mode="swap" if swap else "recompute",
+                        tier=tier or (0, 0), copy_seed=copy_seed, copy_faults=faults, load_timeout_s=4.0)
         event("pipelined" if pipelined else "synchronous")
         self.history: list[list[int]] = [[]]
         self.next_id = 0
@@ -579,6 +693,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 event("step: batch")
             if self.e.bm.allocator("q").num_hits + self.e.bm.allocator("hp").num_hits:
                 event("prefix hits")
+            if any(s.status is SeqStatus.LOADING for s in self.e.seqs.values()):
+                event("step: loading from the CPU prefix tier")
             self.check()
 
     @rule(data=st.data(), reason=st.sampled_from(["abort", "stop"]))
@@ -616,10 +732,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("teardown: swapped out and back")
         assert e.s.num_swapped_in <= e.s.num_swapped_out  # the rest finished (abort, stop) while swapped
         assert e.bm.num_swapped == 0 and all(e.bm.host_allocator(p).num_used == 0 for p in ("q", "hp"))
+        if e.bm.host_tier is not None:
+            _no_leaks(e)
+            if e.s.num_host_loads:
+                event("teardown: loaded from the CPU prefix tier")
+            if e.s.num_load_timeouts + e.s.num_load_failures:
+                event("teardown: load failed or timed out")
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None,
+TestSchedulerMachine.settings = settings(max_examples=400, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 

@@ -465,8 +465,12 @@ def test_metrics_parse_and_count(server):
     assert m[("kvq_kv_blocks_free", frozenset({("pool", "q")}))] == q
     for name in ("kvq_running_requests", "kvq_waiting_requests", "kvq_swapped_requests", "kvq_num_preemptions_total",
                  "kvq_kv_cache_bytes", "kvq_kv_cache_usage_ratio", "kvq_requests_swapped_total",
-                 "kvq_requests_resumed_total", "kvq_swap_fallbacks_total", "kvq_cpu_offload_budget_bytes"):
+                 "kvq_requests_resumed_total", "kvq_swap_fallbacks_total", "kvq_cpu_offload_budget_bytes",
+                 "kvq_kv_cpu_offload_blocks_total", "kvq_kv_cpu_offload_bytes_total", "kvq_kv_cpu_offload_failed_total",
+                 "kvq_kv_cpu_offload_rejected_total", "kvq_kv_cpu_reload_blocks_total", "kvq_kv_cpu_tier_hits_total",
+                 "kvq_cpu_offload_seconds_total", "kvq_cpu_reload_seconds_total", "kvq_kv_cpu_tier_blocks"):
         assert (name, frozenset()) in m, name
+    assert m[("kvq_kv_cpu_offload_blocks_total", frozenset())] == 0  # no host memory: no CPU prefix cache
     assert m[("kvq_cpu_offload_blocks", frozenset({("pool", "q"), ("state", "capacity")}))] == 0  # no tier here
     fmt = [dict(k[1]) for k in m if k[0] == "kvq_kv_cache_format_info"]
     assert fmt == [{"requested": "auto", "k": "bfloat16", "v": "bfloat16", "block_size": "16"}]

@@ -485,11 +485,12 @@ class BlockManager:
         self._unpinned.add(op.request.ticket)
         self.free(seq_id)
 
-    def host_copy_done(self, op: HostOp, ok: bool = True) -> None:
+    def host_copy_done(self, op: HostOp, ok: bool = True) -> bool:
         """A store or load has ended (its copy completed, or ``ok=False``: it failed or was never
         issued; a failed copy must not still be running).  Stores: the host copies become loadable
         (or are dropped) and the device blocks are released.  Loads: the sequence's prefix is
-        computed (or the sequence is marked failed: :meth:`load_state`)."""
+        computed (or the sequence is marked failed: :meth:`load_state`).  -> False for a load whose
+        sequence no longer waits for it (timed out, freed): its bytes went unused."""
         if isinstance(op, HostStoreOp):
             if self._stores.get(op.requests[0].ticket) is not op:
                 raise ValueError(f"{op!r} is not an outstanding store")
@@ -497,7 +498,7 @@ class BlockManager:
             for r in op.requests:
                 (self.host_tier.store_done if ok else self.host_tier.store_failed)(r)
                 self._alloc[r.pool].free(r.device_block)
-            return
+            return True
         ticket = op.request.ticket
         if self._loads.get(ticket) is not op:
             raise ValueError(f"{op!r} is not an outstanding load")
@@ -509,14 +510,15 @@ class BlockManager:
         for ref in self._quarantine.pop(ticket, ()):
             self._alloc[ref.pool].free(ref.block_id)
         if self._loading.get(op.seq_id) is not op:
-            return  # the sequence was freed meanwhile
+            return False  # the sequence was freed meanwhile
         del self._loading[op.seq_id]
         if not ok:
             self._failed_loads.add(op.seq_id)
-            return
+            return False
         seq = self._seqs[op.seq_id]
         seq.num_computed = max(seq.num_computed, op.request.hit.end * self.block_size)
         self._register_computed(seq)
+        return True
 
     def _offer(self, seq: _Seq, held: set[BlockRef]) -> None:
         """Offer a freed sequence's registered full blocks to the CPU prefix tier (one store op)."""

@@ -57,7 +57,7 @@ logger = logging.getLogger("kvq")
 
 #: Counters of :meth:`LLMEngine.host_offload_stats` kept by the engine (the tier keeps its own).
 HOST_STAT_KEYS = ("stored_blocks", "stored_bytes", "store_seconds", "reloaded_blocks", "reloaded_bytes",
-                  "reload_seconds", "store_failed", "load_failed")
+                  "reload_seconds", "store_failed", "load_failed", "reloads_discarded")
 
 
 @dataclass(frozen=True)
@@ -460,10 +460,11 @@ class LLMEngine:
     def _tier_blocks(self, budget: int) -> tuple[int, int]:
         """(q, hp) blocks of the CPU prefix tier in ``budget`` bytes.  A cached prefix is reusable
         only with its sink and window blocks (high precision), so the tier keeps them in the
-        proportion a prefix of min(max_model_len, 1024) tokens has."""
+        proportion a prefix of min(max_model_len, 256) tokens has (short prefixes, chat turns,
+        need the most: every one needs its sinks and window whatever its length)."""
         pol, plan = self.plan.window_policy, self.plan
         bs = pol.block_size
-        length = min(self.max_model_len, 1024)
+        length = max(min(self.max_model_len, 256), bs)
         hp = sum(block_state(i, length, pol) == "hp" for i in range(length // bs)) if plan.hp_bytes_per_block else 0
         q = max(length // bs - hp, 1)
         per = q * plan.bytes_per_block + hp * plan.hp_bytes_per_block
@@ -633,6 +634,8 @@ class LLMEngine:
             done, self._inflight = self._inflight, launched
             outputs = self._complete(done) if done is not None else []
         self._issue_host_ops(self.scheduler.take_host_ops())  # the finished requests' blocks, stored now
+        if self._host_copies:
+            self.poll_host_copies()  # (on the CPU they are done: their device blocks are free again now)
         return outputs
 
     def _launch(self) -> _Launched | None:
@@ -726,13 +729,15 @@ class LLMEngine:
             elif not handle.done():
                 left.append((op, handle, t0))
                 continue
-            kind = "stored" if isinstance(op, HostStoreOp) else "reloaded"
             n = self._host_stats
+            if not self.scheduler.host_copy_done(op):  # a load that ended after its request gave up on it
+                n["reloads_discarded"] += 1
+                continue
+            kind = "stored" if isinstance(op, HostStoreOp) else "reloaded"
             n[f"{kind}_blocks"] += op.num_blocks
             q, hp = len(op.pairs("q")), len(op.pairs("hp"))
             n[f"{kind}_bytes"] += q * self.host_pool.bytes_per_q_block + hp * self.host_pool.bytes_per_hp_block
             n["store_seconds" if kind == "stored" else "reload_seconds"] += now - t0
-            self.scheduler.host_copy_done(op)
         self._host_copies = left
         return len(left)
 

@@ -272,10 +272,11 @@ class Scheduler:
         """Finish with reason "abort" (see :meth:`finish`)."""
         return self.finish(seq_id, "abort")
 
-    def host_copy_done(self, op: HostOp, ok: bool = True) -> None:
+    def host_copy_done(self, op: HostOp, ok: bool = True) -> bool:
         """A store or load of :attr:`SchedulerOutput.host_ops` has ended (``ok=False``: it failed, and
-        is not running); a sequence it loaded for may run from the next :meth:`schedule`."""
-        self.block_manager.host_copy_done(op, ok)
+        is not running); a sequence it loaded for may run from the next :meth:`schedule`.  -> False
+        for a load nobody waited for any more (:meth:`BlockManager.host_copy_done`)."""
+        return self.block_manager.host_copy_done(op, ok)
 
     def take_host_ops(self) -> list[HostOp]:
         """Tier stores decided outside :meth:`schedule` (requests freed by :meth:`update` or
@@ -378,8 +379,10 @@ class Scheduler:
 
         while not preempted and not stalled and self._swapped and len(self._running) < cfg.max_num_seqs:  # 3a.
             seq = self._swapped[0]
+            # a loaded prompt swapped out before its reserved first chunk ran resumes with that chunk
+            reserved = bm.num_tokens(seq.seq_id) - seq.num_scheduled_tokens
             n = 1 if self._swapped_from[seq.seq_id] is SeqStatus.DECODE else \
-                self._chunk(seq.num_scheduled_tokens, seq.num_tokens, budget)
+                reserved or self._chunk(seq.num_scheduled_tokens, seq.num_tokens, budget)
             if n == 0 or budget < n or not bm.can_swap_in(seq.seq_id):
                 break  # the head waits; nothing is admitted behind it
             ops.append(bm.swap_in(seq.seq_id))
@@ -393,6 +396,8 @@ class Scheduler:
                 token = seq.last_token_id if seq.num_pending == 0 else PENDING_TOKEN
                 if grow(seq, [token]):
                     take(seq, 1, is_prefill=False)
+            elif reserved:
+                take(seq, n, is_prefill=True)
             else:
                 start = seq.num_scheduled_tokens
                 if grow(seq, seq.all_token_ids[start:start + n]):
@@ -419,6 +424,9 @@ class Scheduler:
                 seq.status = SeqStatus.LOADING
                 self._load_since[seq.seq_id] = now
                 self.num_host_loads += 1
+                # its first chunk counts against this step's budget as if it ran, so a step admits no
+                # more than it would without the tier (more would only crowd the pool and preempt)
+                budget -= bm.num_tokens(seq.seq_id) - hit.num_cached_tokens
                 continue
             seq.status = SeqStatus.PREFILL
             take(seq, bm.num_tokens(seq.seq_id) - hit.num_cached_tokens, is_prefill=True)

@@ -340,6 +340,8 @@ class AsyncEngine:
         except AssertionError as e:
             error = str(e) or "integrity check failed"
         idle = not self.engine.has_unfinished()
+        if idle:  # the CPU prefix cache's stores hold their blocks until they end: let them end
+            self.engine.poll_host_copies(wait=True)
         used = {pool: bm.allocator(pool).num_used for pool in ("q", "hp")}
         return {"ok": error is None, "error": error, "idle": idle, "used_blocks": used,
                 # with no request left, any block still referenced is leaked
@@ -358,6 +360,7 @@ class AsyncEngine:
             "swap": {"out": sched.num_swapped_out, "in": sched.num_swapped_in, "fallbacks": sched.num_swap_fallbacks,
                      "host_blocks": {p: {"total": h.num_blocks, "used": h.num_used}
                                      for p, h in ((p, bm.host_allocator(p)) for p in ("q", "hp"))}},
+            "cpu_offload": self.engine.host_offload_stats(),
             "live_requests": len(self._live),
             "kv_blocks": blocks,
             "steps": self.num_steps,

@@ -91,6 +91,30 @@ class EngineEvents:
 
 SWAPPED_DOC = "Requests whose KV is parked in the host tier (--preemption-mode swap)"
 
+# (name, key of LLMEngine.host_offload_stats(), help) of the CPU prefix cache's counters
+TIER_COUNTERS = (
+    ("kvq_kv_cpu_offload_blocks", "stored_blocks", "KV blocks stored to the CPU prefix cache"),
+    ("kvq_kv_cpu_offload_bytes", "stored_bytes", "Bytes stored to the CPU prefix cache (scales included)"),
+    ("kvq_kv_cpu_offload_failed", "store_failed", "Stores to the CPU prefix cache that failed"),
+    ("kvq_kv_cpu_offload_rejected", "tier_rejected", "Blocks not stored: every host block was being "
+                                                      "stored or loaded"),
+    ("kvq_kv_cpu_offload_evicted", "tier_evictions", "Host blocks evicted (least recently used) for new ones"),
+    ("kvq_kv_cpu_reload_blocks", "reloaded_blocks", "KV blocks loaded back from the CPU prefix cache"),
+    ("kvq_kv_cpu_reload_bytes", "reloaded_bytes", "Bytes loaded back from the CPU prefix cache"),
+    ("kvq_kv_cpu_reload_failed", "load_failed", "Loads from the CPU prefix cache that failed (recomputed)"),
+    ("kvq_kv_cpu_reload_timeouts", "load_timeouts", "Loads given up after the load timeout (recomputed)"),
+    ("kvq_kv_cpu_tier_hits", "tier_hits", "Prompt blocks found in the CPU prefix cache (device misses)"),
+    ("kvq_cpu_offload_seconds", "store_seconds", "Seconds from issue to observed end of the stores, summed"),
+    ("kvq_cpu_reload_seconds", "reload_seconds", "Seconds from issue to observed end of the loads, summed"),
+)
+
+
+def _prefix_tier_metrics(stats: dict):
+    for name, key, doc in TIER_COUNTERS:
+        yield CounterMetricFamily(name, doc, value=stats[key])
+    yield GaugeMetricFamily("kvq_kv_cpu_tier_blocks", "KV blocks held in the CPU prefix cache (loadable or "
+                            "being stored)", value=stats["tier_num_used_blocks"])
+
 
 class EngineStateCollector:
     """Gauges from the engine thread's snapshot and the engine's resolved configuration."""
@@ -126,6 +150,7 @@ class EngineStateCollector:
         yield host
         yield GaugeMetricFamily("kvq_cpu_offload_budget_bytes", "Bytes of the host tier (--cpu-offload-gb)",
                                 value=info["cpu_offload"]["bytes"])
+        yield from _prefix_tier_metrics(snap["cpu_offload"])
         q = snap["kv_blocks"]["q"]
         yield GaugeMetricFamily("kvq_kv_cache_usage_ratio", "Used share of the resident (q) pool",
                                 value=q["used"] / q["total"] if q["total"] else 0.0)
