@@ -73,7 +73,7 @@ def test_reloaded_prefixes_give_the_tokens_of_a_run_without_the_tier(fmt, kw):
     common = dict(kv_cache_dtype=fmt, max_num_seqs=3, max_num_batched_tokens=32, progress=False, **kw)
     plain = LLM("default", kv_cache_memory="64MiB", **common)
     want = chat(plain)
-    tiered = LLM("default", kv_cache_memory=small_pool(plain), cpu_offload_gb=0.02, **common)
+    tiered = LLM("default", kv_cache_memory=small_pool(plain), cpu_offload_gb=0.05, **common)
     eng = tiered.engine
     assert eng.info["cpu_offload"]["prefix_tier"]["q_blocks"] > 0
     assert chat(tiered) == want
@@ -110,7 +110,7 @@ def test_copy_faults_cost_a_recompute_not_a_token(fault):
                   progress=False)
     plain = LLM("default", kv_cache_memory="64MiB", **common)
     want = chat(plain)
-    tiered = LLM("default", kv_cache_memory=small_pool(plain), cpu_offload_gb=0.02, **common)
+    tiered = LLM("default", kv_cache_memory=small_pool(plain), cpu_offload_gb=0.05, **common)
     eng = tiered.engine
     host = eng.host_pool
     if fault == "load raises":
@@ -154,7 +154,7 @@ def test_prometheus_counters_follow_the_tier():
 
     common = dict(kv_cache_dtype="int8_per_token_head", max_num_seqs=3, max_num_batched_tokens=32, progress=False)
     plain = LLM("default", kv_cache_memory="64MiB", **common)
-    tiered = LLM("default", kv_cache_memory=small_pool(plain), cpu_offload_gb=0.02, **common)
+    tiered = LLM("default", kv_cache_memory=small_pool(plain), cpu_offload_gb=0.05, **common)
     chat(tiered)
     stats = tiered.engine.host_offload_stats()
     got = {f.name: f.samples[0].value for f in _prefix_tier_metrics(stats)}

@@ -206,3 +206,20 @@ def test_plots_carry_no_jargon():
     assert not [s for s in strings if JARGON.search(s)]
     result = json.loads((COMMITTED[0] / "results.json").read_text())
     assert not JARGON.search(json.dumps(recommend.ranking_table(result["records"], result["meta"]["baseline"])))
+
+
+def test_host_memory_sequences_appear_beside_the_device_ones(tmp_path):
+    """`kvq eval --cpu-offload-gb N` records how many sequences of the bin the host memory holds
+    besides (swap or the CPU prefix cache); the per-bin table shows them next to the device's."""
+    import json
+
+    result = json.loads((COMMITTED[0] / "results.json").read_text())
+    rec = next(r for r in result["records"] if r["kv_cache_dtype"]["requested"] == "int4_kivi:s4")
+    rec["kv_cache_capacity"].update(cpu_offload_bytes=4 << 30, sequences_at_bin_cpu_offload=290,
+                                    sequences_at_bin_cpu_offload_baseline=91)
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(result))
+    text = render_report(src, tmp_path / "out").read_text()
+    want = f"| {rec['kv_cache_capacity']['sequences_at_bin']} + 290 host |"
+    assert sum(want in line for line in text.splitlines() if line.startswith("| `int4_kivi:s4`")) >= 1
+    assert "*+ N host*" in text

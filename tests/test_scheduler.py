@@ -79,7 +79,8 @@ class Engine:
         self.mem = {"q": [[None] * self.bs for _ in range(nq)], "hp": [[None] * self.bs for _ in range(nhp)]}
         self.host = {p: [[None] * self.bs for _ in range(n + t)] for p, n, t in zip(("q", "hp"), host, tier)}
         # the CPU prefix tier's copies in flight: [op, steps left, fault]; each completes after a random
-        # number of steps, fails ("fail": reported, nothing copied) or, for loads, hangs until drain()
+        # number of steps, fails ("fail": reported, nothing copied) or, for loads, ends late ("hang": after
+        # the scheduler gave up on it, writing into blocks that must not have been reused meanwhile)
         self.copies: list[list] = []
         self.copy_rng = random.Random(copy_seed)
         self.copy_faults = copy_faults  # (P(fail), P(a load hangs))
@@ -114,7 +115,8 @@ class Engine:
             r = self.copy_rng.random()
             fault = "fail" if r < self.copy_faults[0] else \
                 "hang" if isinstance(op, HostLoadOp) and r < sum(self.copy_faults) else None
-            self.copies.append([op, self.copy_rng.randint(0, 2), fault])
+            late = fault == "hang"  # a stuck copy that ends long after the scheduler's timeout
+            self.copies.append([op, self.copy_rng.randint(8, 16) if late else self.copy_rng.randint(0, 2), fault])
 
     def progress(self, drain: bool = False) -> None:
         """Complete the copies whose time has come (every one with ``drain``), moving their data as
@@ -122,7 +124,7 @@ class Engine:
         left = []
         for c in self.copies:
             op, steps, fault = c
-            if not drain and (fault == "hang" or steps > 0):
+            if not drain and steps > 0:
                 c[1] -= 1
                 left.append(c)
                 continue

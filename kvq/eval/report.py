@@ -167,14 +167,21 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
             pk = (f"{_with_ci(q, 'passkey_accuracy', '.2f')} ({_with_ci(q, 'passkey_accuracy_baseline', '.2f')})"
                   if "passkey_accuracy" in q else "-")
             verdict = "baseline" if v is None else v.short(base)
+            seqs = str(c["sequences_at_bin"])
+            if "sequences_at_bin_cpu_offload" in c:  # + what the host memory of --cpu-offload-gb holds
+                seqs += f" + {c['sequences_at_bin_cpu_offload']} host"
             out.append(f"| `{name}` | {_kv_text(r)} | {c['bytes_per_token']:.0f} | "
-                       f"{c['ratio_vs_baseline']:.2f} | {c['sequences_at_bin']} | {q['ppl']:.3f} | "
+                       f"{c['ratio_vs_baseline']:.2f} | {seqs} | {q['ppl']:.3f} | "
                        f"{_with_ci(q, 'ppl_rel_change', '+.2f', 100, '%')} | {_with_ci(q, 'kl_mean')} | "
                        f"{_with_ci(q, 'top1_agreement', '.3f')} | "
                        f"{greedy} | {pk} | {verdict} | {_status_text(r, v)} |")
         out.append("")
     out += ["B/token: resident bytes per token over all layers, K+V, scales included (sink and recent windows "
-            "are counted in *seqs @ bin*, the sequences of that length that fit the budget).  x tokens: tokens per "
+            "are counted in *seqs @ bin*, the sequences of that length that fit the budget"
+            + ("; *+ N host*: those that --cpu-offload-gb of host memory holds besides, swapped or in the CPU "
+               "prefix cache, stored in the same format" if any("sequences_at_bin_cpu_offload" in r["kv_cache_capacity"]
+                                                                for r in records) else "")
+            + ").  x tokens: tokens per "
             "byte against the baseline.  ppl: perplexity of the scored positions.  greedy prefix: greedy tokens equal "
             "to the baseline's before the first difference (mean over passages).  passkey: accuracy (baseline's in "
             "brackets).  verdict: as in *What to use*; status: the record's (ok, quality_regressed, "
