@@ -51,4 +51,6 @@ bench-server:
 	  --kv-cache-dtype fp8_e4m3 --max-num-seqs 64 --max-model-len 4096 --gpu-memory-utilization 0.85
 
 bench-offload:
-	bash scripts/gpu.sh bench-offload --formats bfloat16,fp8_e4m3,int8_per_token_head,int4_kivi
+	bash scripts/gpu.sh bench-offload --sections copies,pressure --modes recompute,swap
+	bash scripts/gpu.sh bench-offload --sections multi_turn --out docs/results/bench_offload_multi_turn.json
+	bash scripts/gpu.sh bench-offload --sections pressure --modes swap,tier --out docs/results/bench_offload_pressure_tier.json

@@ -6,7 +6,7 @@
 #   bash scripts/gpu.sh bench-kernels   # decode/write benchmark vs FlashInfer and SDPA
 #   bash scripts/gpu.sh bench-engine    # end-to-end generation vs HF transformers (see benchmarks/README.md)
 #   bash scripts/gpu.sh bench-server    # load test of kvq serve
-#   bash scripts/gpu.sh bench-offload   # swap to host memory: copy GB/s per format, recompute vs swap
+#   bash scripts/gpu.sh bench-offload   # host memory: copy GB/s per format; recompute vs swap vs CPU prefix cache
 #   bash scripts/gpu.sh probe           # quick decode timing probe
 set -euo pipefail
 cd "$(dirname "$0")/.."
