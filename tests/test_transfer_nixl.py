@@ -143,6 +143,24 @@ def test_nixl_read_pull_mode_and_layer_subset(nixl_pair):
     assert wait_notif(b, a) == [("prefill", b"nothing to send")]
 
 
+def test_nixl_wait_times_out_while_the_receiver_makes_no_progress():
+    pytest.importorskip("nixl")
+    from kvq.transfer.nixl_transport import NixlTransport
+
+    # no progress thread on the receiver: it progresses only inside its own calls
+    with NixlTransport("sender") as a, NixlTransport("idle", progress_delay_us=None) as b:
+        pa, pb = filled(CONFIGS["bfloat16"], 1), filled(CONFIGS["bfloat16"], 2)
+        da, db = a.register_pool(pa), b.register_pool(pb)
+        a.connect(db)
+        b.connect(da)
+        h = a.write_blocks("idle", [(0, 0)], notif=b"x")
+        with pytest.raises(TimeoutError, match="not done after 0.2 s"):
+            h.wait(0.2)
+        assert h.poll() == "pending"
+        assert wait_notif(b, a) == [("sender", b"x")]  # the receiver polls: everything completes
+        h.wait(TIMEOUT)
+
+
 def test_nixl_errors_are_clear(nixl_pair):
     from kvq.transfer.nixl_transport import NixlTransport
 
@@ -175,6 +193,17 @@ def test_nixl_errors_are_clear(nixl_pair):
     with pytest.raises(TransferError, match="closed"):
         a.write_blocks("decode", [(0, 0)])
     assert a.poll_notifications() == []
+
+
+def wait_stopped(pid: int, timeout: float = TIMEOUT) -> None:
+    """Block until process ``pid`` is in the stopped state (Linux /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(1e-3)
+    raise AssertionError(f"process {pid} did not stop")
 
 
 def _receiver(conn, fmt: str) -> None:
@@ -225,6 +254,7 @@ def test_nixl_two_processes_hung_and_dead_peer():
         # a hung peer (stopped): the write does not complete, wait() times out instead of hanging
         os.kill(child.pid, signal.SIGSTOP)
         try:
+            wait_stopped(child.pid)  # kill() returns before the child stops; until then it may still progress
             h = a.write_blocks(peer, [(3, 3)], notif=b"req-2")
             with pytest.raises(TimeoutError, match="not done after"):
                 h.wait(0.5)
