@@ -161,3 +161,10 @@ def test_prometheus_counters_follow_the_tier():
     for name, key, _ in TIER_COUNTERS:
         assert got[name] == stats[key], name
     assert got["kvq_kv_cpu_reload_blocks"] > 0 and got["kvq_kv_cpu_tier_blocks"] == stats["tier_num_used_blocks"] > 0
+
+
+def test_cli_checks_the_tier_flag_before_the_model_loads(capsys):
+    from kvq.cli import main
+
+    assert main(["generate", "hi", "--cpu-prefix-cache"]) == 2
+    assert "--cpu-offload-gb" in capsys.readouterr().err
