@@ -63,7 +63,7 @@ class Engine:
     """A fake engine around a real BlockManager and Scheduler."""
 
     def __init__(self, policy: WindowPolicy, nq=64, nhp=16, prefix=True, eos=EOS, pipelined=False, host=(0, 0),
-                 tier=(0, 0), copy_seed=0, copy_faults=(0.0, 0.0), **cfg):
+                 tier=(0, 0), copy_seed=0, copy_faults=(0.0, 0.0), remote=0.0, **cfg):
         if pipelined:  # asynchronous scheduling: step N+1 is scheduled and launched before step N's update
             cfg["max_inflight"] = 2
         self.pipelined = pipelined
@@ -84,13 +84,20 @@ class Engine:
         self.copies: list[list] = []
         self.copy_rng = random.Random(copy_seed)
         self.copy_faults = copy_faults  # (P(fail), P(a load hangs))
+        # prompts prefilled by a "peer" (remote fills): each ends after a random number of steps, writing
+        # the prompt's KV into its reserved blocks only then; with the copy faults it fails (reported,
+        # requeued or, without fallback, aborted) or hangs (ends after its request was freed, writing
+        # into quarantined blocks)
+        self.remote = remote
+        self.fills: list[list] = []
+        self.remote_aborted: set[int] = set()
         self.seqs: dict[int, Sequence] = {}
         self.num_preempted = 0
         self.tables: dict[int, list] = {}  # the runner's mirror, built only from scheduler outputs
 
     def add(self, sid, prompt, **params) -> Sequence:
         seq = Sequence(sid, prompt, SamplingParams(**params), arrival_time=self.clock.t)
-        self.s.add(seq)
+        self.s.add(seq, remote=self.copy_rng.random() < self.remote)
         self.seqs[sid] = seq
         return seq
 
@@ -118,9 +125,41 @@ class Engine:
             late = fault == "hang"  # a stuck copy that ends long after the scheduler's timeout
             self.copies.append([op, self.copy_rng.randint(8, 16) if late else self.copy_rng.randint(0, 2), fault])
 
+    def issue_fills(self, ops) -> None:
+        for op in ops:
+            r = self.copy_rng.random()
+            fault = "fail" if r < self.copy_faults[0] else "hang" if r < sum(self.copy_faults) else None
+            self.fills.append([op, self.copy_rng.randint(8, 16) if fault == "hang" else self.copy_rng.randint(0, 3),
+                               fault, self.copy_rng.random() < 0.8])
+
+    def progress_fills(self, drain: bool = False) -> None:
+        left = []
+        for c in self.fills:
+            op, steps, fault, fallback = c
+            if not drain and steps > 0:
+                c[1] -= 1
+                left.append(c)
+                continue
+            prompt = list(self.seqs[op.seq_id].prompt_token_ids)
+            if fault == "fail":
+                seq = self.s.remote_done(op, None, fallback=fallback)
+                if seq is not None and not fallback:
+                    assert seq.is_finished and seq.finish_reason == "abort" and op.seq_id not in self.bm
+                    self.remote_aborted.add(op.seq_id)
+                continue
+            kv = kv_chain(prompt)  # the peer's bytes land now, whether or not anyone still waits
+            for pos in range(op.num_tokens):
+                ref = op.table[pos // self.bs]
+                self.mem[ref.pool][ref.block_id][pos % self.bs] = kv[pos]
+            seq = self.s.remote_done(op, next_token(prompt))
+            if seq is not None:
+                assert seq.output_token_ids == [next_token(prompt)] and seq.num_computed_tokens == len(prompt)
+        self.fills = left
+
     def progress(self, drain: bool = False) -> None:
         """Complete the copies whose time has come (every one with ``drain``), moving their data as
         late as possible: a store reads its device blocks, a load writes its destinations, only now."""
+        self.progress_fills(drain)
         left = []
         for c in self.copies:
             op, steps, fault = c
@@ -190,6 +229,7 @@ class Engine:
         self.progress()
         out = self.s.schedule()
         self.issue(out.host_ops)
+        self.issue_fills(out.remote_ops)
         cfg = self.s.config
         ids = [x.seq_id for x in out.scheduled]
         assert len(ids) == len(set(ids)) and len(ids) <= cfg.max_num_seqs
@@ -201,7 +241,7 @@ class Engine:
         self.s.check_integrity()
         # The policy's no-stall claim.  Loaded prompts break it: one admitted LOADING takes no budget until
         # its load ends, and then runs its chunks (FCFS: before newer prefills admitted meanwhile).
-        if not self.s.num_host_loads:
+        if not self.s.num_host_loads and not self.s.num_remote_loads:
             stalled = [q for q in self.seqs.values() if q.status is SeqStatus.PREFILL and q.seq_id not in ids]
             assert not stalled, f"a running prefill got no chunk: {stalled}"
         self.mirror(out)
@@ -634,9 +674,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 aligned=st.booleans(), pipelined=st.booleans(),
                 swap=st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 6))),
                 tier=st.one_of(st.none(), *[st.tuples(st.integers(0, 24), st.integers(0, 8))] * 3),
-                copy_seed=st.integers(0, 2**16), faults=st.sampled_from([(0.0, 0.0), (0.2, 0.2)]))
+                copy_seed=st.integers(0, 2**16), faults=st.sampled_from([(0.0, 0.0), (0.2, 0.2)]),
+                remote=st.sampled_from([0.0, 0.0, 0.5, 1.0]))
     def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, aligned, pipelined, swap,
-              tier, copy_seed, faults):
+              tier, copy_seed, faults, remote):
         policy = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=direct)
         # Pools around what one long request needs: sometimes too small (rejections), often contended.
         nb = -(-mml // bs)
@@ -648,7 +689,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                         max_num_batched_tokens=budget, chunked_prefill=chunked, block_aligned_chunks=aligned,
                         pipelined=pipelined,
                         host=swap or (0, 0), preemption_mode="swap" if swap else "recompute",
-                        tier=tier or (0, 0), copy_seed=copy_seed, copy_faults=faults, load_timeout_s=4.0)
+                        tier=tier or (0, 0), copy_seed=copy_seed, copy_faults=faults, load_timeout_s=4.0,
+                        remote=remote)
         event("pipelined" if pipelined else "synchronous")
         self.history: list[list[int]] = [[]]
         self.next_id = 0
@@ -726,13 +768,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert e.used_blocks() == 0 and len(e.bm) == 0, "leaked blocks"
         for sid, seq in e.seqs.items():
             assert seq.is_finished
-            if sid not in self.stopped:
+            if sid not in self.stopped and sid not in e.remote_aborted:
                 assert (seq.output_token_ids, seq.finish_reason) == \
                     reference(seq.prompt_token_ids, seq.params, e.cfg.max_model_len), sid
         event(f"teardown: {'preemptions' if e.num_preempted else 'no preemption'}")
         if e.s.num_swapped_out:
             event("teardown: swapped out and back")
         assert e.s.num_swapped_in <= e.s.num_swapped_out  # the rest finished (abort, stop) while swapped
+        if e.s.num_remote_loads:
+            event("teardown: prefilled by a peer" + (" (some fills failed)" if e.s.num_remote_failures else ""))
         assert e.bm.num_swapped == 0 and all(e.bm.host_allocator(p).num_used == 0 for p in ("q", "hp"))
         if e.bm.host_tier is not None:
             _no_leaks(e)

@@ -152,6 +152,24 @@ class _PromptPlan(NamedTuple):
     loads: list[HostBlock]
 
 
+@dataclass(frozen=True)
+class RemoteLoadOp:
+    """A whole prompt's KV, to be filled from another server (a prefill peer, :mod:`kvq.transfer`)
+    into the blocks ``table`` holds: laid out as a prompt of ``num_tokens`` tokens without a prefix
+    hit (block ``i`` in pool ``block_state(i, num_tokens)``), nothing computed.  Outstanding until
+    :meth:`BlockManager.remote_done`; a sequence freed before then leaves ``table``'s blocks out of
+    use until it is called (the transfer may still be writing them)."""
+
+    seq_id: SeqId
+    ticket: int
+    table: tuple[BlockRef, ...]
+    num_tokens: int
+
+    def blocks(self, pool: Pool) -> list[tuple[int, int]]:
+        """``(logical index, block id)`` of the table's blocks in ``pool``, in logical order."""
+        return [(i, r.block_id) for i, r in enumerate(self.table) if r.pool == pool]
+
+
 Op = SealOp | CopyOp | SwapOp
 HostOp = HostStoreOp | HostLoadOp
 
@@ -219,6 +237,10 @@ class BlockManager:
         self._failed_loads: set[SeqId] = set()  # sequences whose load failed: recompute them
         self._quarantine: dict[int, list[BlockRef]] = {}  # load ticket -> destination blocks of a freed sequence
         self._unpinned: set[int] = set()  # load tickets whose host blocks the tier already released (timeout)
+        self._remote: dict[int, RemoteLoadOp] = {}  # outstanding remote fills, by ticket
+        self._remote_of: dict[SeqId, RemoteLoadOp] = {}  # sequences waiting for theirs
+        self._remote_quarantine: dict[int, tuple[BlockRef, ...]] = {}  # ticket -> blocks of a freed sequence
+        self._next_remote = 0
 
     # -- queries ----------------------------------------------------------------------------
     def _seq(self, seq_id: SeqId) -> _Seq:
@@ -460,6 +482,59 @@ class BlockManager:
             self._host_ops.append(op)
         return PrefixHit(h * bs, (h - k) * bs)
 
+    # -- remote fills (prefill on a peer server) ----------------------------------------------
+    def can_allocate_remote(self, num_tokens: int) -> bool:
+        """Whether :meth:`allocate_remote` of ``num_tokens`` tokens would succeed now."""
+        return self.can_allocate(num_tokens)
+
+    def allocate_remote(self, seq_id: SeqId, token_ids: Sequence[int]) -> RemoteLoadOp:
+        """Reserve a whole prompt's blocks for a fill from a peer (:class:`RemoteLoadOp`): no prefix
+        hit (the peer sends every block, laid out as this side's rule lays out ``len(token_ids)``
+        tokens), ``num_computed`` 0 until :meth:`remote_done` reports the fill complete."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence id {seq_id!r} already has blocks")
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("a prompt needs at least one token")
+        plan = self._plan_prompt(token_ids, use_cache=False)
+        if not plan.ok:
+            raise NoFreeBlocksError(f"prompt of {len(token_ids)} tokens for {seq_id!r} does not fit: "
+                                    f"q free {self.num_free_blocks('q')}, hp free {self.num_free_blocks('hp')}")
+        n, table = len(token_ids), []
+        for i in range(-(-n // self.block_size)):
+            pool = block_state(i, n, self.policy)
+            table.append(BlockRef(pool, self._alloc[pool].allocate()))
+        self._seqs[seq_id] = _Seq(token_ids, table, 0, [], self.policy.sink_blocks)
+        op = RemoteLoadOp(seq_id, self._next_remote, tuple(table), n)
+        self._next_remote += 1
+        self._remote[op.ticket] = self._remote_of[seq_id] = op
+        return op
+
+    def remote_state(self, seq_id: SeqId) -> str | None:
+        """"loading" while the sequence waits for its remote fill, else None."""
+        self._seq(seq_id)
+        return "loading" if seq_id in self._remote_of else None
+
+    def remote_done(self, op: RemoteLoadOp, ok: bool) -> bool:
+        """A remote fill has ended (``ok``: every block holds the peer's bytes, checked; else it failed
+        or was cancelled, and nothing writes its blocks any more).  -> True when its sequence still
+        waits for it: with ``ok`` its prompt is computed now (full blocks join the prefix cache);
+        without, the caller frees or retries it.  False for a fill whose sequence was freed
+        meanwhile: its blocks are released now."""
+        if self._remote.get(op.ticket) is not op:
+            raise ValueError(f"{op!r} is not an outstanding remote fill")
+        del self._remote[op.ticket]
+        for ref in self._remote_quarantine.pop(op.ticket, ()):
+            self._alloc[ref.pool].free(ref.block_id)
+        if self._remote_of.get(op.seq_id) is not op:
+            return False
+        del self._remote_of[op.seq_id]
+        if ok:
+            seq = self._seqs[op.seq_id]
+            seq.num_computed = op.num_tokens
+            self._register_computed(seq)
+        return True
+
     # -- the CPU prefix tier ----------------------------------------------------------------
     def take_host_ops(self) -> list[HostOp]:
         """Stores and loads of the CPU prefix tier decided since the last call, to issue (in any
@@ -678,6 +753,10 @@ class BlockManager:
         self._register_computed(seq)
         self._failed_loads.discard(seq_id)
         held: set[BlockRef] = set()
+        remote = self._remote_of.pop(seq_id, None)
+        if remote is not None:  # a peer may still write every block: out of use until the fill ends
+            held = set(remote.table)
+            self._remote_quarantine[remote.ticket] = remote.table
         op = self._loading.pop(seq_id, None)
         if op is not None:  # its load may still write these: out of use until it reports its end
             req = op.request
@@ -801,6 +880,16 @@ class BlockManager:
                 refs[ref.pool][ref.block_id] += 1
         if self._quarantine.keys() - self._loads.keys():
             raise AssertionError("quarantined blocks of a load that is not outstanding")
+        for ticket, blocks in self._remote_quarantine.items():
+            if ticket not in self._remote:
+                raise AssertionError("quarantined blocks of a remote fill that is not outstanding")
+            for ref in blocks:
+                refs[ref.pool][ref.block_id] += 1
+        for sid, op in self._remote_of.items():
+            if sid not in self._seqs or self._remote.get(op.ticket) is not op:
+                raise AssertionError(f"seq {sid!r} waits for a remote fill that is not outstanding")
+            if tuple(self._seqs[sid].table) != op.table or self._seqs[sid].num_computed:
+                raise AssertionError(f"seq {sid!r}: its table or progress disagrees with its remote fill")
         for sid, op in self._loading.items():
             if sid not in self._seqs or self._loads.get(op.request.ticket) is not op:
                 raise AssertionError(f"seq {sid!r} waits for a load that is not outstanding")

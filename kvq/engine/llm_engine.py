@@ -35,6 +35,7 @@ from kvq.cache.window import block_state, can_seal, peak_blocks
 from kvq.engine.cuda_graphs import DecodeGraphs
 from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.model_runner import ModelRunner
+from kvq.engine.remote_prefill import KVExporter, RemotePrefill, RemoteResult
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
 from kvq.engine.scheduler import PREEMPTION_MODES, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
@@ -216,6 +217,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # the request failed (a KV transfer without fallback): finish_reason "abort"
+    kv_export: object | None = None  # a prefill server's export of this request's KV (KVExporter.export)
 
 
 class _Zeros:
@@ -396,6 +399,14 @@ class LLMEngine:
         self._logprobs: dict[int, list[dict]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._inflight: _Launched | None = None  # launched, results not read (async_scheduling)
+        # prefill/decode disaggregation (kvq.engine.remote_prefill): a decode engine's peer, a prefill
+        # engine's exporter and the requests it exports (request id -> receiver tag)
+        self.kv_connector: RemotePrefill | None = None
+        self.kv_exporter: KVExporter | None = None
+        self._export: dict[int, object] = {}
+        self._exported: dict[int, object] = {}
+        self._errors: dict[int, str] = {}
+        self.remote_stats = {"filled": 0, "failed": 0, "discarded": 0, "bytes": 0, "seconds": 0.0}
         self.info = {
             "model": src.name,
             "device": str(self.device),
@@ -573,12 +584,22 @@ class LLMEngine:
             raise ValueError(f"token ids must be in [0, {vocab})")
         return None, ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
-        return self.add_requests([prompt], [params])[0]
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    export_to=None) -> int:
+        return self.add_requests([prompt], [params], export_to=export_to)[0]
 
-    def add_requests(self, prompts: list, params: list[SamplingParams | None]) -> list[int]:
+    def add_requests(self, prompts: list, params: list[SamplingParams | None], *, export_to=None) -> list[int]:
         """Queue several requests, all or none: a bad one raises ValueError (naming its index when
-        there are several) and leaves nothing queued."""
+        there are several) and leaves nothing queued.
+
+        With a :attr:`kv_connector` (a decode engine) every request is prefilled by the peer.
+        ``export_to`` (a prefill engine with a :attr:`kv_exporter`): each request's KV is exported
+        to that receiver when its first token is sampled (its ``max_tokens`` must be 1)."""
+        if export_to is not None:
+            if self.kv_exporter is None:
+                raise ValueError("export_to needs a kv_exporter (a prefill engine)")
+            if any(sp is None or sp.max_tokens != 1 for sp in params):
+                raise ValueError("an exported request is prefill only: max_tokens must be 1")
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         where = (lambda i: f"prompt {i}: ") if len(prompts) > 1 else (lambda i: "")
@@ -596,12 +617,14 @@ class LLMEngine:
             for i, (text, ids, sp) in enumerate(encoded):
                 rid = next(self._ids)
                 try:  # the scheduler is the judge of length and capacity
-                    self.scheduler.add(Sequence(rid, ids, sp))
+                    self.scheduler.add(Sequence(rid, ids, sp), remote=self.kv_connector is not None)
                 except ValueError as e:
                     raise ValueError(f"{where(i)}{e}") from None
                 added.append(rid)
                 self._prompts[rid] = text
                 self._texts[rid] = ""
+                if export_to is not None:
+                    self._export[rid] = export_to
         except BaseException:
             for rid in added:  # nothing has run: a waiting sequence holds no blocks
                 self.abort(rid)
@@ -614,11 +637,13 @@ class LLMEngine:
 
     def _forget(self, request_id: int) -> None:
         """Drop a finished request's text and logprobs (a long-running server must not keep them)."""
-        for d in (self._prompts, self._texts, self._logprobs, self._detok):
+        for d in (self._prompts, self._texts, self._logprobs, self._detok, self._export, self._exported,
+                  self._errors):
             d.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return (self.scheduler.has_unfinished() or self._inflight is not None
+                or (self.kv_connector is not None and self.kv_connector.num_pending() > 0))
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -628,12 +653,17 @@ class LLMEngine:
         first, then reads the results of the one launched by the previous call (the
         device runs one while the host prepares the other), so outputs trail the
         forward by one call; :meth:`has_unfinished` stays true until the last is read."""
+        remote = self._poll_remote() if self.kv_connector is not None else []
         launched = self._launch()
         if not self.async_scheduling:
             outputs = self._complete(launched) if launched is not None else []
         else:
             done, self._inflight = self._inflight, launched
             outputs = self._complete(done) if done is not None else []
+        if remote:
+            outputs = remote + outputs
+        elif launched is None and not outputs and self.kv_connector is not None and self.kv_connector.num_pending():
+            outputs = self._poll_remote(timeout=0.005)  # only fills to wait for: wait for them, not spin
         self._issue_host_ops(self.scheduler.take_host_ops())  # the finished requests' blocks, stored now
         if self._host_copies:
             self.poll_host_copies()  # (on the CPU they are done: their device blocks are free again now)
@@ -643,6 +673,9 @@ class LLMEngine:
         """Schedule a step and enqueue its forward and sampling; nothing here waits for the device."""
         self.poll_host_copies()
         sched = self.scheduler.schedule()
+        for op in sched.remote_ops:
+            seq = self.scheduler.get(op.seq_id)
+            self.kv_connector.start(op, seq.prompt_ids, seq.params)
         if not sched.scheduled:
             if sched.ops:  # a swap-out can come with no work; it must still happen before the next step
                 self.runner.apply_ops(sched.ops)
@@ -688,6 +721,9 @@ class LLMEngine:
                         lp_rows[sid] = {"token_id": tokens[row], "logprob": chosen[row],
                                         "top": list(zip(ids[row][:k], tops[row][:k]))}
         gone = {sid for sid in sample_ids if seqs[sid].is_finished}  # finished while the step ran: no output
+        for sid in sample_ids:  # a prompt to export: its KV is written and its blocks not yet freed
+            if sid in self._export and sid not in gone:
+                self._exported[sid] = self._export_kv(sid, seqs[sid])
         self.scheduler.update(sched, sampled)
         outputs = []
         for sid in sample_ids:
@@ -701,6 +737,48 @@ class LLMEngine:
             if seq.is_finished:
                 self._forget(sid)
         return outputs
+
+    # -- prefill/decode disaggregation -------------------------------------------------------
+    def _export_kv(self, sid: int, seq: Sequence) -> object:
+        try:
+            return self.kv_exporter.export(sid, self.pool, self.block_manager.block_table(sid), seq.num_tokens,
+                                           self._export[sid])
+        except Exception as e:  # noqa: BLE001 - the request reports it; the engine goes on
+            logger.warning("kvq: exporting the KV of request %d failed: %s: %s", sid, type(e).__name__, e)
+            return e
+
+    def _poll_remote(self, timeout: float = 0.0) -> list[RequestOutput]:
+        """Hand ended fills to the scheduler; -> the outputs of requests whose first token arrived
+        (or that failed without fallback)."""
+        outputs = []
+        for r in self.kv_connector.poll(timeout):
+            outputs.extend(self._remote_result(r))
+        return outputs
+
+    def _remote_result(self, r: RemoteResult) -> list[RequestOutput]:
+        st = self.remote_stats
+        seq = self.scheduler.remote_done(r.op, r.first_token, fallback=self.kv_connector.fallback)
+        if seq is None:  # the request was aborted or preempted while the fill ran
+            st["discarded"] += 1
+            return []
+        if r.first_token is None:
+            st["failed"] += 1
+            logger.warning("kvq: KV transfer for request %d failed (%s): %s; %s", seq.seq_id, r.reason, r.error,
+                           "prefilling it here" if not seq.is_finished else "the request fails")
+            if not seq.is_finished:
+                return []
+            self._errors[seq.seq_id] = f"KV transfer from the prefill peer failed ({r.reason}): {r.error}"
+        else:
+            st["filled"] += 1
+            st["bytes"] += r.nbytes
+            st["seconds"] += r.seconds
+            if r.logprobs is not None:
+                self._logprobs[seq.seq_id] = [r.logprobs]
+            self._check_stop_strings(seq)
+        out = self._output(seq)
+        if seq.is_finished:
+            self._forget(seq.seq_id)
+        return [out]
 
     # -- the CPU prefix tier's copies ---------------------------------------------------------
     def _issue_host_ops(self, ops) -> None:
@@ -785,4 +863,6 @@ class LLMEngine:
                                       seq.finish_reason, seq.stop_reason, self._logprobs.get(seq.seq_id))],
             finished=seq.is_finished,
             metrics=m,
+            error=self._errors.get(seq.seq_id),
+            kv_export=self._exported.get(seq.seq_id),
         )

@@ -67,7 +67,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvq.cache.block_manager import PENDING_TOKEN, BlockManager, BlockRef, HostOp, NoFreeBlocksError, Op
+from kvq.cache.block_manager import (PENDING_TOKEN, BlockManager, BlockRef, HostOp, NoFreeBlocksError, Op,
+                                     RemoteLoadOp)
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
 from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
 
@@ -164,6 +165,9 @@ class SchedulerOutput:
     # stores and loads of the CPU prefix tier: issue them after the step's forward is enqueued (they
     # touch no block the step reads or writes) and report each end with Scheduler.host_copy_done
     host_ops: tuple[HostOp, ...] = ()
+    # prompts admitted to be filled by a prefill peer: start each fill, report its end with
+    # Scheduler.remote_done
+    remote_ops: tuple[RemoteLoadOp, ...] = ()
 
 
 class Scheduler:
@@ -202,6 +206,9 @@ class Scheduler:
         self._load_since: dict[int, float] = {}  # LOADING sequences -> when they were admitted
         self._no_host: set[int] = set()  # sequences whose load failed or timed out: computed instead
         self.num_host_loads = self.num_load_failures = self.num_load_timeouts = 0
+        self._remote_wanted: set[int] = set()  # sequences to prefill on a peer (add(remote=True))
+        self._remote_loading: dict[int, RemoteLoadOp] = {}  # LOADING sequences waiting for a peer's fill
+        self.num_remote_loads = self.num_remote_failures = 0
 
     # -- queries ----------------------------------------------------------------------------
     def get(self, seq_id: int) -> Sequence:
@@ -227,8 +234,13 @@ class Scheduler:
         return len(self._running)
 
     # -- requests ---------------------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
-        """Queue a fresh sequence (WAITING, no outputs). Raises ValueError for a request that can never run."""
+    def add(self, seq: Sequence, remote: bool = False) -> None:
+        """Queue a fresh sequence (WAITING, no outputs). Raises ValueError for a request that can never run.
+
+        ``remote``: its prompt is prefilled by a peer server, which sends the KV and the first token:
+        admitted as LOADING with its whole prompt reserved (:meth:`BlockManager.allocate_remote`,
+        one :class:`RemoteLoadOp` in the step's ``remote_ops``), it decodes here once
+        :meth:`remote_done` reports the fill."""
         if not isinstance(seq, Sequence):
             raise TypeError(f"add() takes a Sequence, got {type(seq).__name__}")
         if seq.seq_id in self._seqs:
@@ -253,6 +265,8 @@ class Scheduler:
         self._rank[seq.seq_id] = self._next_rank
         self._next_rank += 1
         self._insort(self._waiting, seq)
+        if remote:
+            self._remote_wanted.add(seq.seq_id)
 
     def finish(self, seq_id: int, reason: str, stop_reason: int | str | None = None) -> bool:
         """Finish an unfinished sequence now and free its blocks; False if there is none with that id.
@@ -277,6 +291,43 @@ class Scheduler:
         is not running); a sequence it loaded for may run from the next :meth:`schedule`.  -> False
         for a load nobody waited for any more (:meth:`BlockManager.host_copy_done`)."""
         return self.block_manager.host_copy_done(op, ok)
+
+    def remote_done(self, op: RemoteLoadOp, first_token: int | None, fallback: bool = True,
+                    now: float | None = None) -> Sequence | None:
+        """A fill of :attr:`SchedulerOutput.remote_ops` has ended; nothing writes its blocks any more.
+
+        ``first_token``: the token the peer sampled after the prompt (the fill succeeded and was
+        checked): the prompt counts as computed, the token is the first output and the sequence
+        decodes from the next step (or finishes now, by EOS, a stop token or max_tokens).  ``None``:
+        the fill failed; with ``fallback`` the sequence is requeued to be prefilled here, without
+        the peer; without, it finishes with "abort".  -> the sequence, or None when it no longer
+        waited for this fill (finished or preempted meanwhile; its blocks are released now)."""
+        if not self.block_manager.remote_done(op, first_token is not None):
+            return None
+        seq = self._seqs[op.seq_id]
+        assert seq.status is SeqStatus.LOADING and self._remote_loading[seq.seq_id] is op, seq
+        del self._remote_loading[seq.seq_id], self._load_since[seq.seq_id]
+        now = self._clock() if now is None else now
+        if first_token is None:
+            self.num_remote_failures += 1
+            self._remote_wanted.discard(seq.seq_id)
+            if fallback:
+                self._requeue(seq)
+            else:
+                self._finish(seq, "abort", None)
+            return seq
+        n = op.num_tokens
+        assert seq.num_tokens == n and seq.num_pending == 0 and not seq.output_token_ids, seq
+        self._remote_wanted.discard(seq.seq_id)  # preempted later, it is recomputed here (it has outputs)
+        seq.num_computed_tokens = seq.num_scheduled_tokens = n
+        seq.status = SeqStatus.DECODE
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        seq.append_token(int(first_token), now)
+        stop = self._stop_condition(seq)
+        if stop is not None:
+            self._finish(seq, *stop)
+        return seq
 
     def take_host_ops(self) -> list[HostOp]:
         """Tier stores decided outside :meth:`schedule` (requests freed by :meth:`update` or
@@ -345,7 +396,7 @@ class Scheduler:
                         return False
 
         for seq in list(self._running):  # 0. loads from the CPU prefix tier that have ended
-            if seq.status is SeqStatus.LOADING:
+            if seq.status is SeqStatus.LOADING and seq.seq_id not in self._remote_loading:
                 self._check_load(seq, now)
 
         for seq in list(self._running):  # 1. decodes
@@ -403,10 +454,23 @@ class Scheduler:
                 if grow(seq, seq.all_token_ids[start:start + n]):
                     take(seq, n, is_prefill=True)
 
+        remote_ops: list[RemoteLoadOp] = []
         while (not preempted and not stalled and not self._swapped and self._waiting
                and len(self._running) < cfg.max_num_seqs):  # 3b.
             seq = self._waiting[0]
             tokens = seq.all_token_ids
+            if seq.seq_id in self._remote_wanted:  # prefilled by a peer: no compute here, no budget
+                if not bm.can_allocate_remote(len(tokens)):
+                    break
+                op = bm.allocate_remote(seq.seq_id, tokens)
+                self._waiting.pop(0)
+                self._insort(self._running, seq)
+                seq.status = SeqStatus.LOADING
+                self._load_since[seq.seq_id] = now
+                self._remote_loading[seq.seq_id] = op
+                remote_ops.append(op)
+                self.num_remote_loads += 1
+                continue
             if self._chunk(0, len(tokens), budget) == 0:
                 break
             def first_chunk_end(hit: int, n=len(tokens), b=budget) -> int:  # a hit only shortens the remainder
@@ -434,7 +498,7 @@ class Scheduler:
         released = tuple(dict.fromkeys(self._released))  # a sequence preempted, rescheduled and finished: once
         self._released.clear()
         out = SchedulerOutput(tuple(scheduled), tuple(ops), tuple(preempted), sum(s.num_new_tokens for s in scheduled),
-                              released, tuple(bm.take_host_ops()))
+                              released, tuple(bm.take_host_ops()), tuple(remote_ops))
         self._check_output(out)
         if scheduled:
             self._inflight.append((out, {s.seq_id: self._seqs[s.seq_id] for s in scheduled}))
@@ -541,6 +605,7 @@ class Scheduler:
         self._released.append(seq.seq_id)
         self._running.remove(seq)
         self._load_since.pop(seq.seq_id, None)
+        self._remote_loading.pop(seq.seq_id, None)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = seq.num_scheduled_tokens = 0
         self._insort(self._waiting, seq)
@@ -584,6 +649,8 @@ class Scheduler:
         else:
             (self._running if seq.is_running else self._waiting).remove(seq)
         self._load_since.pop(seq.seq_id, None)
+        self._remote_loading.pop(seq.seq_id, None)
+        self._remote_wanted.discard(seq.seq_id)
         self._no_host.discard(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason  # type: ignore[assignment]
@@ -609,6 +676,7 @@ class Scheduler:
         assert len(self._seqs) == sum(map(len, queues)), "a sequence queued twice"
         assert len(bm) == len(self._running), "the block manager holds sequences the scheduler does not run"
         assert bm.num_swapped == len(self._swapped) == len(self._swapped_from), "swapped sequences disagree"
+        assert self._remote_loading.keys() <= self._remote_wanted <= self._seqs.keys(), "remote fills disagree"
         for seq in self._swapped:
             assert seq.status is SeqStatus.SWAPPED and bm.is_swapped(seq.seq_id), seq
             assert self._swapped_from[seq.seq_id] in (SeqStatus.PREFILL, SeqStatus.DECODE), seq
@@ -623,6 +691,9 @@ class Scheduler:
             assert seq.is_running and sid in bm, seq
             assert n < cfg.max_model_len and seq.num_output_tokens < seq.params.max_tokens, seq
             assert (seq.status is SeqStatus.LOADING) == (sid in self._load_since), seq
+            if sid in self._remote_loading:  # its whole prompt is reserved; a peer fills it
+                assert seq.status is SeqStatus.LOADING and bm.remote_state(sid) == "loading", seq
+                assert seq.num_computed_tokens == 0 and bm.num_tokens(sid) == n and not seq.output_token_ids, seq
             if seq.status is SeqStatus.LOADING:  # its hit counts as scheduled; the device part is computed
                 assert seq.num_pending == 0 and seq.num_computed_tokens == seq.num_scheduled_tokens, seq
                 assert bm.num_computed(sid) <= seq.num_computed_tokens < bm.num_tokens(sid) <= n, seq

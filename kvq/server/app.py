@@ -165,8 +165,9 @@ class _Choices:
 
 
 def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
-              options: ServerOptions | None = None) -> FastAPI:
-    """The app; its lifespan starts and stops the engine thread."""
+              options: ServerOptions | None = None, kv_peer=None) -> FastAPI:
+    """The app; its lifespan starts and stops the engine thread.  ``kv_peer``: a
+    :class:`~kvq.transfer.peer.PrefillExporter` or ``PrefillClient`` (closed with the app)."""
     if not served_model_names:
         raise ValueError("at least one served model name is needed")
     names = list(served_model_names)
@@ -183,6 +184,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         finally:
             engine.stop()
             admission.close()
+            if kv_peer is not None:
+                kv_peer.close()
 
     docs = options.enable_docs
     app = FastAPI(title="kvq", lifespan=lifespan, redirect_slashes=False, docs_url="/docs" if docs else None,
@@ -239,6 +242,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             "kv_blocks": snap["kv_blocks"], "steps": snap["steps"], "recoveries": snap["recoveries"],
             "preemption_mode": info["preemption_mode"],
             "cpu_offload": {**info["cpu_offload"], "swap": snap["swap"], "prefix_tier_stats": snap["cpu_offload"]},
+            "kv_transfer": {**kv_peer.status(), "fills": dict(engine.engine.remote_stats)} if kv_peer is not None
+            else {"role": "both"},
         }
         if check:
             try:
@@ -345,6 +350,13 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         finally:
             metrics.outcome(outcome)
             engine.release(group)
+
+    if kv_peer is not None:
+        from kvq.server.kv_routes import add_kv_routes
+        from kvq.transfer.peer import PrefillExporter
+
+        role = "exporter" if isinstance(kv_peer, PrefillExporter) else "client"
+        add_kv_routes(app, engine, metrics, **{role: kv_peer})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -63,6 +63,7 @@ class PromptSpec:
 
     sampling: dict
     token_ids: list[int]
+    export_to: object = None  # a prefill server's export of the KV (LLMEngine.add_requests)
 
 
 @dataclass
@@ -263,7 +264,8 @@ class AsyncEngine:
         group, added = cmd.group, []
         try:
             for index, spec in enumerate(group.specs):
-                rid = self.engine.add_request(spec.token_ids, SamplingParams(**spec.sampling))
+                rid = self.engine.add_request(spec.token_ids, SamplingParams(**spec.sampling),
+                                              export_to=spec.export_to)
                 added.append(rid)
                 group.prompt_token_ids.append(spec.token_ids)
                 self._live[rid] = _Live(group, index, time.monotonic())
@@ -290,8 +292,9 @@ class AsyncEngine:
             self.events.observe(out, live.seen)
             if out.finished:
                 del self._live[out.request_id]
-                self.events.finished(out.outputs[0].finish_reason or "stop", time.monotonic() - live.arrival)
-            self._push(live.group, live.index, out)
+                self.events.finished("error" if out.error else out.outputs[0].finish_reason or "stop",
+                                     time.monotonic() - live.arrival)
+            self._push(live.group, live.index, EngineError(out.error) if out.error else out)
 
     def _recover(self, exc: Exception) -> None:
         """``step()`` raised: fail every live request, discard the in-flight step, check integrity."""

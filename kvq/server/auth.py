@@ -29,7 +29,7 @@ class ApiKeyAuth:
         self.public_metrics = public_metrics
 
     def protects(self, path: str) -> bool:
-        if path == "/v1" or path.startswith("/v1/"):
+        if path == "/v1" or path.startswith(("/v1/", "/kv/")):
             return True
         return not self.public_metrics and path.rstrip("/") in ("/metrics", "/status")
 

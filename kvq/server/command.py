@@ -7,7 +7,7 @@ import ipaddress
 import os
 import sys
 
-from kvq.server.options import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, ServerOptions
+from kvq.server.options import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, KVRoleOptions, ServerOptions
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "KVQ_API_KEY"
@@ -50,6 +50,22 @@ def register(sub) -> None:
                    "byte; then it is closed (default 10)")
     s.add_argument("--timeout-body", type=float, default=30.0,
                    help="seconds a request's body has to arrive after its headers; then HTTP 408 (default 30)")
+    d = p.add_argument_group("prefill/decode disaggregation (docs/transfer.md)")
+    d.add_argument("--kv-role", default="both", help="both (default: this server prefills and decodes), prefill "
+                   "(also serves /kv/* so decode servers pull prompts' KV from it, cast into their own KV "
+                   "format) or decode (every prompt is prefilled by --kv-peer and its KV pulled over NIXL)")
+    d.add_argument("--kv-peer", default=None, metavar="URL",
+                   help="with --kv-role decode: the prefill server, e.g. http://10.0.0.2:8000 (its API key: "
+                   "$KVQ_KV_PEER_API_KEY, else this server's --api-key)")
+    d.add_argument("--kv-fallback", default="local", help="when a transfer fails: local (default: prefill the "
+                   "request here) or fail (the request fails with an error)")
+    d.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds a transfer (the peer's prefill and the read) may take before it fails (default 30)")
+    d.add_argument("--kv-staging-tokens", type=int, default=None,
+                   help="with --kv-role prefill: tokens of staged KV per decode format awaiting their reader "
+                   "(default 4 x --max-model-len)")
+    d.add_argument("--no-kv-verify", dest="kv_verify", action="store_false",
+                   help="with --kv-role decode: do not check each chunk's CRC-32 over the received bytes")
     p.set_defaults(func=cmd_serve)
 
 
@@ -69,6 +85,13 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
                          max_n=args.max_n, max_request_bytes=max_request_bytes,
                          timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
                          timeout_body=args.timeout_body)
+
+
+def kv_options_from_args(args: argparse.Namespace) -> KVRoleOptions:
+    """The disaggregation flags (ValueError: exit code 2)."""
+    return KVRoleOptions(role=args.kv_role, peer=args.kv_peer, fallback=args.kv_fallback,
+                         timeout_s=args.kv_transfer_timeout, staging_tokens=args.kv_staging_tokens,
+                         verify=args.kv_verify)
 
 
 def check_server_args(args: argparse.Namespace) -> ServerOptions:
@@ -95,6 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvq.cli import engine_config_from_args
 
     options = check_server_args(args)
+    kv = kv_options_from_args(args)
     config = engine_config_from_args(args)
     from kvq.server.launch import bind_socket
 
@@ -104,7 +128,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         from kvq.server.launch import build_server, uvicorn_config
 
-        app, engine = build_server(config, args.served_model_name, args.max_queue_len, options)
+        from kvq.transfer.describe import TransferIncompatible
+        from kvq.transfer.peer import PeerUnavailable
+
+        try:
+            app, engine = build_server(config, args.served_model_name, args.max_queue_len, options, kv)
+        except (TransferIncompatible, PeerUnavailable) as e:
+            raise ValueError(f"--kv-peer {kv.peer}: {e}") from None
         info = engine.engine.info
         names = ", ".join(args.served_model_name or [config.model])
         port = sock.getsockname()[1]

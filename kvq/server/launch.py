@@ -10,19 +10,38 @@ import time
 from kvq.engine.llm_engine import EngineConfig, LLMEngine
 from kvq.server.async_engine import AsyncEngine
 from kvq.server.metrics import ServerMetrics
-from kvq.server.options import ServerOptions
+from kvq.server.options import KVRoleOptions, ServerOptions
 
 
 def build_server(config: EngineConfig, served_model_names: list[str] | None = None, max_queue_len: int = 256,
-                 options: ServerOptions | None = None):
-    """(app, async_engine) for ``config``: the engine is loaded here, its thread starts with the app."""
+                 options: ServerOptions | None = None, kv: KVRoleOptions | None = None):
+    """(app, async_engine) for ``config``: the engine is loaded here, its thread starts with the app.
+    ``kv``: the server's part in prefill/decode disaggregation; a decode server shakes hands with
+    its prefill peer here (TransferIncompatible or PeerUnavailable when it cannot)."""
     from kvq.server.app import build_app
 
     engine = LLMEngine(config)
     metrics = ServerMetrics()
     async_engine = AsyncEngine(engine, max_queue_len=max_queue_len, events=metrics.events)
     metrics.watch(async_engine)
-    return build_app(async_engine, metrics, served_model_names or [config.model], options), async_engine
+    kv = kv or KVRoleOptions()
+    exporter = client = None
+    if kv.role == "prefill":
+        from kvq.transfer.peer import PrefillExporter
+
+        exporter = PrefillExporter(engine, kv.staging_tokens or 4 * engine.max_model_len)
+    elif kv.role == "decode":
+        from kvq.transfer.peer import PrefillClient, peer_api_key
+
+        client = PrefillClient(engine, kv.peer, fallback=kv.fallback, timeout_s=kv.timeout_s, verify=kv.verify,
+                               api_key=peer_api_key(options.api_key if options else None),
+                               connect_timeout_s=kv.connect_timeout_s, on_result=metrics.kv_result)
+        engine.kv_connector = client
+    if exporter is not None:
+        engine.kv_exporter = exporter
+    app = build_app(async_engine, metrics, served_model_names or [config.model], options,
+                    kv_peer=exporter or client)
+    return app, async_engine
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

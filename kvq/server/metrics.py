@@ -16,6 +16,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+from kvq.engine.remote_prefill import FAILURE_REASONS as KV_FAILURE_REASONS
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
@@ -191,6 +193,27 @@ class ServerMetrics:
                                 registry=self.registry)
         for o in OUTCOMES:
             self.outcomes.labels(o)
+        # prefill/decode disaggregation (kvq.transfer.peer): received on a decode server, staged for
+        # reading on a prefill server
+        self.kv_bytes = Counter("kvq_kv_transfer_bytes", "KV bytes moved between servers (payload, receiver's "
+                                "format)", ["direction"], registry=self.registry)
+        self.kv_seconds = Histogram("kvq_kv_transfer_seconds", "A decode server's fill of one prompt from its "
+                                    "prefill peer: request sent to KV checked", buckets=TTFT_BUCKETS,
+                                    registry=self.registry)
+        self.kv_failed = Counter("kvq_kv_transfer_failed", "KV transfers that failed, by reason", ["reason"],
+                                 registry=self.registry)
+        for d in ("received", "sent"):
+            self.kv_bytes.labels(d)
+        for r in KV_FAILURE_REASONS:
+            self.kv_failed.labels(r)
+
+    def kv_result(self, result) -> None:
+        """A decode server's ended fill (:class:`kvq.engine.remote_prefill.RemoteResult`)."""
+        if result.first_token is None:
+            self.kv_failed.labels(result.reason).inc()
+            return
+        self.kv_bytes.labels("received").inc(result.nbytes)
+        self.kv_seconds.observe(result.seconds)
 
     def watch(self, async_engine) -> None:
         """Export the state gauges of ``async_engine`` (once)."""

@@ -53,3 +53,42 @@ class ServerOptions:
             if origin != "*" and (not origin.startswith(("http://", "https://")) or origin.endswith("/")):
                 raise ValueError(f"--allowed-origins: {origin!r} is not an origin; write e.g. https://example.com "
                                  "(scheme and host, no path), or * for any")
+
+
+@dataclass(frozen=True)
+class KVRoleOptions:
+    """Prefill/decode disaggregation (docs/transfer.md).  ``role``: "both" (one server does both,
+    no transfer), "prefill" (serves /kv/* to decode servers; still serves the OpenAI API) or
+    "decode" (every prompt is prefilled by ``peer``, the prefill server's URL).  ``fallback``: on a
+    failed transfer prefill here ("local") or fail the request ("fail").  ``timeout_s``: a transfer
+    (prefill on the peer + read) that takes longer fails.  ``staging_tokens``: a prefill server's
+    staging per decode format (None: 4 x max_model_len).  ``verify``: check each chunk's CRC-32
+    over the received bytes."""
+
+    role: str = "both"
+    peer: str | None = None
+    fallback: str = "local"
+    timeout_s: float = 30.0
+    staging_tokens: int | None = None
+    verify: bool = True
+    connect_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        from kvq.transfer.peer import FALLBACKS, KV_ROLES
+
+        if self.role not in KV_ROLES:
+            raise ValueError(f"unknown --kv-role {self.role!r}; valid: {', '.join(KV_ROLES)}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"unknown --kv-fallback {self.fallback!r}; valid: {', '.join(FALLBACKS)}")
+        if self.role == "decode" and not self.peer:
+            raise ValueError("--kv-role decode needs --kv-peer URL (the prefill server, e.g. http://10.0.0.2:8000)")
+        if self.role != "decode" and self.peer:
+            raise ValueError(f"--kv-peer only applies to --kv-role decode (this server is {self.role!r})")
+        if self.peer and not self.peer.startswith(("http://", "https://")):
+            raise ValueError(f"--kv-peer must be an http:// or https:// URL, got {self.peer!r}")
+        for name in ("timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--kv-transfer-timeout must be a positive number of seconds, got {value}")
+        if self.staging_tokens is not None and self.staging_tokens < 1:
+            raise ValueError(f"--kv-staging-tokens must be >= 1, got {self.staging_tokens}")

@@ -150,17 +150,29 @@ class SenderCast:
         self.static_scales = static_scales
         self.kernels = kernels or reference
 
-    def cast(self, src: KVPool, table: Sequence[BlockRef], n: int, device=None) -> StagedKV:
+    def cast(self, src: KVPool, table: Sequence[BlockRef], n: int, device=None, *, into: KVPool | None = None,
+             ids: dict[str, Sequence[int]] | None = None) -> StagedKV:
         """The receiver-format blocks of the first ``n`` tokens that ``table`` (the sender's
-        block table, any mix of q and hp blocks) holds in ``src``."""
+        block table, any mix of q and hp blocks) holds in ``src``: in a fresh staging pool, or
+        ``into`` an existing one of the receiver's plan (a persistent, registered staging area) at
+        block ids ``ids[pool][k]`` for the ``k``-th staged block of each pool (zeroed first, so a
+        block's bytes are what a fresh pool would hold)."""
         check_geometry(src.plan, self.plan)
         sbs, rbs = src.plan.block_size, self.plan.block_size
         if len(table) < -(-n // sbs):
             raise ValueError(f"{n} tokens need {-(-n // sbs)} sender blocks, the table has {len(table)}")
         rtable = receiver_table(self.plan, n)
         counts = {p: sum(r.pool == p for r in rtable) for p in POOLS}
-        device = src.device if device is None else torch.device(device)
-        staged = KVPool.create(self.plan, counts["q"], counts["hp"], device, self.static_scales)
+        if into is None:
+            device = src.device if device is None else torch.device(device)
+            staged = KVPool.create(self.plan, counts["q"], counts["hp"], device, self.static_scales)
+        else:
+            staged, device = into, into.device
+            if ids is None or any(len(ids[p]) != counts[p] for p in POOLS):
+                raise ValueError(f"staging into a pool needs {counts} block ids, got "
+                                 f"{ {p: len(v) for p, v in (ids or {}).items()} }")
+            rtable = tuple(BlockRef(r.pool, int(ids[r.pool][r.block_id])) for r in rtable)
+            _zero_blocks(staged, {p: list(ids[p]) for p in POOLS})
         src_ids = torch.tensor(encode_table(table[:-(-n // sbs)]), dtype=torch.int64, device=src.device)
         slots = _slots(rtable, n, rbs, device)
         passthrough = []
@@ -173,6 +185,19 @@ class SenderCast:
                     passthrough.append((li, role))
                     _copy_q(a, b, role, table, rtable, n)
         return StagedKV(staged, rtable, n, tuple(passthrough))
+
+
+def _zero_blocks(pool: KVPool, ids: dict[str, list[int]]) -> None:
+    """Zero every plane of the given q and hp blocks of ``pool``."""
+    for p, blocks in ids.items():
+        if not blocks:
+            continue
+        idx = torch.tensor(blocks, dtype=torch.int64, device=pool.device)
+        for layer in pool.layers:
+            for role in ROLES:
+                planes = layer.planes(role).values() if p == "q" else (layer.hp(role),)
+                for t in planes:
+                    fp8.as_bytes(t).index_fill_(0, idx, 0)
 
 
 def _slots(rtable: Sequence[BlockRef], n: int, bs: int, device) -> torch.Tensor:
