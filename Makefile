@@ -32,7 +32,7 @@ test: install-test
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test bench-kernels bench-engine bench-server bench-offload
+.PHONY: gpu-test bench-kernels bench-engine bench-server bench-offload bench-kv-transfer disagg-check
 gpu-test:
 	bash scripts/gpu.sh test
 
@@ -59,3 +59,8 @@ bench-offload:
 	bash scripts/gpu.sh bench-offload --sections copies,pressure --modes recompute,swap
 	bash scripts/gpu.sh bench-offload --sections multi_turn --out docs/results/bench_offload_multi_turn.json
 	bash scripts/gpu.sh bench-offload --sections pressure --modes swap,tier --out docs/results/bench_offload_pressure_tier.json
+
+bench-kv-transfer:
+	bash scripts/gpu.sh bench-kv-transfer
+disagg-check:
+	bash scripts/gpu.sh disagg-check --formats int4_kivi,fp8_e4m3,int8,int2_kivi

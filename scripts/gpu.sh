@@ -7,6 +7,8 @@
 #   bash scripts/gpu.sh bench-engine    # end-to-end generation vs HF transformers (see benchmarks/README.md)
 #   bash scripts/gpu.sh bench-server    # load test of kvq serve
 #   bash scripts/gpu.sh bench-offload   # host memory: copy GB/s per format; recompute vs swap vs CPU prefix cache
+#   bash scripts/gpu.sh bench-kv-transfer  # bf16 sender -> receiver format: cast ms, NIXL GB/s vs a device copy
+#   bash scripts/gpu.sh disagg-check       # prefill + decode servers vs colocated: greedy texts equal per format
 #   bash scripts/gpu.sh probe           # quick decode timing probe
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +33,8 @@ case "$target" in
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
   bench-server) python3 benchmarks/bench_server.py "$@" ;;
   bench-offload) python3 benchmarks/bench_offload.py "$@" ;;
+  bench-kv-transfer) python3 benchmarks/bench_kv_transfer.py "$@" ;;
+  disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
-  *) echo "unknown target $target (test, bench-kernels, bench-engine, bench-server, bench-offload, probe)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, bench-kernels, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
 esac

@@ -26,7 +26,7 @@ from kvq.cache.block_manager import BlockRef, RemoteLoadOp
 from kvq.engine.sampling_params import SamplingParams
 
 #: Why a fill failed (the ``reason`` label of ``kvq_kv_transfer_failed_total``).
-FAILURE_REASONS = ("peer_unreachable", "peer_error", "incompatible", "transfer_error", "timeout", "checksum",
+FAILURE_REASONS = ("peer_unreachable", "peer_error", "transfer_error", "timeout", "checksum",
                    "bad_reply", "aborted")
 
 

@@ -460,7 +460,7 @@ class NixlTransport(BlockTransport):
 
     CPU pools register as DRAM.  CUDA pools register as VRAM (device index from each
     tensor; a CUDA context is created on ``device`` before the agent, which UCX needs to
-    see GPU memory): that path is written but untested until it runs on the H200x2.
+    see GPU memory): it ran on one H200 (two agents, one process: UCX used TCP there); not yet between two GPUs.
     Peer failures come back as :class:`PeerError` (UCX error handling mode "peer": a dead
     peer's endpoint fails at once), a hung peer as ``TimeoutError`` from ``wait``.  One
     transport is driven from one thread."""
