@@ -11,6 +11,10 @@ incompatible handshake) ends as docs/transfer.md says, with its metric counted a
 leaked on either side."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -277,3 +281,50 @@ def test_bad_kv_flags_exit_2(capsys):
     assert "http://" in capsys.readouterr().err
     assert main(["serve", "--kv-role", "decode", "--kv-peer", "http://h:1", "--kv-fallback", "retry"]) == 2
     assert "local, fail" in capsys.readouterr().err
+
+
+def _spawn(args: list[str], log, env) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvq.cli", "serve", "--kv-cache-dtype", "int8", "--kv-cache-memory",
+                             "64MiB", "--max-model-len", "512", "--port", "0", "--uvicorn-log-level", "warning", *args],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    deadline, url = time.monotonic() + 180, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        m = url or re.search(r"(http://127\.0\.0\.1:\d+); API key required", log.read_text())
+        url = m if isinstance(m, str) else m and m.group(1)
+        if url:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(log.read_text())
+
+
+def test_two_kvq_serve_processes_with_an_api_key(tmp_path):
+    """The real command, twice: a prefill and a decode process (their own NIXL agents, UCX between
+    processes), one API key; the decode process's text equals the prefill process's own (same format)."""
+    key = "sk-disagg-test"
+    env = {**os.environ, "KVQ_API_KEY": key, "OMP_NUM_THREADS": "1"}
+    auth = {"authorization": f"Bearer {key}"}
+    procs = []
+    try:
+        p, purl = _spawn(["--kv-role", "prefill"], tmp_path / "prefill.log", env)
+        procs.append(p)
+        assert httpx.get(purl + "/kv/describe").status_code == 401  # /kv/* needs the key
+        d, durl = _spawn(["--kv-role", "decode", "--kv-peer", purl, "--kv-fallback", "fail"], tmp_path / "decode.log",
+                         env)
+        procs.append(d)
+        body = {"model": "default", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0}
+        texts = [httpx.post(u + "/v1/completions", json=body, headers=auth, timeout=120).json()["choices"][0]["text"]
+                 for u in (durl, purl)]
+        assert texts[0] == texts[1]
+        st = httpx.get(durl + "/status", headers=auth).json()["kv_transfer"]
+        assert st["fills"]["filled"] == 1 and st["fills"]["failed"] == 0
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
+    for name in ("prefill", "decode"):
+        assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
