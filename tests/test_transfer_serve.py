@@ -328,3 +328,22 @@ def test_two_kvq_serve_processes_with_an_api_key(tmp_path):
             proc.wait(30)
     for name in ("prefill", "decode"):
         assert "Traceback" not in (tmp_path / f"{name}.log").read_text()
+
+
+def test_concurrent_requests_and_an_abort_leave_nothing_behind(prefill, pair, expected):
+    """Requests in parallel (fills overlapping each other and decodes), one client leaving mid-stream."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    durl = pair[0]
+    work = PROMPTS * 4
+    with ThreadPoolExecutor(len(work) + 1) as pool:
+        def leave():
+            with httpx.stream("POST", durl + "/v1/completions", timeout=120, json={
+                    "model": "default", "prompt": PROMPTS[1], "max_tokens": 64, "stream": True}) as r:
+                next(r.iter_lines())  # then close the connection
+        gone = pool.submit(leave)
+        texts = list(pool.map(lambda p: _text(durl, p), work))
+        gone.result()
+    assert texts == [expected[p] for p in work]
+    _assert_clean(durl)
+    _assert_clean(prefill[0])
