@@ -281,6 +281,10 @@ def test_bad_kv_flags_exit_2(capsys):
     assert "http://" in capsys.readouterr().err
     assert main(["serve", "--kv-role", "decode", "--kv-peer", "http://h:1", "--kv-fallback", "retry"]) == 2
     assert "local, fail" in capsys.readouterr().err
+    assert main(["serve", "--kv-staging-tokens", "4096", "--port", "0"]) == 2
+    assert "only applies to --kv-role prefill" in capsys.readouterr().err
+    assert main(["serve", "--kv-role", "prefill", "--no-kv-verify", "--port", "0"]) == 2
+    assert "only applies to --kv-role decode" in capsys.readouterr().err
 
 
 def _spawn(args: list[str], log, env) -> tuple[subprocess.Popen, str]:

@@ -90,5 +90,9 @@ class KVRoleOptions:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--kv-transfer-timeout must be a positive number of seconds, got {value}")
+        if self.staging_tokens is not None and self.role != "prefill":
+            raise ValueError(f"--kv-staging-tokens only applies to --kv-role prefill (this server is {self.role!r})")
+        if not self.verify and self.role != "decode":
+            raise ValueError(f"--no-kv-verify only applies to --kv-role decode (this server is {self.role!r})")
         if self.staging_tokens is not None and self.staging_tokens < 1:
             raise ValueError(f"--kv-staging-tokens must be >= 1, got {self.staging_tokens}")
