@@ -251,6 +251,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "scales and high-precision blocks included): the CPU prefix cache (finished requests' "
                         "blocks, reloaded when a later prompt shares their prefix) and, with --preemption-mode "
                         "swap, swapped requests (half each when both are on); needed by --preemption-mode swap")
+    g.add_argument("--kv-scales", default="none", metavar="none|FILE",
+                   help="static KV scales of fp8_e4m3/fp8_e5m2: none (1.0, default) or a file written by "
+                        "`kvq calibrate` (per layer and KV head, checked against the model)")
     g.add_argument("--cpu-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="keep finished requests' computed blocks in host memory by prefix hash and load them back "
                         "on a device prefix miss (default: on when --cpu-offload-gb > 0 and prefix caching is on)")
@@ -270,7 +273,7 @@ def engine_config_from_args(args: argparse.Namespace):
             gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, threads=args.threads,
             preemption_mode=args.preemption_mode, cpu_offload_gb=args.cpu_offload_gb,
-            cpu_prefix_cache=args.cpu_prefix_cache,
+            cpu_prefix_cache=args.cpu_prefix_cache, kv_scales=None if args.kv_scales == "none" else args.kv_scales,
         )
     except ValueError as e:  # the API names its fields; here they are flags
         msg = str(e)
@@ -352,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands that live with their concept; each module's register(sub) adds its parser
     # (heavy imports stay inside the command functions).
-    for module in ("kvq.eval.command", "kvq.server.command"):
+    for module in ("kvq.eval.command", "kvq.server.command", "kvq.calibration.command"):
         importlib.import_module(module).register(sub)
     return p
 

@@ -351,3 +351,33 @@ def test_concurrent_requests_and_an_abort_leave_nothing_behind(prefill, pair, ex
     assert texts == [expected[p] for p in work]
     _assert_clean(durl)
     _assert_clean(prefill[0])
+
+
+def test_static_scales_of_the_decode_server_reach_the_sender(bf16_prefill, tmp_path):
+    """A decode server with calibrated FP8 scales (--kv-scales): the prefill server stages in its
+    pool with those scales, under its own receiver id, and the pair serves."""
+    from kvq.calibration.scales import KVScales
+    from kvq.models.source import resolve_model
+    from kvq.transfer.describe import model_identity
+
+    ident = model_identity(resolve_model("default"))
+    scales = {i: (torch.full((3,), 0.01 + i / 1000), torch.full((3,), 0.002)) for i in range(30)}
+    path = tmp_path / "scales.safetensors"
+    KVScales(scales, {"config_hash": ident.config_hash, "weights_hash": ident.weights_hash}).save(path)
+    purl, peng = bf16_prefill
+    app, deng = build_server(EngineConfig(kv_cache_memory="64MiB", max_num_seqs=4, max_model_len=512,
+                                          progress=False, kv_cache_dtype="fp8_e4m3", kv_scales=str(path)),
+                             ["default"], kv=KVRoleOptions(role="decode", peer=purl, fallback="fail"))
+    thread = ServerThread(app)
+    durl = thread.start()
+    try:
+        first = _complete(purl, PROMPTS[0], max_tokens=1).json()["choices"][0]["text"]
+        assert _text(durl, PROMPTS[0]).startswith(first)
+        client = deng.engine.kv_connector
+        rec = peng.engine.kv_exporter.receiver(client.receiver_id)
+        assert client.receiver_id != client.negotiated.digest().hex()  # the scales are part of the id
+        for i in (0, 29):
+            assert torch.equal(rec.staging.layers[i].static_scale("k").cpu(), scales[i][0])
+        assert _assert_clean(durl)["kv_transfer"]["fills"]["filled"] == 1
+    finally:
+        thread.stop()

@@ -101,6 +101,9 @@ class EngineConfig:
     # ends, loaded back on a device prefix miss (None: on when cpu_offload_gb > 0 and prefix caching is on;
     # with preemption_mode "swap" too, swap and the tier get half of cpu_offload_gb each)
     cpu_prefix_cache: bool | None = None
+    # static KV scales (formats with static scales: fp8_e4m3, fp8_e5m2): None = 1.0, or a file written
+    # by `kvq calibrate` (kvq.calibration.scales), checked against the model and plan before the load
+    kv_scales: str | None = None
 
     def __post_init__(self) -> None:
         """Every choice range-checked here, before a model file is opened (ValueError naming what is
@@ -343,6 +346,12 @@ class LLMEngine:
         shape = model_shape(src)
         self.kv_cache = cfg.kv_cache_config
         self.plan = self.kv_cache.plan(shape)
+        self.static_scales = None
+        if cfg.kv_scales is not None:
+            from kvq.calibration.scales import load_scales
+            from kvq.transfer.describe import model_identity
+
+            self.static_scales = load_scales(cfg.kv_scales, self.plan, model_identity(src))
         backend, self.backend_choice = select_backend(cfg.attention_backend, self.plan, self.device, self.dtype)
         self.kernels = backend.kernels()
         self.max_model_len = cfg.max_model_len or shape.max_position_embeddings
@@ -372,7 +381,7 @@ class LLMEngine:
         use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager
                       and self.backend_choice.resolved in ("triton", "cuda"))
         # CUDA graphs pad batches with rows that write to a null block outside the manager's range
-        self.pool = KVPool.create(self.plan, int(num_q) + int(use_graphs), num_hp, self.device)
+        self.pool = KVPool.create(self.plan, int(num_q) + int(use_graphs), num_hp, self.device, self.static_scales)
         # host memory: the swap tier's blocks, then the CPU prefix tier's, in one pool shaped like the
         # device's (pinned on CUDA)
         host, tier = self._host_split(offload)
@@ -412,6 +421,7 @@ class LLMEngine:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_cache_dtype": {"requested": self.kv_cache.dtype, **self.plan.describe()},
+            "kv_scales": cfg.kv_scales or "none",
             "attention_backend": {"requested": self.backend_choice.requested,
                                   "resolved": self.backend_choice.resolved, "reason": self.backend_choice.reason},
             "block_size": self.plan.block_size,

@@ -3,7 +3,8 @@
 A prefill server (``--kv-role prefill``) serves, beside the OpenAI API::
 
     GET  /kv/describe   its KVDescription (what it holds, for a look before connecting)
-    POST /kv/connect    {"description": KVDescription} -> {"description", "receiver_id", "staging"}
+    POST /kv/connect    {"description": KVDescription, "static_scales": {layer: [k, v]}}
+                        -> {"description", "receiver_id", "staging"}
                         409 when the two cannot exchange KV (the message names the field)
     POST /kv/prefill    {"receiver_id", "transfer_id", "generation", "request_id", "token_ids", "sampling"}
                         -> {"first_token", "logprobs", "num_tokens", "q_blocks", "hp_blocks", "headers",
@@ -65,7 +66,8 @@ def add_kv_routes(app: FastAPI, engine: AsyncEngine, metrics, *, exporter=None, 
     async def connect(request: Request):
         try:
             body = await body_of(request)
-            return exporter.connect(_field(body, "description", dict, "a KVDescription object"))
+            scales = body.get("static_scales") or {}
+            return exporter.connect(_field(body, "description", dict, "a KVDescription object"), scales)
         except TransferIncompatible as e:
             return _error(409, f"this prefill server cannot send KV to that decode server: {e}",
                           "invalid_request_error", "kv_incompatible")

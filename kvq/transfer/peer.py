@@ -42,6 +42,7 @@ import collections
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -90,6 +91,38 @@ def plan_from_description(desc: KVDescription, model) -> CachePlan:
     hp = desc.hp
     skip = tuple(i for i, f in enumerate(desc.layers) if (f.k, f.v) == (hp.k, hp.v))
     return CachePlan(model, desc.layers, hp, desc.block_size, desc.sink_tokens, desc.residual_tokens, skip)
+
+
+def scales_to_json(static_scales) -> dict:
+    """A decode server's static KV scales (``LLMEngine.static_scales``) as JSON: ``{layer: [k, v]}``."""
+    return {str(i): [k.tolist(), v.tolist()] for i, (k, v) in sorted((static_scales or {}).items())}
+
+
+def scales_from_json(obj, num_layers: int, num_kv_heads: int) -> dict:
+    """The inverse of :func:`scales_to_json`, checked (ValueError naming the entry)."""
+    if not isinstance(obj, dict):
+        raise ValueError("static_scales: expected an object {layer: [k_scales, v_scales]}")
+    out = {}
+    for key, pair in obj.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < num_layers):
+            raise ValueError(f"static_scales: {key!r} is not a layer index in 0..{num_layers - 1}")
+        if not (isinstance(pair, list) and len(pair) == 2 and all(
+                isinstance(x, list) and len(x) == num_kv_heads and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in x)
+                for x in pair)):
+            raise ValueError(f"static_scales[{key}]: expected [k, v], each {num_kv_heads} positive numbers")
+        out[int(key)] = tuple(torch.tensor(x, dtype=torch.float32) for x in pair)
+    return out
+
+
+def receiver_id(negotiated: Negotiated, scales_json: dict) -> str:
+    """One receiver layout on a prefill server: the negotiated digest and the receiver's static scales
+    (the bytes of a static-scaled FP8 block depend on them)."""
+    import hashlib
+
+    from kvq.transfer.describe import canonical_json
+
+    return hashlib.sha256(negotiated.digest() + canonical_json(scales_json)).hexdigest()
 
 
 def _b64(data: bytes) -> str:
@@ -148,22 +181,25 @@ class PrefillExporter(KVExporter):
         self._thread.start()
 
     # handshake (any thread)
-    def connect(self, remote: dict) -> dict:
-        """A decode server's ``/kv/connect``: ValueError for a malformed description,
-        :class:`TransferIncompatible` naming the first field that differs."""
+    def connect(self, remote: dict, static_scales: dict | None = None) -> dict:
+        """A decode server's ``/kv/connect``: ValueError for a malformed description or static scales
+        (``{layer: [k, v]}``, :func:`scales_to_json`), :class:`TransferIncompatible` naming the first
+        field that differs."""
         desc = KVDescription.from_dict(remote)
         neg = check_compatible(self.description, desc, receiver="remote")
-        rid = neg.digest().hex()
+        scales_json = static_scales or {}
+        scales = scales_from_json(scales_json, desc.num_layers, desc.num_kv_heads)
+        rid = receiver_id(neg, scales_json)
         with self._lock:
             rec = self._receivers.get(rid)
             if rec is None:
                 plan = plan_from_description(desc, self.engine.plan.model)
                 nq = nhp = -(-self.staging_tokens // plan.block_size)
-                staging = KVPool.create(plan, nq, nhp, self.engine.device)
+                staging = KVPool.create(plan, nq, nhp, self.engine.device, scales or None)
                 transport = self._factory(f"{self._name}-{len(self._receivers)}")
                 transport.register_pool(staging)
-                rec = _Receiver(rid, neg, SenderCast(plan, kernels=self.engine.kernels), staging, transport,
-                                {"q": list(range(nq)), "hp": list(range(nhp))})
+                cast = SenderCast(plan, static_scales=scales or None, kernels=self.engine.kernels)
+                rec = _Receiver(rid, neg, cast, staging, transport, {"q": list(range(nq)), "hp": list(range(nhp))})
                 self._receivers[rid] = rec
             rec.connections += 1
         return {"description": self.description.to_dict(), "receiver_id": rid,
@@ -302,6 +338,7 @@ class PrefillClient(RemotePrefill):
         self.timeout_s, self.verify, self.api_key = timeout_s, verify, api_key
         self.on_result = on_result
         self.description = describe_engine(engine)
+        self.scales_json = scales_to_json(getattr(engine, "static_scales", None))
         self.name = f"kvq-decode-{uuid.uuid4().hex[:12]}"
         if transport is None:
             from kvq.transfer.nixl_transport import NixlTransport
@@ -330,7 +367,8 @@ class PrefillClient(RemotePrefill):
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                reply = self._post("/kv/connect", {"description": self.description.to_dict()}, timeout=30)
+                reply = self._post("/kv/connect", {"description": self.description.to_dict(),
+                                                   "static_scales": self.scales_json}, timeout=30)
                 break
             except PeerUnavailable as e:
                 if "HTTP 409" in str(e) or "HTTP 400" in str(e):
@@ -342,8 +380,9 @@ class PrefillClient(RemotePrefill):
         try:
             remote = KVDescription.from_dict(reply["description"])
             self.negotiated = check_compatible(self.description, remote, receiver="local")
-            if reply["receiver_id"] != self.negotiated.digest().hex():
-                raise TransferIncompatible("the peer's receiver id is not the digest of this server's layout")
+            if reply["receiver_id"] != receiver_id(self.negotiated, self.scales_json):
+                raise TransferIncompatible("the peer's receiver id is not the digest of this server's layout "
+                                           "and static scales")
             self.peer_agent = self.transport.connect(_unb64(reply["staging"], "staging"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"the prefill peer's handshake reply is malformed ({type(e).__name__}: {e})") from None

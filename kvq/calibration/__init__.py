@@ -1,0 +1,1 @@
+"""Static KV scales: measuring them (`kvq calibrate`) and loading them (`--kv-scales`)."""
