@@ -112,3 +112,76 @@ def test_kvq_calibrate_then_generate_with_the_file(tmp_path, capsys):
     assert "takes no static scales" in capsys.readouterr().err
     assert main(["calibrate", "--kv-cache-dtype", "int8", "--out", str(tmp_path / "x")]) == 2
     assert "takes no static scales; valid: fp8_e4m3, fp8_e5m2" in capsys.readouterr().err
+
+
+# -- scales shipped in checkpoints ------------------------------------------------------------------
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
+            intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False,
+            torch_dtype="float32")
+
+
+def _checkpoint(path: Path, tensors: dict, **config) -> str:
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**TINY, **config}))
+    save_file({"model.norm.weight": torch.ones(64), **tensors}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _engine(model: str, fmt: str = "fp8_e4m3", **kw):
+    from kvq.engine.llm_engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model=model, load_format="dummy", device="cpu", kv_cache_dtype=fmt,
+                                  kv_cache_memory="2MiB", max_num_seqs=2, progress=False, **kw))
+
+
+def _scales_of(engine, role: str) -> list[list[float]]:
+    return [engine.pool.layers[i].static_scale(role).tolist() for i in range(2)]
+
+
+CT = {f"model.layers.{i}.self_attn.{r}_scale": torch.tensor([0.5 + i + (r == "v")]) for i in range(2) for r in "kv"}
+
+
+def test_checkpoint_scales_in_each_convention(tmp_path):
+    e = _engine(_checkpoint(tmp_path / "ct", CT, quantization_config={"kv_cache_scheme": {"num_bits": 8}}))
+    assert _scales_of(e, "k") == [[0.5, 0.5], [1.5, 1.5]] and _scales_of(e, "v") == [[1.5, 1.5], [2.5, 2.5]]
+    assert e.info["kv_scales"] == "checkpoint (compressed-tensors)"
+    mo = {f"model.layers.{i}.self_attn.{r}_proj.{r}_scale": torch.tensor([0.25, 0.75]) * (i + 1)
+          for i in range(2) for r in "kv"}
+    e = _engine(_checkpoint(tmp_path / "mo", mo))
+    assert _scales_of(e, "v") == [[0.25, 0.75], [0.5, 1.5]] and e.info["kv_scales"] == "checkpoint (modelopt)"
+    legacy = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(2.0 + i) for i in range(2)}
+    e = _engine(_checkpoint(tmp_path / "legacy", legacy))
+    assert _scales_of(e, "k") == _scales_of(e, "v") == [[2.0, 2.0], [3.0, 3.0]]
+    e = _engine(_checkpoint(tmp_path / "auto", CT), fmt="auto")  # nothing quantized: nothing to apply
+    assert e.info["kv_scales"].startswith("checkpoint (compressed-tensors): unused")
+
+
+def test_checkpoint_scales_that_cannot_be_used_are_errors(tmp_path):
+    with pytest.raises(ScalesError, match="ships compressed-tensors KV scales.*int8 cannot use them"):
+        _engine(_checkpoint(tmp_path / "a", CT), fmt="int8")
+    with pytest.raises(ScalesError, match="cover some layers but not layer 1 k"):
+        _engine(_checkpoint(tmp_path / "b", {k: v for k, v in CT.items() if "layers.1.self_attn.k" not in k}))
+    with pytest.raises(ScalesError, match="has 3 values; the model has 2 KV heads"):
+        _engine(_checkpoint(tmp_path / "c", {**CT, "model.layers.0.self_attn.k_scale": torch.ones(3)}))
+    with pytest.raises(ScalesError, match="positive and finite"):
+        _engine(_checkpoint(tmp_path / "d", {**CT, "model.layers.0.self_attn.v_scale": torch.tensor([0.0])}))
+    with pytest.raises(ScalesError, match="declares quantization_config.kv_cache_scheme"):
+        _engine(_checkpoint(tmp_path / "e", {}, quantization_config={"kv_cache_scheme": {"num_bits": 8}}))
+    legacy = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(2.0) for i in range(2)}
+    with pytest.raises(ScalesError, match="more than one convention"):
+        _engine(_checkpoint(tmp_path / "f", {**CT, **legacy}))
+
+
+def test_a_scales_file_wins_over_the_checkpoint(tmp_path):
+    model = _checkpoint(tmp_path / "ct", CT)
+    ident = model_identity(resolve_model(model))
+    path = tmp_path / "mine.safetensors"
+    KVScales({i: (torch.tensor([4.0, 5.0]), torch.tensor([6.0, 7.0])) for i in range(2)},
+             {"config_hash": ident.config_hash, "weights_hash": ident.weights_hash}).save(path)
+    e = _engine(model, kv_scales=str(path))
+    assert _scales_of(e, "k") == [[4.0, 5.0]] * 2 and e.info["kv_scales"] == str(path)

@@ -346,12 +346,7 @@ class LLMEngine:
         shape = model_shape(src)
         self.kv_cache = cfg.kv_cache_config
         self.plan = self.kv_cache.plan(shape)
-        self.static_scales = None
-        if cfg.kv_scales is not None:
-            from kvq.calibration.scales import load_scales
-            from kvq.transfer.describe import model_identity
-
-            self.static_scales = load_scales(cfg.kv_scales, self.plan, model_identity(src))
+        self.static_scales, self.kv_scales_source = self._static_scales(cfg, src, shape)
         backend, self.backend_choice = select_backend(cfg.attention_backend, self.plan, self.device, self.dtype)
         self.kernels = backend.kernels()
         self.max_model_len = cfg.max_model_len or shape.max_position_embeddings
@@ -421,7 +416,7 @@ class LLMEngine:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_cache_dtype": {"requested": self.kv_cache.dtype, **self.plan.describe()},
-            "kv_scales": cfg.kv_scales or "none",
+            "kv_scales": self.kv_scales_source,
             "attention_backend": {"requested": self.backend_choice.requested,
                                   "resolved": self.backend_choice.resolved, "reason": self.backend_choice.reason},
             "block_size": self.plan.block_size,
@@ -449,6 +444,30 @@ class LLMEngine:
             gc.collect()
             gc.freeze()
         logger.info("%s", self.describe())
+
+    def _static_scales(self, cfg: EngineConfig, src, shape) -> tuple[dict | None, str]:
+        """Static KV scales and where they come from: ``--kv-scales FILE``, else the checkpoint's own
+        (kvq.calibration.checkpoint), else none (1.0).  A checkpoint's scales with a quantized format
+        that cannot use them are an error naming both, never dropped in silence."""
+        from kvq.calibration.checkpoint import checkpoint_scales
+        from kvq.calibration.scales import ScalesError, load_scales, static_layers
+
+        if cfg.kv_scales is not None:
+            from kvq.transfer.describe import model_identity
+
+            return load_scales(cfg.kv_scales, self.plan, model_identity(src)), cfg.kv_scales
+        found = checkpoint_scales(src, shape.num_layers, shape.num_kv_heads)
+        if found is None:
+            return None, "none"
+        convention, scales = found
+        wanted = static_layers(self.plan)
+        if wanted:
+            return {i: scales[i] for i in wanted}, f"checkpoint ({convention})"
+        if self.plan.is_quantized:
+            raise ScalesError(f"{src.name} ships {convention} KV scales for a static FP8 cache, and the KV format "
+                              f"{self.plan.name} cannot use them: use --kv-cache-dtype fp8_e4m3 (or fp8_e5m2), "
+                              "or a high-precision format")
+        return None, f"checkpoint ({convention}): unused, the cache keeps {self.plan.name}"
 
     def describe(self) -> str:
         """What the engine resolved, in one line (logged at INFO on the "kvq" logger when built)."""
