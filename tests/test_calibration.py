@@ -185,3 +185,10 @@ def test_a_scales_file_wins_over_the_checkpoint(tmp_path):
              {"config_hash": ident.config_hash, "weights_hash": ident.weights_hash}).save(path)
     e = _engine(model, kv_scales=str(path))
     assert _scales_of(e, "k") == [[4.0, 5.0]] * 2 and e.info["kv_scales"] == str(path)
+
+
+def test_eval_kv_scales_flag_is_checked_before_any_model_loads(tmp_path, capsys):
+    assert main(["eval", "--kv-cache-dtype", "int8", "--kv-scales", str(tmp_path / "s")]) == 2
+    assert "none of int8 takes static scales" in capsys.readouterr().err
+    assert main(["eval", "--kv-cache-dtype", "fp8_e4m3", "--kv-scales", str(tmp_path / "s")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -87,6 +87,9 @@ def register(sub) -> None:
     e = p.add_argument_group("engine")
     add_device_args(e)
     e.add_argument("--block-size", type=int, default=None, help="cache block size (default: each format's)")
+    e.add_argument("--kv-scales", default=None, metavar="FILE",
+                   help="static KV scales (`kvq calibrate`) for the formats that take them (fp8_e4m3, fp8_e5m2); "
+                        "default: their checkpoint's, else 1.0")
     w = p.add_argument_group("high-precision windows and format options (every evaluated format; not the baseline)")
     w.add_argument("--kv-sink-tokens", type=int, default=None,
                    help="first N tokens kept in high precision, rounded up to whole blocks (default: each "
@@ -186,7 +189,7 @@ def settings_from_args(args: argparse.Namespace):
                          residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
                          skip_layers=tuple(args.kv_cache_dtype_skip_layers or ())),
         thresholds=Thresholds(args.max_ppl_increase, args.max_kl, args.min_top1, args.max_passkey_drop),
-        progress=not args.no_progress, text_file=args.text,
+        progress=not args.no_progress, text_file=args.text, kv_scales=args.kv_scales,
     )
 
 

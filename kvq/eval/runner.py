@@ -58,6 +58,7 @@ class EvalSettings:
     threads: int | None = 1  # torch CPU threads (None: torch's default); see docs/eval.md
     thresholds: Thresholds = field(default_factory=Thresholds)
     progress: bool = True
+    kv_scales: str | None = None  # static KV scales file for the formats that take them
 
 
 def hardware_info(device: torch.device) -> dict:
@@ -90,10 +91,14 @@ def _engine(s: EvalSettings, fmt: str):
     from kvq.models.source import model_shape
 
     max_bin = max(s.bins + s.passkey_bins)
+    from kvq.calibration.scales import static_layers
+
     shape = model_shape(s.model)
+    kv = kv_config(s, fmt)
+    scales = s.kv_scales if s.kv_scales and fmt != s.baseline and static_layers(kv.plan(shape)) else None
     hp_token_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # generous: fp32-wide
     return LLMEngine(EngineConfig(
-        model=s.model, kv_cache=kv_config(s, fmt), attention_backend=s.attention_backend,
+        model=s.model, kv_cache=kv, kv_scales=scales, attention_backend=s.attention_backend,
         device=s.device, dtype=s.dtype, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=max(s.chunk, 64),
         kv_cache_memory=max(64 << 20, 3 * max_bin * hp_token_bytes), seed=s.seed, progress=s.progress,
         threads=s.threads or 0))
@@ -300,6 +305,16 @@ def validate(s: EvalSettings) -> None:
     shape = model_shape(s.model)
     for name in (s.baseline, *s.formats):
         kv_config(s, name).plan(shape)  # windows, group size, skip layers, block size: valid for each format
+    if s.kv_scales is not None:
+        from pathlib import Path
+
+        from kvq.calibration.scales import static_layers
+
+        if not any(static_layers(kv_config(s, f).plan(shape)) for f in s.formats):
+            raise ValueError(f"--kv-scales: none of {', '.join(s.formats) or 'the formats'} takes static scales "
+                             "(fp8_e4m3, fp8_e5m2 do)")
+        if not Path(s.kv_scales).is_file():
+            raise ValueError(f"--kv-scales {s.kv_scales}: no such file")
     max_len = shape.max_position_embeddings
     for b in (*s.bins, *s.passkey_bins):
         if not 0 < b <= max_len:
