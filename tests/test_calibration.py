@@ -49,7 +49,7 @@ def test_scales_file_round_trip_and_every_refusal(tmp_path, ident):
     with pytest.raises(ScalesError, match="measured on another model"):
         load_scales(_file(tmp_path, other), _plan(), ident)
     bad = {i: (torch.full((H,), 0.02), torch.full((H,), 0.001)) for i in range(30)}
-    for broken, needle in (({**bad, 5: (torch.ones(4), bad[5][1])}, "has 4 values; this model has 3 KV heads"),
+    for broken, needle in (({**bad, 5: (torch.ones(4), bad[5][1])}, "has 4 values; the model has 3 KV heads"),
                            ({**bad, 6: (torch.tensor([0.1, -1.0, 0.1]), bad[6][1])}, "positive and finite"),
                            ({**bad, 7: (bad[7][0], torch.tensor([0.1, float("nan"), 0.1]))}, "positive and finite"),
                            ({i: bad[i] for i in range(29)}, "layers.29.k_scale is missing")):

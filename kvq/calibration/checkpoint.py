@@ -21,9 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-import torch
-
-from kvq.calibration.scales import ScalesError
+from kvq.calibration.scales import ScalesError, per_head
 
 _PATTERNS = (
     ("compressed-tensors", re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")),
@@ -75,13 +73,6 @@ def checkpoint_scales(src, num_layers: int, num_kv_heads: int) -> tuple[str, dic
         for r in ("k", "v"):
             path, key = entries[(i, "kv" if name == "legacy kv_scale" else r)]
             with safe_open(path, framework="pt") as f:
-                t = f.get_tensor(key).float().reshape(-1)
-            if t.numel() == 1:
-                t = t.expand(num_kv_heads).clone()
-            if t.numel() != num_kv_heads:
-                raise ScalesError(f"{src.name}: {key} has {t.numel()} values; the model has {num_kv_heads} KV heads")
-            if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
-                raise ScalesError(f"{src.name}: {key} must be positive and finite, got {t.tolist()}")
-            pair.append(t)
+                pair.append(per_head(f.get_tensor(key), num_kv_heads, f"{src.name}: {key}"))
         out[i] = (pair[0], pair[1])
     return name, out

@@ -54,6 +54,18 @@ class KVScales:
         save_file(tensors, str(path), metadata=meta)
 
 
+def per_head(t: torch.Tensor, num_kv_heads: int, where: str) -> torch.Tensor:
+    """A scale tensor as ``[H]`` float32 (one value is every head's), or ScalesError naming ``where``."""
+    t = t.float().reshape(-1)
+    if t.numel() == 1:
+        t = t.expand(num_kv_heads).clone()
+    if t.numel() != num_kv_heads:
+        raise ScalesError(f"{where} has {t.numel()} values; the model has {num_kv_heads} KV heads")
+    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+        raise ScalesError(f"{where} must be positive and finite, got {t.tolist()}")
+    return t
+
+
 def static_layers(plan) -> list[int]:
     """Layers whose K or V format takes static scales."""
     return [i for i, f in enumerate(plan.layers) if "static" in (f.k.scale, f.v.scale)]
@@ -94,14 +106,7 @@ def load_scales(path: str | Path, plan, model_id) -> dict[int, tuple[torch.Tenso
             t = tensors.get(key)
             if t is None:
                 raise ScalesError(f"--kv-scales {path}: {key} is missing")
-            t = t.float().reshape(-1)
-            if t.numel() == 1:
-                t = t.expand(H).clone()
-            if t.numel() != H:
-                raise ScalesError(f"--kv-scales {path}: {key} has {t.numel()} values; this model has {H} KV heads")
-            if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
-                raise ScalesError(f"--kv-scales {path}: {key} must be positive and finite, got {t.tolist()}")
-            pair.append(t)
+            pair.append(per_head(t, H, f"--kv-scales {path}: {key}"))
         out[i] = (pair[0], pair[1])
     return out
 
