@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from kvq.calibration.scales import OBSERVERS
+from kvq.calibration import OBSERVERS
 
 STATIC_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 

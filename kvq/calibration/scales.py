@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-#: Observers of :func:`scales_from_stats`.
-OBSERVERS = ("absmax", "mse")
+from kvq.calibration import OBSERVERS
+
 FORMAT_TAG = "kvq-kv-scales-v1"
 
 

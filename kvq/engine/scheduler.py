@@ -240,7 +240,8 @@ class Scheduler:
         ``remote``: its prompt is prefilled by a peer server, which sends the KV and the first token:
         admitted as LOADING with its whole prompt reserved (:meth:`BlockManager.allocate_remote`,
         one :class:`RemoteLoadOp` in the step's ``remote_ops``), it decodes here once
-        :meth:`remote_done` reports the fill."""
+        :meth:`remote_done` reports the fill.  (A request whose whole-prompt reservation could
+        outgrow the cache is prefilled here instead.)"""
         if not isinstance(seq, Sequence):
             raise TypeError(f"add() takes a Sequence, got {type(seq).__name__}")
         if seq.seq_id in self._seqs:
@@ -265,7 +266,11 @@ class Scheduler:
         self._rank[seq.seq_id] = self._next_rank
         self._next_rank += 1
         self._insort(self._waiting, seq)
-        if remote:
+        # A fill reserves the whole prompt at once (its final layout: blocks a chunked prefill keeps hp
+        # until its next call can be q already), so it is remote only where that always fits too;
+        # otherwise it is prefilled here, which always fits (liveness, module docstring).
+        if remote and all(a <= b for a, b in zip(peak_blocks(p + seq.params.max_tokens - 1,
+                                                              self.block_manager.policy), (nq, nhp))):
             self._remote_wanted.add(seq.seq_id)
 
     def finish(self, seq_id: int, reason: str, stop_reason: int | str | None = None) -> bool:
