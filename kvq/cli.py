@@ -68,6 +68,9 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kivi-group-size", type=int, default=None, help="KIVI group size (default 32)")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per cache block (default 16, or a multiple of the KIVI group)")
+    g.add_argument("--kv-cache-plan", default=None, metavar="PLAN.json",
+                   help="formats per layer and K/V, and windows, from a plan file written by `kvq tune` "
+                        "(instead of the format flags above; docs/calibration.md)")
 
 
 BARE_MODEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -97,7 +100,7 @@ def kv_config_from_args(args: argparse.Namespace) -> KVCacheConfig:
     kv = KVCacheConfig(dtype=args.kv_cache_dtype, k=args.kv_cache_dtype_k, v=args.kv_cache_dtype_v,
                        skip_layers=tuple(args.kv_cache_dtype_skip_layers or ()), sink_tokens=args.kv_sink_tokens,
                        residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
-                       block_size=args.block_size)
+                       block_size=args.block_size, plan_file=getattr(args, "kv_cache_plan", None))
     kv.check_options_apply()
     return kv
 
@@ -157,7 +160,7 @@ def plan_record(plan: CachePlan, memory: int, context_len: int | None) -> dict:
     return {
         "model": m.name,
         "model_shape": asdict(m),
-        "kv_cache_dtype": layer0.requested or layer0.name,
+        "kv_cache_dtype": f"plan:{plan.label}" if plan.label else layer0.requested or layer0.name,
         "k_format": layer0.k.name,
         "v_format": layer0.v.name,
         "layers": plan.layer_names(),
@@ -193,8 +196,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cap = rec["capacity"]
     print(f"model            {rec['model']}  ({plan.model.num_layers} layers, {plan.model.num_kv_heads} KV heads, "
           f"head_dim {plan.model.head_dim}, {plan.model.dtype})")
-    print(f"KV format        K {rec['k_format']}, V {rec['v_format']}"
-          + (f"; layers {rec['skip_layers']} kept in {plan.hp.name}" if rec["skip_layers"] else ""))
+    if plan.label:
+        counts: dict[str, int] = {}
+        for name in plan.layer_names():
+            counts[name] = counts.get(name, 0) + 1
+        print(f"KV plan          {plan.label}: " + "; ".join(f"{n} x{c}" for n, c in counts.items()))
+        print(f"per layer        " + " | ".join(f"{i}:{n}" for i, n in enumerate(plan.layer_names())))
+    else:
+        print(f"KV format        K {rec['k_format']}, V {rec['v_format']}"
+              + (f"; layers {rec['skip_layers']} kept in {plan.hp.name}" if rec["skip_layers"] else ""))
     print(f"block size       {plan.block_size} tokens")
     print(f"bytes per block  {rec['bytes_per_block']}  (model dtype: {rec['hp_bytes_per_block']}, "
           f"{rec['ratio_vs_model_dtype']:.3f}x the tokens)")
@@ -355,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands that live with their concept; each module's register(sub) adds its parser
     # (heavy imports stay inside the command functions).
-    for module in ("kvq.eval.command", "kvq.server.command", "kvq.calibration.command"):
+    for module in ("kvq.eval.command", "kvq.server.command", "kvq.calibration.command", "kvq.calibration.tune"):
         importlib.import_module(module).register(sub)
     return p
 

@@ -34,8 +34,17 @@ class Harness:
 
 def make_harness(fmt, kernels, *, H=2, D=64, group=2, block_size=None, sink=None, residual=None,
                  num_q=64, num_hp=32, device="cpu") -> Harness:
-    plan = make_plan(bare_model(1, H, D, num_attention_heads=H * group), fmt, block_size=block_size,
-                     sink_tokens=sink, residual_tokens=residual)
+    model = bare_model(1, H, D, num_attention_heads=H * group)
+    if "/" in fmt:  # "K_SPEC/V_SPEC", e.g. int4_kivi/int2_kivi:g64: K and V differ in family or group
+        from kvq.cache.plan import plan_from_file
+        from kvq.cache.plan_file import PlanFile
+
+        k, v = fmt.split("/")
+        pf = PlanFile("mixed", {"num_layers": 1, "num_kv_heads": H, "head_dim": D}, ((k, v),),
+                      sink_tokens=sink or 0, residual_tokens=residual or 0)
+        plan = plan_from_file(model, pf, block_size=block_size)
+    else:
+        plan = make_plan(model, fmt, block_size=block_size, sink_tokens=sink, residual_tokens=residual)
     manager = BlockManager(num_q, num_hp, plan.window_policy, enable_prefix_caching=False)
     pool = KVPool.create(plan, num_q, num_hp, device)
     return Harness(plan, manager, pool, kernels, device, group)

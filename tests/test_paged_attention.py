@@ -18,6 +18,9 @@ from tests.paged_harness import dense_attention, expected_kv, make_harness, step
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 TRITON_FORMATS = [e.name for e in entries() if e.name not in ("auto", "float32", "fp8_e4m3fnuz", "float16")]
+#: K and V in different families or KIVI groups (per-layer plans of `kvq tune`): "K_SPEC/V_SPEC".
+MIXED_FORMATS = ["int4_kivi/int2_kivi:g64", "int2_kivi:g64/int4_kivi", "int2_kivi/fp8_e4m3", "int8/int4_kivi:g64",
+                 "bfloat16/int2_kivi"]
 ALL_FORMATS = [e.name for e in entries() if e.name != "auto"]
 
 
@@ -115,12 +118,14 @@ SCHED_KERNEL = (
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "H{H}D{D}g{group}bs{block_size}".format(**c))
-@pytest.mark.parametrize("fmt", TRITON_FORMATS)
+@pytest.mark.parametrize("fmt", TRITON_FORMATS + MIXED_FORMATS)
 def test_triton_matches_reference(fmt, cfg):
     """Same schedule through both backends: identical cache bytes after every step
     (write and seal), attention outputs within bf16 rounding."""
     if "kivi" in fmt and cfg["block_size"] == 16:
         cfg = dict(cfg, block_size=32)
+    if fmt.split("/")[0].endswith(":g64") and cfg["block_size"]:  # K groups of 64 tokens: pages of 64
+        cfg = dict(cfg, block_size=64)
     windows = dict(sink=16, residual=48) if "kivi" not in fmt else {}
     big = dict(num_q=256, num_hp=64) if GPU else {}
     hr = make_harness(fmt, _kernels("torch"), device=DEV, **cfg, **windows, **big)

@@ -52,6 +52,7 @@ class CachePlan:
     sink_tokens: int
     residual_tokens: int
     skip_layers: tuple[int, ...]
+    label: str | None = None  # a plan file's name (``kvq tune``); None: named after its format
 
     def __post_init__(self) -> None:
         assert len(self.layers) == self.model.num_layers, (len(self.layers), self.model.num_layers)
@@ -134,7 +135,14 @@ class CachePlan:
                 check_fp8_numerics(storage, device)
 
     def layer_names(self) -> list[str]:
-        return [f.name for f in self.layers]
+        """Each layer's format, ``k=...,v=...`` where they differ, a KIVI group other than 32 as ``:gN``."""
+        from kvq.cache.plan_file import tensor_spec
+
+        out = []
+        for f in self.layers:
+            k, v = tensor_spec(f.k), tensor_spec(f.v)
+            out.append(k if k == v else f"k={k},v={v}")
+        return out
 
     @property
     def stored_layers(self) -> tuple[int, ...]:
@@ -144,7 +152,9 @@ class CachePlan:
     @property
     def name(self) -> str:
         """The plan in one string: its format (``k=...,v=...`` when they differ), with the
-        skipped layers, e.g. ``fp8_e4m3 (layers 0,31 in bfloat16)``."""
+        skipped layers, e.g. ``fp8_e4m3 (layers 0,31 in bfloat16)``; a plan file's ``plan:NAME``."""
+        if self.label:
+            return f"plan:{self.label}"
         ref = self.layers[self.stored_layers[0]] if self.stored_layers else self.hp
         base = ref.name
         if self.skip_layers and self.stored_layers:
@@ -157,6 +167,10 @@ class CachePlan:
         0, which may be skipped), per-layer formats, windows (the sinks as asked and as kept:
         whole blocks) and block size."""
         ref = self.layers[self.stored_layers[0]] if self.stored_layers else self.hp
+        if self.label:  # a plan file: K and V differ from layer to layer
+            ks, vs = ({getattr(f, r).name for f in self.layers} for r in ("k", "v"))
+            ref = KVFormat(ref.k if len(ks) == 1 else replace(ref.k, name="per-layer"),
+                           ref.v if len(vs) == 1 else replace(ref.v, name="per-layer"))
         return {"name": self.name, "k": ref.k.name, "v": ref.v.name, "per_layer": self.layer_names(),
                 "skip_layers": list(self.skip_layers), "sink_tokens": self.sink_tokens,
                 "sink_tokens_kept": self.window_policy.sink_blocks * self.block_size,  # whole blocks
@@ -199,9 +213,12 @@ class KVCacheConfig:
     residual_tokens: int | None = None
     group_size: int | None = None
     block_size: int | None = None
+    plan_file: str | None = None  # ``--kv-cache-plan``: formats per layer and K/V from a file (kvq tune)
 
     def __post_init__(self) -> None:
         """Types and ranges, before any model is read (what needs the model: :meth:`plan`)."""
+        if self.plan_file is not None:
+            self._load_plan_file()
         for name in ("dtype", "k", "v"):
             val = getattr(self, name)
             if not (val is None and name != "dtype") and (not isinstance(val, str) or not val.strip()):
@@ -217,11 +234,38 @@ class KVCacheConfig:
         if self.group_size is not None and self.group_size & (self.group_size - 1):
             raise ValueError(f"--kivi-group-size must be a power of two, got {self.group_size}")
 
+    def _load_plan_file(self) -> None:
+        from kvq.cache.plan_file import PlanFile
+
+        given = [flag for flag, val, default in (
+            ("--kv-cache-dtype", self.dtype, "auto"), ("--kv-cache-dtype-k", self.k, None),
+            ("--kv-cache-dtype-v", self.v, None), ("--kv-cache-dtype-skip-layers", tuple(self.skip_layers or ()), ()),
+            ("--kv-sink-tokens", self.sink_tokens, None), ("--kv-residual-tokens", self.residual_tokens, None),
+            ("--kivi-group-size", self.group_size, None)) if val != default]
+        if given:
+            raise ValueError(f"--kv-cache-plan sets the format of every layer and the windows; drop "
+                             f"{', '.join(given)} (or edit the plan file)")
+        pf = PlanFile.load(self.plan_file)
+        if self.block_size is not None and pf.block_size is not None and self.block_size != pf.block_size:
+            raise ValueError(f"--block-size {self.block_size} differs from the plan file's block_size "
+                             f"{pf.block_size} ({self.plan_file})")
+        object.__setattr__(self, "_plan", pf)
+
+    @property
+    def requested(self) -> str:
+        """What the user asked for, in one string: the format name, or the plan file."""
+        return f"plan:{self.plan_file}" if self.plan_file is not None else self.dtype
+
+    @property
+    def plan_spec(self):
+        """The loaded :class:`~kvq.cache.plan_file.PlanFile` (None without ``plan_file``)."""
+        return getattr(self, "_plan", None)
+
     def check_options_apply(self) -> None:
         """Raise ValueError for a format option the chosen formats do not use (``--kivi-group-size``
         with a format that has no groups); the CLI and ``LLM`` call it, `kvq eval` (one group size
         for several formats) does not."""
-        if self.group_size is None:
+        if self.group_size is None or self.plan_file is not None:
             return
         fmt = resolve_kv(self.dtype, self.k, self.v, group_size=self.group_size)
         if fmt.k.group_size is None and fmt.v.group_size is None:
@@ -248,6 +292,8 @@ class KVCacheConfig:
         return replace(self, **fields)
 
     def plan(self, model: ModelShape) -> CachePlan:
+        if self.plan_file is not None:
+            return plan_from_file(model, self.plan_spec, block_size=self.block_size)
         return make_plan(model, self.dtype, k=self.k, v=self.v, block_size=self.block_size,
                          skip_layers=self.skip_layers, sink_tokens=self.sink_tokens,
                          residual_tokens=self.residual_tokens, group_size=self.group_size)
@@ -290,6 +336,25 @@ def make_plan(
     if not any(f.is_quantized for f in layers):
         sink_tokens = residual_tokens = 0  # everything is already high precision
     return CachePlan(model, layers, hp, block_size, sink_tokens, residual_tokens, skips)
+
+
+def plan_from_file(model: ModelShape, pf, block_size: int | None = None) -> CachePlan:
+    """The plan a :class:`~kvq.cache.plan_file.PlanFile` describes, for ``model`` (ValueError when
+    it was made for another geometry, or its formats cannot lay out the block size)."""
+    pf.check_model(model)
+    layers = pf.formats(model.dtype)
+    hp = resolve_kv(model.dtype, model_dtype=model.dtype)
+    block_size = block_size or pf.block_size
+    min_bs = math.lcm(*(f.min_block_size() for f in layers))
+    if block_size is None:
+        block_size = math.lcm(DEFAULT_BLOCK_SIZE, min_bs)
+    elif block_size % min_bs:
+        raise ValueError(f"{pf.path or 'plan'}: block size {block_size} must be a multiple of {min_bs} "
+                         f"(KIVI K is quantized over whole groups of tokens inside one block)")
+    quantized = any(f.is_quantized for f in layers)
+    sink, resid = (pf.sink_tokens, pf.residual_tokens) if quantized else (0, 0)
+    skips = tuple(i for i, f in enumerate(layers) if (f.k, f.v) == (hp.k, hp.v))
+    return CachePlan(model, layers, hp, block_size, sink, resid, skips, label=pf.name)
 
 
 def bare_model(num_layers: int, num_kv_heads: int, head_dim: int, *, num_attention_heads: int | None = None,

@@ -72,6 +72,7 @@ class EngineConfig:
     kv_residual_tokens: int | None = None
     kivi_group_size: int | None = None
     block_size: int | None = None
+    kv_cache_plan: str | None = None  # a plan file (`kvq tune`): formats per layer and K/V, windows
     attention_backend: str = "auto"
     device: str = "auto"  # cuda if available, else cpu
     dtype: str = "auto"  # bfloat16 on cuda, float32 on cpu
@@ -111,7 +112,7 @@ class EngineConfig:
         before the weights load."""
         if self.kv_cache is not None and self.kv_cache_config_fields() != KVCacheConfig():
             raise ValueError("give the KV cache choices either as kv_cache=KVCacheConfig(...) or as the "
-                             "kv_cache_dtype* / kv_*_tokens / kivi_group_size / block_size fields, not both")
+                             "kv_cache_dtype* / kv_*_tokens / kivi_group_size / block_size / kv_cache_plan fields, not both")
         if self.kv_cache is not None and not isinstance(self.kv_cache, KVCacheConfig):
             raise ValueError(f"kv_cache must be a KVCacheConfig, got {type(self.kv_cache).__name__}")
         if not isinstance(self.model, str) or not self.model.strip():
@@ -178,7 +179,7 @@ class EngineConfig:
         return KVCacheConfig(dtype=self.kv_cache_dtype, k=self.kv_cache_dtype_k, v=self.kv_cache_dtype_v,
                              skip_layers=tuple(self.kv_cache_dtype_skip_layers), sink_tokens=self.kv_sink_tokens,
                              residual_tokens=self.kv_residual_tokens, group_size=self.kivi_group_size,
-                             block_size=self.block_size)
+                             block_size=self.block_size, plan_file=self.kv_cache_plan)
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:
@@ -415,7 +416,7 @@ class LLMEngine:
             "model": src.name,
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
-            "kv_cache_dtype": {"requested": self.kv_cache.dtype, **self.plan.describe()},
+            "kv_cache_dtype": {"requested": self.kv_cache.requested, **self.plan.describe()},
             "kv_scales": self.kv_scales_source,
             "attention_backend": {"requested": self.backend_choice.requested,
                                   "resolved": self.backend_choice.resolved, "reason": self.backend_choice.reason},

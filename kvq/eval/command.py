@@ -58,6 +58,9 @@ def register(sub) -> None:
                    help="comma-separated formats (default: every quantized format of `kvq formats`); each may "
                         "carry its own windows: name[:rN][:sN][:gN] (recent tokens, sink tokens, KIVI group), "
                         "e.g. fp8_e4m3,fp8_e4m3:r128:s4")
+    g.add_argument("--kv-cache-plan", type=_csv(str), default=None, metavar="PLAN.json[,...]",
+                   help="plan files written by `kvq tune` (formats per layer and K/V), evaluated beside the formats "
+                        "and reported as plan:NAME; with no --kv-cache-dtype only the plans (and the baseline) run")
     g.add_argument("--baseline", default="auto", help="baseline KV format (default auto = the model dtype)")
     g.add_argument("--bins", type=_csv(int), default=None, help="context-length bins, e.g. 512,2048,4096,8192")
     g.add_argument("--full", action="store_true", help="full settings (every supported bin, more tokens and trials)")
@@ -160,7 +163,7 @@ def settings_from_args(args: argparse.Namespace):
 
     check_flags(args)
     from kvq.eval.records import Thresholds
-    from kvq.eval.runner import EvalSettings
+    from kvq.eval.runner import PLAN_PREFIX, EvalSettings
     from kvq.models.source import DEFAULT_MODEL, model_shape
     from kvq.units import parse_bytes
 
@@ -173,7 +176,10 @@ def settings_from_args(args: argparse.Namespace):
     mode = dict(FULL, bins=BIN_LADDER) if full else dict(QUICK)
     mode["bins"] = tuple(b for b in mode["bins"] if b <= max_len) or (max_len // 32 * 32,)  # what the model supports
     bins = tuple(sorted(set(args.bins or mode["bins"])))
-    formats = args.kv_cache_dtype if args.kv_cache_dtype is not None else default_formats()
+    formats = tuple(args.kv_cache_dtype or ())
+    if args.kv_cache_dtype is None and not args.kv_cache_plan:
+        formats = default_formats()
+    formats += tuple(f"{PLAN_PREFIX}{p}" for p in args.kv_cache_plan or ())
     return EvalSettings(
         model=model, baseline=args.baseline, formats=tuple(formats), bins=bins,
         window=args.window or mode["window"], chunk=args.chunk,

@@ -32,6 +32,8 @@ from kvq.eval.scoring import StreamSpec, score_stream
 from kvq.eval.session import CacheSession
 
 GIB = 1 << 30
+#: A format of the run that is a plan file (``--kv-cache-plan``): ``plan:PATH``.
+PLAN_PREFIX = "plan:"
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class EvalSettings:
     thresholds: Thresholds = field(default_factory=Thresholds)
     progress: bool = True
     kv_scales: str | None = None  # static KV scales file for the formats that take them
+    text_tokens: int | None = None  # score only the first N tokens of the text (kvq tune holds out the rest)
 
 
 def hardware_info(device: torch.device) -> dict:
@@ -83,7 +86,16 @@ def kv_config(s: EvalSettings, fmt: str) -> KVCacheConfig:
     only the block size (it stores everything in high precision)."""
     if fmt == s.baseline:
         return KVCacheConfig(dtype=fmt, block_size=s.kv.block_size)
+    if fmt.startswith(PLAN_PREFIX):  # a plan file keeps its own windows and formats
+        return KVCacheConfig(plan_file=fmt[len(PLAN_PREFIX):], block_size=s.kv.block_size)
     return s.kv.with_spec(fmt)
+
+
+def display_name(s: EvalSettings, fmt: str) -> str:
+    """How records and reports name a format of the run: the spec, or ``plan:NAME`` for a plan file."""
+    if fmt.startswith(PLAN_PREFIX):
+        return f"{PLAN_PREFIX}{kv_config(s, fmt).plan_spec.name}"
+    return fmt
 
 
 def _engine(s: EvalSettings, fmt: str):
@@ -192,7 +204,7 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], sp
     need = spec.tokens_needed(align)
     total = len(offsets) * (max(spec.bins) - g + g * len(spec.bins)) + hay_total
     raw, scored = [], []
-    with tqdm(total=total, desc=f"{fmt:<20}", unit="tok", disable=not s.progress, leave=True) as bar:
+    with tqdm(total=total, desc=f"{display_name(s, fmt):<20}", unit="tok", disable=not s.progress, leave=True) as bar:
         for k, off in enumerate(offsets):
             got = score_stream(session, ids[off:off + need], spec, align, progress=bar)
             if base_scores is None:
@@ -206,7 +218,7 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], sp
                 passkey.setdefault(L, []).extend(run_haystack(session, hay, s.chunk))
                 bar.update(L)
     engine.block_manager.check_integrity()
-    run = FormatRun(fmt, engine.info, engine.plan, scored, passkey, session.throughput(), time.perf_counter() - t0)
+    run = FormatRun(display_name(s, fmt), engine.info, engine.plan, scored, passkey, session.throughput(), time.perf_counter() - t0)
     del session, engine
     gc.collect()
     return run, raw
@@ -299,9 +311,11 @@ def validate(s: EvalSettings) -> None:
     from kvq.models.source import model_shape
 
     for name in (s.baseline, *s.formats):
-        lookup(KVCacheConfig().with_spec(name).dtype)
-    if len(set(s.formats)) != len(s.formats):
-        raise ValueError(f"a format is listed twice in {', '.join(s.formats)}")
+        if not name.startswith(PLAN_PREFIX):
+            lookup(KVCacheConfig().with_spec(name).dtype)
+    names = [display_name(s, f) for f in s.formats]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a format or plan name is listed twice in {', '.join(names)}")
     shape = model_shape(s.model)
     for name in (s.baseline, *s.formats):
         kv_config(s, name).plan(shape)  # windows, group size, skip layers, block size: valid for each format
@@ -345,7 +359,7 @@ def run_eval(s: EvalSettings) -> dict:
     spec.check(align)
     tokenizer = load_tokenizer(resolve_model(s.model))
     hays = haystacks(s, tokenizer, align)
-    ids = eval_token_ids(tokenizer, s.text_file)
+    ids = eval_token_ids(tokenizer, s.text_file)[:s.text_tokens]
     need = spec.tokens_needed(align)
     offsets = passage_offsets(len(ids), need, s.passages, s.window)
     base, raw = run_format(s, s.baseline, ids, offsets, spec, hays, align)

@@ -43,7 +43,7 @@ def _decode_split_kernel(
     qk_scale,  # sm_scale * log2(e)
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
-    KIVI_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr,
+    K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -72,7 +72,7 @@ def _decode_split_kernel(
         bid = tl.load(table + t // PAGE, mask=valid, other=0)
         off = t % PAGE
         k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
-                            bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, KIVI_G, HAS_HP, DOT)
+                            bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
         s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -80,7 +80,7 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
-                            bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, KIVI_G, HAS_HP, DOT)
+                            bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
         pv = (p * v_sc[None, :]).to(DOT)
         acc = acc * alpha[:, None] + tl.dot(pv, v)
         m_i = m_new
@@ -136,7 +136,7 @@ def layer_args(layer: LayerKV) -> tuple[list, dict]:
                  layer.static_scale(role)]
         meta[f"{role}_fmt"] = format_code(fmt)
         meta[f"{role}_per"] = fmt.values_per_byte
-        meta["kivi_g"] = fmt.group_size or meta.get("kivi_g", 1)
+        meta[f"{role}_g"] = fmt.group_size or 1
     strides = []
     for role in ("k", "v"):
         planes = layer.planes(role)
@@ -235,7 +235,7 @@ def paged_decode(
         block_tables, block_tables.stride(0), seq_lens, po, plse, num_splits, sm_scale * _LOG2E,
         GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=page, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
-        KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=_dot_dtype(q.dtype),
+        K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=bool(has_hp), DOT=_dot_dtype(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(B, Hq)](

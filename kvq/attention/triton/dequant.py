@@ -80,7 +80,7 @@ def _dequant_kernel(
     s_hb, s_hh, s_ht,
     table_ptr, s_tb, lens_ptr, out_k, out_v, s_ob, s_oh, s_ot, NB,
     D: tl.constexpr, PAGE: tl.constexpr,
-    K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr, KIVI_G: tl.constexpr,
+    K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
 ):
     """One program per (sequence, page of its table, KV head)."""
     b = tl.program_id(0)
@@ -93,10 +93,10 @@ def _dequant_kernel(
         c = tl.arange(0, D)
         dst = (b.to(tl.int64) * NB + j) * s_ob + h * s_oh + off[:, None].to(tl.int64) * s_ot + c[None, :]
         k = _page_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
-                       bid, h, off, PAGE, D, K_FMT, K_PER, KIVI_G)
+                       bid, h, off, PAGE, D, K_FMT, K_PER, K_G)
         tl.store(out_k + dst, k.to(tl.float16))
         v = _page_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
-                       bid, h, off, PAGE, D, V_FMT, V_PER, KIVI_G)
+                       bid, h, off, PAGE, D, V_FMT, V_PER, V_G)
         tl.store(out_v + dst, v.to(tl.float16))
 
 
@@ -121,6 +121,6 @@ def dequantize_pages(args: list, meta: dict, block_tables: torch.Tensor, seq_len
         _dequant_kernel[(B, blocks, num_kv_heads)](
             *args, block_tables, block_tables.stride(0), seq_lens, k, v, k.stride(0), k.stride(1), k.stride(2), blocks,
             D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
-            V_PER=meta["v_per"], KIVI_G=meta["kivi_g"], num_warps=num_warps,
+            V_PER=meta["v_per"], K_G=meta["k_g"], V_G=meta["v_g"], num_warps=num_warps,
         )
     return k, v, table

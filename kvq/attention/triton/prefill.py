@@ -34,7 +34,7 @@ def _prefill_kernel(
     table_ptr, s_tb, lens_ptr, qk_scale, tableq_ptr, SINK_T, RESID,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
-    KIVI_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, WINDOW: tl.constexpr,
+    K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -75,12 +75,12 @@ def _prefill_kernel(
             bid = tl.where(n_exact == 0, bidq, bid)  # no query of the tile reads it exact: quantized pages
             both = (tl.max((bidq != bid).to(tl.int32), axis=0) > 0) & (n_exact < n_seen)
         k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
-                            bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, KIVI_G, HAS_HP, DOT)
+                            bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
         s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
         if WINDOW:
             if both:  # some queries read the tile exact, others quantized: both pages, picked per pair
                 kq, kq_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh,
-                                      s_ht, bidq, off, h, valid, BLOCK_N, D, K_FMT, K_PER, KIVI_G, HAS_HP, DOT)
+                                      s_ht, bidq, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
                 s = tl.where(exact, s, tl.dot(q, tl.trans(kq)) * (kq_sc * qk_scale)[None, :])
         causal = valid[None, :] & (t[None, :] <= qpos[:, None])
         s = tl.where(causal, s, float("-inf"))
@@ -90,12 +90,12 @@ def _prefill_kernel(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
-                            bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, KIVI_G, HAS_HP, DOT)
+                            bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
         pv = p * v_sc[None, :]
         if WINDOW:
             if both:
                 vq, vq_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                      s_ht, bidq, off, h, valid, BLOCK_N, D, V_FMT, V_PER, KIVI_G, HAS_HP, DOT)
+                                      s_ht, bidq, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
                 acc = (acc * alpha[:, None] + tl.dot(tl.where(exact, pv, 0.0).to(DOT), v)
                        + tl.dot(tl.where(exact, 0.0, p * vq_sc[None, :]).to(DOT), vq))
             else:
@@ -188,7 +188,7 @@ def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, ha
         table, table.stride(0), lens, sm_scale * _LOG2E, table if tableq is None else tableq, sink_tokens, residual,
         GROUP=Hq // num_kv_heads, D=q.shape[2], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
-        KIVI_G=meta["kivi_g"], HAS_HP=bool(has_hp), DOT=dot, WINDOW=tableq is not None,
+        K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=bool(has_hp), DOT=dot, WINDOW=tableq is not None,
     )
 
 
@@ -202,7 +202,7 @@ def dequant_first_default(layer: LayerKV) -> bool:
 def _dense_args(k: torch.Tensor, v: torch.Tensor) -> tuple[list, dict]:
     """Launch arguments that read f16 page scratches ``k``, ``v`` as a dense pool."""
     args = [k, k, k, k, k, v, v, v, v, v, *k.stride()[:3], 0, 0, 0, *v.stride()[:3], 0, 0, 0, 0, 0, 0]
-    return args, dict(k_fmt=DENSE.value, k_per=1, v_fmt=DENSE.value, v_per=1, kivi_g=1)
+    return args, dict(k_fmt=DENSE.value, k_per=1, v_fmt=DENSE.value, v_per=1, k_g=1, v_g=1)
 
 
 def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, block_m, block_n):

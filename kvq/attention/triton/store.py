@@ -114,7 +114,7 @@ def _write_kernel(
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
     s_hb, s_hh, s_ht,
-    PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, TB: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr, TB: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, K_QMAX: tl.constexpr, K_DIRECT: tl.constexpr,
     V_FMT: tl.constexpr, V_PER: tl.constexpr, V_QMAX: tl.constexpr, V_DIRECT: tl.constexpr,
 ):
@@ -141,10 +141,10 @@ def _write_kernel(
     off = qs % PAGE
     if K_DIRECT:
         _quant_store(xk, kd, ks, kz, kst, h, blk * s_kdb + h * s_kdh + off * s_kdt,
-                     blk * s_ksb + h * s_ksh + off * s_kst, is_q, TB, D, K_FMT, K_PER, G, K_QMAX)
+                     blk * s_ksb + h * s_ksh + off * s_kst, is_q, TB, D, K_FMT, K_PER, K_G, K_QMAX)
     if V_DIRECT:
         _quant_store(xv, vd, vs, vz, vst, h, blk * s_vdb + h * s_vdh + off * s_vdt,
-                     blk * s_vsb + h * s_vsh + off * s_vst, is_q, TB, D, V_FMT, V_PER, G, V_QMAX)
+                     blk * s_vsb + h * s_vsh + off * s_vst, is_q, TB, D, V_FMT, V_PER, V_G, V_QMAX)
 
 
 @triton.jit
@@ -183,7 +183,7 @@ def _seal_hp_kernel(
     kd, ks, kz, kst, vd, vs, vz, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
-    PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, K_QMAX: tl.constexpr,
     V_FMT: tl.constexpr, V_PER: tl.constexpr, V_QMAX: tl.constexpr,
 ):
@@ -194,9 +194,9 @@ def _seal_hp_kernel(
     if blk >= 0:
         base = tl.load(pairs + i * s_pair) * s_hb
         _seal_tile(khp, base, s_hh, s_ht, blk, h, kd, ks, kz, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
-                   PAGE, D, G, K_FMT, K_PER, K_QMAX)
+                   PAGE, D, K_G, K_FMT, K_PER, K_QMAX)
         _seal_tile(vhp, base, s_hh, s_ht, blk, h, vd, vs, vz, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
-                   PAGE, D, G, V_FMT, V_PER, V_QMAX)
+                   PAGE, D, V_G, V_FMT, V_PER, V_QMAX)
 
 
 def _warps(layer: LayerKV) -> int:
@@ -246,7 +246,7 @@ def seal_pairs(layer: LayerKV, pairs: torch.Tensor, num_warps: int | None = None
     _seal_hp_kernel[(pairs.shape[0], layer.num_kv_heads)](
         pairs, pairs.stride(0), layer.k_hp, layer.v_hp, hp[0], hp[1], hp[2],
         kp[0], kp[1], kp[2], kp[4], vp[0], vp[1], vp[2], vp[4], *ks, *vs,
-        PAGE=layer.block_size, D=layer.head_dim, G=max(km["g"], vm["g"]),
+        PAGE=layer.block_size, D=layer.head_dim, K_G=km["g"], V_G=vm["g"],
         K_FMT=km["fmt"], K_PER=km["per"], K_QMAX=km["qmax"], V_FMT=vm["fmt"], V_PER=vm["per"], V_QMAX=vm["qmax"],
         num_warps=num_warps or _warps(layer),
     )
@@ -280,7 +280,7 @@ def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
         num_warps = _warps(layer)
     _write_kernel[(triton.cdiv(T, TB), H)](
         k, v, k.stride(0), k.stride(1), T, slots, *kp, *vp, *ks, *vs, hp[0], hp[1], hp[2],
-        PAGE=layer.block_size, D=D, G=max(km["g"], vm["g"]), TB=TB,
+        PAGE=layer.block_size, D=D, K_G=km["g"], V_G=vm["g"], TB=TB,
         K_FMT=km["fmt"], K_PER=km["per"], K_QMAX=km["qmax"], K_DIRECT=km["direct"],
         V_FMT=vm["fmt"], V_PER=vm["per"], V_QMAX=vm["qmax"], V_DIRECT=vm["direct"], num_warps=num_warps,
     )
