@@ -29,8 +29,8 @@ from kvq.cache.plan_file import PlanFile, parse_tensor_spec
 
 #: Candidates of ``kvq tune`` by default: K per channel (KIVI) or 8-bit, V per token or 8-bit;
 #: the model dtype is always a candidate (free to measure: its loss is 0).
-DEFAULT_K = ("int8", "fp8_e4m3", "int4_kivi", "int2_kivi")
-DEFAULT_V = ("int8", "fp8_e4m3", "int4_kivi", "int4_kivi:g64", "int2_kivi", "int2_kivi:g64")
+DEFAULT_K = ("fp8_e4m3", "int4_kivi", "int2_kivi")
+DEFAULT_V = ("fp8_e4m3", "int4_kivi", "int4_kivi:g64", "int2_kivi", "int2_kivi:g64")
 SENSITIVITY_VERSION = 1
 
 
@@ -124,6 +124,33 @@ class Sensitivity:
         return cls(space, kl, err, obj.get("meta") or {})
 
 
+def merge(parts: list[Sensitivity]) -> Sensitivity:
+    """One sensitivity from shards measured apart (``kvq tune --shard``): same space, disjoint keys."""
+    first = parts[0]
+    kl, err, seconds = {}, {}, 0.0
+    for part in parts:
+        if part.space != first.space:
+            raise ValueError("sensitivity files measured for different settings cannot be merged")
+        twice = set(kl) & set(part.kl)
+        if twice:
+            raise ValueError(f"sensitivity measured twice for {sorted(twice)[0]}")
+        kl.update(part.kl)
+        err.update(part.stderr)
+        seconds += part.meta.get("seconds", 0.0)
+    meta = {**first.meta, "seconds": round(seconds, 1), "tensors_measured": len(kl), "shards": len(parts)}
+    return Sensitivity(first.space, kl, err, meta)
+
+
+def all_jobs(space: Space, num_layers: int) -> list[tuple[int, str, str]]:
+    """Every (layer, role, spec) a space measures, in a fixed order (shards take every n-th)."""
+    return [(i, r, s) for i in range(num_layers) for r, cands in (("k", space.candidates_k),
+                                                                 ("v", space.candidates_v)) for s in cands]
+
+
+def missing(sens: Sensitivity, num_layers: int) -> list[tuple[int, str, str]]:
+    return [j for j in all_jobs(sens.space, num_layers) if j not in sens.kl]
+
+
 def calibration_windows(ids: list[int], space: Space) -> list[list[int]]:
     """``passages`` disjoint windows of ``context + 1`` tokens (the last target included) from the
     end of ``ids`` (so the start of the text stays held out for validation)."""
@@ -136,8 +163,10 @@ def calibration_windows(ids: list[int], space: Space) -> list[list[int]]:
 
 
 def measure(space: Space, windows: list[list[int]], *, device: str = "auto", dtype: str = "auto",
-            threads: int | None = None, load_format: str = "auto", seed: int = 0, progress=None) -> Sensitivity:
-    """Measure every (layer, role, candidate) of ``space`` on ``windows`` (module docstring)."""
+            threads: int | None = None, load_format: str = "auto", seed: int = 0, shard: tuple[int, int] = (0, 1),
+            progress=None) -> Sensitivity:
+    """Measure every (layer, role, candidate) of ``space`` on ``windows`` (module docstring); with
+    ``shard=(k, n)`` only every n-th of them from the k-th (:func:`merge` joins the shards)."""
     import torch
 
     from kvq.cache.plan import KVCacheConfig
@@ -174,8 +203,7 @@ def measure(space: Space, windows: list[list[int]], *, device: str = "auto", dty
 
     t0 = time.perf_counter()
     base = run(KVCacheConfig(block_size=space.block_size))
-    jobs = [(i, r, s) for i in range(shape.num_layers) for r, cands in (("k", space.candidates_k),
-                                                                        ("v", space.candidates_v)) for s in cands]
+    jobs = all_jobs(space, shape.num_layers)[shard[0]::shard[1]]
     kl, err = {}, {}
     with tempfile.TemporaryDirectory(prefix="kvq-tune-") as tmp:
         for n, (i, r, s) in enumerate(jobs):

@@ -64,10 +64,14 @@ def register(sub) -> None:
     m.add_argument("--context", type=int, default=2048, help="tokens per pass (default 2048)")
     m.add_argument("--scored", type=int, default=256, help="scored positions at the end of each pass (default 256)")
     m.add_argument("--passages", type=int, default=4, help="passes, from the end of the text (default 4)")
-    m.add_argument("--sensitivity", default=None, metavar="FILE",
-                   help="reuse sensitivities saved by --save-sensitivity (checked: same model, candidates, "
-                        "windows, passes)")
+    m.add_argument("--sensitivity", type=_csv(str), default=None, metavar="FILE[,...]",
+                   help="reuse sensitivities saved by --save-sensitivity, or the shards of one measurement "
+                        "(checked: same model, candidates, windows, passes, text; every tensor present)")
     m.add_argument("--save-sensitivity", default=None, metavar="FILE", help="save the measured sensitivities")
+    m.add_argument("--shard", default=None, metavar="K/N",
+                   help="measure only the K-th of N shares of the single-tensor plans, save them "
+                        "(--save-sensitivity) and stop: run N such processes (one per GPU, or several on one), "
+                        "then pass their files to --sensitivity")
     v = p.add_argument_group("validation")
     v.add_argument("--validate-bins", type=_csv(int), default=(512, 2048), metavar="BINS",
                    help="kvq eval bins on the held-out start of the text (default 512,2048); "
@@ -77,10 +81,13 @@ def register(sub) -> None:
     v.add_argument("--validate-out", default=None, metavar="DIR", help="also write the kvq eval outputs here")
     e = p.add_argument_group("engine")
     e.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    e.add_argument("--dtype", default="auto", help="compute dtype (auto, bfloat16, float16, float32)")
+    e.add_argument("--dtype", default="float32",
+                   help="compute dtype of the measurement and the validation (default float32: in bfloat16 the "
+                        "rounding of another kernel path alone moves the KL by ~1e-3 per tensor on an H200, more "
+                        "than an 8- or 4-bit tensor does; on a GPU float32 runs the torch reference attention)")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: kvq's)")
     p.add_argument("--name", default=None, help="the plan's name in reports (default tuned-<bits>b)")
-    p.add_argument("--out", required=True, metavar="PLAN.json", help="the plan file to write")
+    p.add_argument("--out", default=None, metavar="PLAN.json", help="the plan file to write (required but with --shard)")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_tune)
 
@@ -89,8 +96,10 @@ def check_args(args) -> None:
     """Flag ranges (ValueError: exit 2), before any model file is read."""
     from kvq.cli import check_range
 
-    if (args.budget is None) == (args.budget_bytes_per_token is None):
+    if args.shard is None and (args.budget is None) == (args.budget_bytes_per_token is None):
         raise ValueError("give exactly one of --budget BITS and --budget-bytes-per-token BYTES")
+    if args.shard is None and not args.out:
+        raise ValueError("--out PLAN.json is required (the plan file to write)")
     for flag, val in (("--budget", args.budget), ("--budget-bytes-per-token", args.budget_bytes_per_token)):
         if val is not None and not 0 < val < float("inf"):
             raise ValueError(f"{flag} must be a positive number, got {val}")
@@ -101,10 +110,16 @@ def check_args(args) -> None:
         check_range(flag, val, low)
     if args.scored + args.block_size > args.context:
         raise ValueError(f"--scored {args.scored} leaves no context in --context {args.context}")
-    for flag in ("text", "sensitivity"):
-        path = getattr(args, flag)
-        if path is not None and not Path(path).is_file():
-            raise ValueError(f"--{flag} {path}: no such file")
+    for flag, paths in (("text", [args.text] if args.text else []), ("sensitivity", args.sensitivity or [])):
+        for path in paths:
+            if not Path(path).is_file():
+                raise ValueError(f"--{flag} {path}: no such file")
+    if args.shard is not None:
+        k, _, n = args.shard.partition("/")
+        if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+            raise ValueError(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
+        if not args.save_sensitivity or args.sensitivity:
+            raise ValueError("--shard measures a share and saves it: give --save-sensitivity, not --sensitivity")
     if not args.candidates_k and not args.candidates_v:
         raise ValueError("no candidates: give --candidates-k and/or --candidates-v")
 
@@ -137,15 +152,21 @@ def solver_items(shape, space, sens):
 
 
 def uniform_specs(space, shape, max_bytes: int) -> list[str]:
-    """Uniform candidates (a spec valid for K and V) of at most ``max_bytes`` per block; if none, the
-    cheapest one; as kvq eval specs with the tune's windows."""
+    """The candidates (of K or V) that can store both K and V at the block size, as uniform formats of
+    at most ``max_bytes`` per block (if none, the cheapest one), as kvq eval specs with the tune's windows."""
     from kvq.cache.plan_file import parse_tensor_spec
 
     H, D, bs = shape.num_kv_heads, shape.head_dim, space.block_size
-    common = [s for s in space.candidates_k if s in space.candidates_v]
-    cost = {s: shape.num_layers * sum(parse_tensor_spec(s, r, shape.dtype).block_bytes(H, D, bs) for r in "kv")
-            for s in common}
-    fit = [s for s in common if cost[s] <= max_bytes] or sorted(common, key=cost.get)[:1]
+    cost = {}
+    for spec in dict.fromkeys((*space.candidates_k, *space.candidates_v)):
+        try:
+            ts = [parse_tensor_spec(spec, r, shape.dtype) for r in "kv"]
+            for t in ts:
+                t.check_shape(H, D, bs)
+        except ValueError:
+            continue  # e.g. a V group of 64 channels is no K group inside a block of 32 tokens
+        cost[spec] = shape.num_layers * sum(t.block_bytes(H, D, bs) for t in ts)
+    fit = [s for s in cost if cost[s] <= max_bytes] or sorted(cost, key=cost.get)[:1]
     return [f"{s}:r{space.residual_tokens}:s{space.sink_tokens}" for s in fit]
 
 
@@ -192,7 +213,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     shape = model_shape(args.model)
     ck = S.check_candidates(shape, args.candidates_k, "k", args.block_size)
     cv = S.check_candidates(shape, args.candidates_v, "v", args.block_size)
-    budget = budget_bytes(shape, args.block_size, args.budget, args.budget_bytes_per_token)
+    budget = budget_bytes(shape, args.block_size, args.budget, args.budget_bytes_per_token) if not args.shard else 0
     values = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * args.block_size
 
     def say(msg: str) -> None:
@@ -212,13 +233,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     space = S.Space(**{**space.__dict__, "text_sha256": tokens_sha256([t for w in windows for t in w])})
     t0 = time.perf_counter()
     if args.sensitivity:
-        sens = S.Sensitivity.load(args.sensitivity)
-        if sens.space != space:
-            diff = [k for k in space.__dict__ if getattr(sens.space, k) != getattr(space, k)]
-            raise ValueError(f"--sensitivity {args.sensitivity} was measured for other settings ({', '.join(diff)})")
-        say(f"sensitivities from {args.sensitivity} ({len(sens.kl)} tensors x formats)")
+        parts = [S.Sensitivity.load(p) for p in args.sensitivity]
+        for path, part in zip(args.sensitivity, parts):
+            if part.space != space:
+                diff = [k for k in space.__dict__ if getattr(part.space, k) != getattr(space, k)]
+                raise ValueError(f"--sensitivity {path} was measured for other settings ({', '.join(diff)})")
+        sens = S.merge(parts)
+        gaps = S.missing(sens, shape.num_layers)
+        if gaps:
+            raise ValueError(f"--sensitivity: {len(gaps)} single-tensor plans were not measured, e.g. layer "
+                             f"{gaps[0][0]} {gaps[0][1].upper()} {gaps[0][2]} (a shard missing?)")
+        say(f"sensitivities from {', '.join(args.sensitivity)} ({len(sens.kl)} tensors x formats)")
+        if args.save_sensitivity:
+            sens.save(args.save_sensitivity)
     else:
-        n = shape.num_layers * (len(ck) + len(cv))
+        shard = tuple(int(x) for x in args.shard.split("/")) if args.shard else (0, 1)
+        n = len(S.all_jobs(space, shape.num_layers)[shard[0]::shard[1]])
         say(f"{args.model}: measuring {n} single-tensor plans ({shape.num_layers} layers x K {len(ck)} + V {len(cv)} "
             f"formats), {args.passages} passes of {args.context} tokens, {args.scored} scored each")
 
@@ -227,11 +257,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 say(f"  {done}/{total}  layer {key[0]} {key[1].upper()} {key[2]}: KL {kl:.3g}  "
                     f"({time.perf_counter() - t0:.0f} s)")
 
-        sens = S.measure(space, windows, device=args.device, dtype=args.dtype, threads=args.threads,
+        sens = S.measure(space, windows, device=args.device, dtype=args.dtype, threads=args.threads, shard=shard,
                          progress=progress)
         if args.save_sensitivity:
             sens.save(args.save_sensitivity)
             say(f"sensitivities saved to {args.save_sensitivity}")
+        if args.shard:
+            say(f"shard {args.shard} done in {time.perf_counter() - t0:.0f} s; merge the shards with --sensitivity")
+            return 0
     keys, items = solver_items(shape, space, sens)
     sol = solve(items, budget)
     layers = [["auto", "auto"] for _ in range(shape.num_layers)]

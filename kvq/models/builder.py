@@ -68,9 +68,10 @@ def build_model(model: str | ModelSource = "default", *, load_format: str = "aut
     if not src.gguf_file and not any(src.folder.glob("*.safetensors")) and not any(src.folder.glob("*.bin")):
         raise ValueError(f"{src.name} has no weights on disk; use --load-format dummy for its shapes")
     cfg, state, tok = _load_checkpoint(src, progress)
-    lm = LlamaForCausalLM(cfg)
+    with torch.device(device):  # the random init the weights overwrite runs where it is fast
+        lm = LlamaForCausalLM(cfg)
     lm.load_hf_state_dict(state)
-    return lm.to(device=device, dtype=dtype).eval(), tok
+    return lm.to(dtype=dtype).eval(), tok
 
 
 @functools.lru_cache(maxsize=1)
