@@ -261,9 +261,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "scales and high-precision blocks included): the CPU prefix cache (finished requests' "
                         "blocks, reloaded when a later prompt shares their prefix) and, with --preemption-mode "
                         "swap, swapped requests (half each when both are on); needed by --preemption-mode swap")
-    g.add_argument("--kv-scales", default="none", metavar="none|FILE",
-                   help="static KV scales of fp8_e4m3/fp8_e5m2: none (1.0, default) or a file written by "
-                        "`kvq calibrate` (per layer and KV head, checked against the model)")
+    g.add_argument("--kv-scales", default="none", metavar="none|warmup[:N]|FILE",
+                   help="static KV scales of fp8_e4m3/fp8_e5m2: none (1.0, default); warmup[:N]: absmax per layer "
+                        "and KV head over the first N tokens served (default 1024), then frozen and the cache "
+                        "re-encoded; or a file written by `kvq calibrate` (per layer and KV head, checked against "
+                        "the model)")
     g.add_argument("--cpu-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="keep finished requests' computed blocks in host memory by prefix hash and load them back "
                         "on a device prefix miss (default: on when --cpu-offload-gb > 0 and prefix caching is on)")

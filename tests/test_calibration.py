@@ -192,3 +192,86 @@ def test_eval_kv_scales_flag_is_checked_before_any_model_loads(tmp_path, capsys)
     assert "none of int8 takes static scales" in capsys.readouterr().err
     assert main(["eval", "--kv-cache-dtype", "fp8_e4m3", "--kv-scales", str(tmp_path / "s")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+# -- the warm-up route ------------------------------------------------------------------------------
+def _export_engine(model: str, fmt: str, **kw):
+    """A dummy-weight engine whose K/V projections are scaled so K and V reach past e4m3's 448, and an
+    exporter that keeps each prompt's cached K and V ([n, H, D] float32 per layer and role)."""
+    from kvq.attention import reference
+    from kvq.cache.pool import encode_table
+    from kvq.engine.llm_engine import EngineConfig, LLMEngine
+    from kvq.engine.remote_prefill import KVExporter
+
+    class Keep(KVExporter):
+        def __init__(self):
+            self.kv = {}
+
+        def export(self, request_id, pool, table, num_tokens, tag):
+            ids = torch.tensor(encode_table(table), dtype=torch.int64)
+            self.kv[tag] = {(i, r): reference.gather_kv(layer, r, ids, num_tokens, torch.float32).transpose(0, 1)
+                            for i, layer in enumerate(pool.layers) for r in "kv"}
+
+    e = LLMEngine(EngineConfig(model=model, load_format="dummy", device="cpu", kv_cache_dtype=fmt, block_size=16,
+                               kv_cache_memory="2MiB", max_num_seqs=2, progress=False, seed=5,
+                               enable_prefix_caching=False, **kw))
+    for layer in e.model.model.layers:
+        layer.self_attn.qkv_proj.weight.data[64:] *= 4000.0  # K and V rows (after the 4 x 16 query rows)
+    e.kv_exporter = Keep()
+    return e
+
+
+def _prefill(engine, prompt, tag):
+    from kvq.engine.sampling_params import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), export_to=tag)
+    while engine.has_unfinished():
+        engine.step()
+    return engine.kv_exporter.kv[tag]
+
+
+def test_warmup_scales_freeze_after_n_tokens_and_reencode_the_cache(tmp_path):
+    """--kv-scales warmup:48: a 50-token prompt is written under scale 1.0 (K/V past 448 saturate) while
+    the engine observes it; then the scales freeze at absmax/448 per layer and head (layer 0 equals the
+    absmax of the exact K/V a float32 cache holds), the cached blocks are re-encoded, and a prompt
+    served afterwards is stored within e4m3's rounding of the exact values."""
+    model = _checkpoint(tmp_path / "m", {})
+    ref = _export_engine(model, "float32")
+    warm = _export_engine(model, "fp8_e4m3", kv_scales="warmup:48")
+    assert warm.info["kv_scales"] == "warmup: observing (0/48 tokens)"
+    assert warm.runner.warmup is not None and warm.pool.observer is warm.runner.warmup
+    gen = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(3, 250, (n,), generator=gen).tolist() for n in (50, 40))
+    exact1, got1 = _prefill(ref, first, "a"), _prefill(warm, first, "a")
+    assert warm.info["kv_scales"] == "warmup: frozen after 50 tokens" and warm.pool.observer is None
+    for r in "kv":
+        amax = exact1[(0, r)].abs().amax(dim=(0, 2))
+        assert bool((amax > 448).all())  # the case scales are for: scale 1.0 saturates
+        assert torch.allclose(warm.pool.layers[0].static_scale(r), amax / 448, rtol=1e-6)
+        assert torch.equal(warm.static_scales[0][0 if r == "k" else 1], warm.pool.layers[0].static_scale(r))
+    exact2, got2 = _prefill(ref, second, "b"), _prefill(warm, second, "b")
+
+    def rel_err(a, b):
+        return float((a - b).norm() / b.norm())
+
+    before, after = rel_err(got1[(0, "k")], exact1[(0, "k")]), rel_err(got2[(0, "k")], exact2[(0, "k")])
+    assert after < 0.05 < before  # written before the freeze: saturated at 448, re-encoding cannot undo it
+    scale1 = _export_engine(model, "fp8_e4m3")  # no warm-up: every prompt saturates
+    assert rel_err(_prefill(scale1, second, "b")[(0, "k")], exact2[(0, "k")]) > 0.05
+
+
+def test_warmup_refusals(tmp_path, capsys):
+    from kvq.calibration.scales import ScalesError
+    from kvq.engine.llm_engine import EngineConfig
+
+    model = _checkpoint(tmp_path / "m", {})
+    with pytest.raises(ScalesError, match="takes no static scales"):
+        _engine(model, "int8", kv_scales="warmup")
+    for bad, msg in (("warmup:0", "warmup:N takes a number of tokens N >= 1"), ("warmup:x", "N >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            EngineConfig(model=model, kv_scales=bad)
+    with pytest.raises(ValueError, match="host tier"):
+        EngineConfig(model=model, kv_scales="warmup", cpu_offload_gb=1)
+    assert main(["serve", "--model", model, "--load-format", "dummy", "--kv-cache-dtype", "fp8_e4m3",
+                 "--kv-scales", "warmup", "--kv-role", "prefill"]) == 2
+    assert "--kv-role prefill" in capsys.readouterr().err

@@ -105,6 +105,9 @@ class KVPool:
     num_hp_blocks: int
     device: torch.device
     layers: list[LayerKV] = field(default_factory=list)
+    # sees each layer's new K and V before the write (``observe(layer, k, v)``): the warm-up of
+    # static scales (kvq.calibration.warmup); None otherwise
+    observer: object = None
 
     @classmethod
     def create(

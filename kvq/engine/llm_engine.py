@@ -165,6 +165,12 @@ class EngineConfig:
                              f"prefix caching is on), got {self.cpu_prefix_cache!r}")
         if self.cpu_prefix_cache and g <= 0:
             raise ValueError("cpu_prefix_cache needs host memory: cpu_offload_gb > 0 (--cpu-offload-gb)")
+        from kvq.calibration.warmup import parse_warmup
+
+        if parse_warmup(self.kv_scales) and g > 0:  # ValueError for a bad warmup:N too
+            raise ValueError("kv_scales warmup re-encodes the device cache when the scales freeze; a host tier "
+                             "(cpu_offload_gb > 0) would keep blocks written under scale 1.0: use a scales file "
+                             "(`kvq calibrate`) with cpu_offload_gb")
         if self.cpu_prefix_cache and not self.enable_prefix_caching:
             raise ValueError("cpu_prefix_cache keeps prefix-cached blocks: it needs enable_prefix_caching")
 
@@ -396,6 +402,8 @@ class LLMEngine:
             graphs.capture()
         self.runner = ModelRunner(self.model, self.pool, self.kernels, self.device, graphs, cfg.max_num_seqs,
                                   host_pool=self.host_pool)
+        if self._warmup_tokens:
+            self._start_warmup(self._warmup_tokens)
         self.sampler = Sampler()
         self.seed_state = SeedState()
         self._ids = itertools.count()
@@ -453,6 +461,14 @@ class LLMEngine:
         from kvq.calibration.checkpoint import checkpoint_scales
         from kvq.calibration.scales import ScalesError, load_scales, static_layers
 
+        from kvq.calibration.warmup import parse_warmup
+
+        self._warmup_tokens = parse_warmup(cfg.kv_scales)
+        if self._warmup_tokens:
+            if not static_layers(self.plan):
+                raise ScalesError(f"--kv-scales {cfg.kv_scales}: the KV format {self.plan.name} takes no static "
+                                  "scales; static-scaled formats: fp8_e4m3, fp8_e5m2")
+            return None, f"warmup: observing (0/{self._warmup_tokens} tokens)"
         if cfg.kv_scales is not None:
             from kvq.transfer.describe import model_identity
 
@@ -469,6 +485,18 @@ class LLMEngine:
                               f"{self.plan.name} cannot use them: use --kv-cache-dtype fp8_e4m3 (or fp8_e5m2), "
                               "or a high-precision format")
         return None, f"checkpoint ({convention}): unused, the cache keeps {self.plan.name}"
+
+    def _start_warmup(self, tokens: int) -> None:
+        """``--kv-scales warmup[:N]``: observe the first N tokens, then freeze (kvq.calibration.warmup)."""
+        from kvq.calibration.scales import static_layers
+        from kvq.calibration.warmup import WarmupScales
+
+        def report(scales):
+            self.static_scales = scales
+            self.kv_scales_source = self.info["kv_scales"] = warmup.source
+
+        warmup = WarmupScales(self.pool, static_layers(self.plan), tokens, on_freeze=report)
+        self.pool.observer = self.runner.warmup = warmup
 
     def describe(self) -> str:
         """What the engine resolved, in one line (logged at INFO on the "kvq" logger when built)."""

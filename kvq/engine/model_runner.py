@@ -33,6 +33,7 @@ class ModelRunner:
         self.graph_steps = 0
         self.tables = BlockTables(rows=max_num_seqs)
         self.staging = Staging(device)  # eager steps: every input array in one host->device copy
+        self.warmup = None  # kvq.calibration.warmup.WarmupScales while static scales are measured
 
     def apply_ops(self, ops) -> None:
         """Run a step's cache ops (seals, copies, swaps) in order, before anything writes KV."""
@@ -80,7 +81,8 @@ class ModelRunner:
             self.apply_ops(sched.ops)
         step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums, seals or ())
         i64 = [np.int64] * 2
-        if self.graphs is not None and logits_rows == list(range(len(ids))) and self.graphs.serves(step):
+        if (self.graphs is not None and self.warmup is None and logits_rows == list(range(len(ids)))
+                and self.graphs.serves(step)):
             self.graph_steps += 1
             fed = None
             if fed_at:
@@ -96,4 +98,7 @@ class ModelRunner:
         if fed_at:
             ids_dev.index_copy_(0, at, feed[0].index_select(0, fed_src))
         logits = self.model(ids_dev, pos_dev, self.pool, meta, self.kernels, rows_dev)
+        if self.warmup is not None and self.warmup.advance(len(ids)):
+            self.pool.observer, warmup, self.warmup = None, self.warmup, None
+            warmup.freeze()  # enqueued after this step's forward, before the next one
         return (logits if logits_rows else None), sample_ids

@@ -90,8 +90,9 @@ def register(sub) -> None:
     e = p.add_argument_group("engine")
     add_device_args(e)
     e.add_argument("--block-size", type=int, default=None, help="cache block size (default: each format's)")
-    e.add_argument("--kv-scales", default=None, metavar="FILE",
-                   help="static KV scales (`kvq calibrate`) for the formats that take them (fp8_e4m3, fp8_e5m2); "
+    e.add_argument("--kv-scales", default=None, metavar="warmup[:N]|FILE",
+                   help="static KV scales for the formats that take them (fp8_e4m3, fp8_e5m2): a file "
+                        "(`kvq calibrate`), or warmup[:N] (absmax over each format's first N tokens, then frozen); "
                         "default: their checkpoint's, else 1.0")
     w = p.add_argument_group("high-precision windows and format options (every evaluated format; not the baseline)")
     w.add_argument("--kv-sink-tokens", type=int, default=None,

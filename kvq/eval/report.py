@@ -215,6 +215,39 @@ def _label(name: str, baseline: str, base: str) -> str:
     return f"{name} ({base}, baseline)" if name == baseline and name != base else name
 
 
+def _plot_plans(plt, fm, plans, bins, baseline, base, out_dir, save) -> str:
+    """plans.png: per bin, bits per cached value against mean KL; uniform formats as labelled points,
+    the plans of ``kvq tune`` as one line (by size): the frontier they draw."""
+    fig, axes = plt.subplots(1, len(bins), figsize=(4.6 * len(bins), 4.6), layout="constrained", squeeze=False)
+    for ax, L in zip(axes[0], bins):
+        at = {n: next((r for r in recs if r["context_length_bin"] == L), None) for n, recs in fm.items()
+              if n != baseline}
+        at = {n: r for n, r in at.items() if r is not None and _q(r)["kl_mean"] > 0}
+
+        def xy(r):
+            return r["kv_cache_capacity"]["bits_per_value"], _q(r)["kl_mean"]
+
+        for n, r in at.items():
+            if n in plans:
+                continue
+            x, y = xy(r)
+            ax.scatter([x], [y], color="tab:blue", zorder=4)
+            ax.annotate(n.split(":")[0], (x, y), fontsize=8, xytext=(5, 4), textcoords="offset points")
+        line = sorted(xy(r) for n, r in at.items() if n in plans)
+        if line:
+            ax.plot([p[0] for p in line], [p[1] for p in line], "o-", color="tab:red", label="kvq tune plans", zorder=5)
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per cached value (resident blocks, sidecars included)")
+        ax.set_title(f"{L} tokens")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"mean KL({base} || format), nats")
+    axes[0][0].legend(loc="best", fontsize=8)
+    fig.suptitle("Tuned per-layer plans (line) against uniform formats (points); same windows, lower is better")
+    fig.savefig(out_dir / "plans.png", **save)
+    plt.close(fig)
+    return "plans.png"
+
+
 def plot_all(result: dict, out_dir: Path) -> dict[str, str]:
     """Write the three PNGs; -> {title: file name}.  Every figure is saved with a tight bounding box, so
     no label, legend or title is clipped."""
@@ -293,6 +326,10 @@ def plot_all(result: dict, out_dir: Path) -> dict[str, str]:
     files["bytes per token vs quality"] = "pareto.png"
     fig.savefig(out_dir / files["bytes per token vs quality"], **save)
     plt.close(fig)
+
+    plans = [n for n in fm if n.startswith("plan:")]
+    if plans:
+        files["plans vs uniform formats"] = _plot_plans(plt, fm, plans, bins, baseline, base, out_dir, save)
 
     with_pk = {n: [r for r in recs if "passkey_by_depth" in _q(r)] for n, recs in fm.items()}
     with_pk = {n: v for n, v in with_pk.items() if v}

@@ -327,7 +327,9 @@ def validate(s: EvalSettings) -> None:
         if not any(static_layers(kv_config(s, f).plan(shape)) for f in s.formats):
             raise ValueError(f"--kv-scales: none of {', '.join(s.formats) or 'the formats'} takes static scales "
                              "(fp8_e4m3, fp8_e5m2 do)")
-        if not Path(s.kv_scales).is_file():
+        from kvq.calibration.warmup import parse_warmup
+
+        if not parse_warmup(s.kv_scales) and not Path(s.kv_scales).is_file():
             raise ValueError(f"--kv-scales {s.kv_scales}: no such file")
     max_len = shape.max_position_embeddings
     for b in (*s.bins, *s.passkey_bins):

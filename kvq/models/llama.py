@@ -200,6 +200,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, positions)
         layer = pool.layers[self.index]
+        if pool.observer is not None:  # static-scale warm-up (kvq.calibration.warmup)
+            pool.observer.observe(self.index, k, v)
         if meta.seals is not None:  # before the write, which may reuse a sealed hp block
             kernels.seal_pairs(layer, meta.seals)
         kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)
