@@ -201,7 +201,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for name in plan.layer_names():
             counts[name] = counts.get(name, 0) + 1
         print(f"KV plan          {plan.label}: " + "; ".join(f"{n} x{c}" for n, c in counts.items()))
-        print(f"per layer        " + " | ".join(f"{i}:{n}" for i, n in enumerate(plan.layer_names())))
+        print("per layer        " + " | ".join(f"{i}:{n}" for i, n in enumerate(plan.layer_names())))
     else:
         print(f"KV format        K {rec['k_format']}, V {rec['v_format']}"
               + (f"; layers {rec['skip_layers']} kept in {plan.hp.name}" if rec["skip_layers"] else ""))

@@ -192,7 +192,7 @@ def test_sensitivity_shards_merge_to_the_whole_measurement(tiny):
     merged = S.merge(parts)
     assert merged.kl == whole.kl and len(whole.kl) == 2 * 3 and not S.missing(merged, 2)
     assert all(v > 0 for v in whole.kl.values())
-    assert sum(whole.kl[(i, "k", "int2_kivi")] for i in range(2)) > sum(whole.kl[(i, "k", "fp8_e4m3")] for i in range(2))
+    assert sum(whole.kl[(i, "k", "int2_kivi")] for i in range(2)) > sum(whole.kl[(i, "k", "fp8_e4m3")] for i in range(2))  # noqa: E501
     with pytest.raises(ValueError, match="measured twice"):
         S.merge([parts[0], parts[0]])
     with pytest.raises(ValueError, match="candidate 'int4_kivi:g64' for K"):

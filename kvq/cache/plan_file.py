@@ -146,7 +146,7 @@ class PlanFile:
         extra = [k for k in obj if k not in _KEYS + _OPTIONAL]
         if missing or extra:
             raise ValueError(f"{path}: " + "; ".join(
-                ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(extra)}"] if extra else [])))
+                ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(extra)}"] if extra else [])))  # noqa: E501
         if not isinstance(obj["model"], dict):
             raise ValueError(f"{path}: model must be an object with num_layers, num_kv_heads, head_dim")
         layers = obj["layers"]

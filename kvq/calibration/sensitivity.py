@@ -187,7 +187,7 @@ def measure(space: Space, windows: list[list[int]], *, device: str = "auto", dty
         return LLMEngine(EngineConfig(
             model=space.model, kv_cache=kv, device=device, dtype=dtype, enforce_eager=True, max_num_seqs=2,
             load_format=load_format, seed=seed,
-            max_num_batched_tokens=max(spec.chunk, 64), kv_cache_memory=max(32 << 20, 3 * space.context * hp_token_bytes),
+            max_num_batched_tokens=max(spec.chunk, 64), kv_cache_memory=max(32 << 20, 3 * space.context * hp_token_bytes),  # noqa: E501
             progress=False, threads=threads))
 
     info = {}

@@ -87,7 +87,7 @@ def register(sub) -> None:
                         "than an 8- or 4-bit tensor does; on a GPU float32 runs the torch reference attention)")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: kvq's)")
     p.add_argument("--name", default=None, help="the plan's name in reports (default tuned-<bits>b)")
-    p.add_argument("--out", default=None, metavar="PLAN.json", help="the plan file to write (required but with --shard)")
+    p.add_argument("--out", default=None, metavar="PLAN.json", help="the plan file to write (required but with --shard)")  # noqa: E501
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_tune)
 

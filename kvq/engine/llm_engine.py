@@ -112,7 +112,7 @@ class EngineConfig:
         before the weights load."""
         if self.kv_cache is not None and self.kv_cache_config_fields() != KVCacheConfig():
             raise ValueError("give the KV cache choices either as kv_cache=KVCacheConfig(...) or as the "
-                             "kv_cache_dtype* / kv_*_tokens / kivi_group_size / block_size / kv_cache_plan fields, not both")
+                             "kv_cache_dtype* / kv_*_tokens / kivi_group_size / block_size / kv_cache_plan fields, not both")  # noqa: E501
         if self.kv_cache is not None and not isinstance(self.kv_cache, KVCacheConfig):
             raise ValueError(f"kv_cache must be a KVCacheConfig, got {type(self.kv_cache).__name__}")
         if not isinstance(self.model, str) or not self.model.strip():

@@ -218,7 +218,7 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], sp
                 passkey.setdefault(L, []).extend(run_haystack(session, hay, s.chunk))
                 bar.update(L)
     engine.block_manager.check_integrity()
-    run = FormatRun(display_name(s, fmt), engine.info, engine.plan, scored, passkey, session.throughput(), time.perf_counter() - t0)
+    run = FormatRun(display_name(s, fmt), engine.info, engine.plan, scored, passkey, session.throughput(), time.perf_counter() - t0)  # noqa: E501
     del session, engine
     gc.collect()
     return run, raw

@@ -91,7 +91,7 @@ def kv_options_from_args(args: argparse.Namespace) -> KVRoleOptions:
     """The disaggregation flags (ValueError: exit code 2)."""
     if args.kv_role != "both" and str(args.kv_scales).startswith("warmup"):
         raise ValueError(f"--kv-scales {args.kv_scales} re-encodes the cache when its scales freeze, which a KV "
-                         f"transfer peer would not see: use a scales file (`kvq calibrate`) with --kv-role {args.kv_role}")
+                         f"transfer peer would not see: use a scales file (`kvq calibrate`) with --kv-role {args.kv_role}")  # noqa: E501
     return KVRoleOptions(role=args.kv_role, peer=args.kv_peer, fallback=args.kv_fallback,
                          timeout_s=args.kv_transfer_timeout, staging_tokens=args.kv_staging_tokens,
                          verify=args.kv_verify)

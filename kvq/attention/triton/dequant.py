@@ -80,7 +80,7 @@ def _dequant_kernel(
     s_hb, s_hh, s_ht,
     table_ptr, s_tb, lens_ptr, out_k, out_v, s_ob, s_oh, s_ot, NB,
     D: tl.constexpr, PAGE: tl.constexpr,
-    K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
+    K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,  # noqa: E501
 ):
     """One program per (sequence, page of its table, KV head)."""
     b = tl.program_id(0)
