@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -317,8 +316,3 @@ def cmd_tune(args: argparse.Namespace) -> int:
     say(f"wrote {args.out} ({pf.name}) in {time.perf_counter() - t0:.0f} s; use it with --kv-cache-plan {args.out}")
     return 0
 
-
-def summary(plan_path: str) -> str:
-    """One line per layer of a plan file (for docs and logs)."""
-    obj = json.loads(Path(plan_path).read_text())
-    return "\n".join(f"{i:>3}  K {x['k']:<16} V {x['v']}" for i, x in enumerate(obj["layers"]))
