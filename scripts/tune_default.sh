@@ -3,6 +3,8 @@
 #   bash scripts/tune_default.sh sensitivity   # single-tensor sensitivities, SHARDS processes side by side
 #   bash scripts/tune_default.sh plans         # plans at several budgets; the 3- and 5-bit ones validated
 #   bash scripts/tune_default.sh eval          # kvq eval: the plans beside the uniform formats, bins to 8192
+#   bash scripts/tune_default.sh eval-gpu      # the same in the model dtype on a GPU, in two runs (each fits a
+#                                              # 10-minute slot on an H200), merged (docs/results/tune/eval_h200)
 # (no argument: all three).  Everything runs in float32 (on a GPU: the torch reference attention), where
 # the KL of a single 8- or 4-bit tensor is not drowned by bfloat16 rounding.  The sensitivity reads the last 2 x 1025 tokens of kvq's reference text; the
 # validation and the eval score only its start (4 passages), so what is scored is held out.
@@ -44,4 +46,16 @@ if [ "$stage" = eval ] || [ "$stage" = all ]; then
     --kv-cache-plan "$plans" --bins 512,2048,4096,8192 --passages 4 --block-size 32 --dtype float32 \
     --passkey-trials 0 --no-progress --out "$out/eval"
   python3 scripts/tune_table.py "$out/eval/results.json"
+fi
+if [ "$stage" = eval-gpu ]; then
+  plans=$(ls "$out"/plans/*.json | paste -sd,)
+  uniform=int2_kivi,int2_per_token,int4_kivi,int4_per_token,fp8_e4m3,fp8_e5m2,fp8_per_block,int8,fp8_per_token_head
+  uniform=$(echo "$uniform,int8_per_token_head" | sed 's/\([a-z0-9_]*\)/\1:r128:s4/g')
+  args=(--bins 512,2048,4096,8192 --passages 4 --block-size 32 --passkey-trials 0 --no-progress)
+  $kvq eval --kv-cache-dtype "$(echo "$uniform" | cut -d, -f1,3,5)" --kv-cache-plan "$plans" "${args[@]}" \
+    --out "$out/eval_gpu_a"
+  $kvq eval --kv-cache-dtype "$(echo "$uniform" | cut -d, -f2,4,6-)" "${args[@]}" --out "$out/eval_gpu_b"
+  python3 scripts/merge_eval.py "$out/eval_h200" "$out/eval_gpu_a/results.json" "$out/eval_gpu_b/results.json"
+  $kvq eval --report-only --out "$out/eval_h200"
+  python3 scripts/tune_table.py "$out/eval_h200/results.json"
 fi

@@ -51,7 +51,14 @@ def main(path: str) -> None:
         verdict = "beats" if len(wins) == len(bins) else f"beats at {len(wins)} of {len(bins)} bins"
         print(f"- `{n}` ({rows[n]['bits']:.2f} bits) {verdict} every uniform format of at most its bytes "
               f"({', '.join(f'`{m}`' for m in rivals)}); KL {ratio}")
-
+        larger = [m for m in order if not m.startswith("plan:") and rows[m]["bits"] > rows[n]["bits"] + 1e-9]
+        beaten = [m for m in larger if all(rows[n]["bins"][L]["kl_mean"] < rows[m]["bins"][L]["kl_mean"]
+                                           for L in bins)]
+        if larger:
+            rest = [m for m in larger if m not in beaten]
+            print(f"  - of the larger uniform formats it beats at every bin: "
+                  f"{', '.join(f'`{m}`' for m in beaten) or 'none'}; not at every bin: "
+                  f"{', '.join(f'`{m}`' for m in rest) or 'none'}")
 
 if __name__ == "__main__":
     main(sys.argv[1])
