@@ -190,6 +190,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--cpu-offload-gb must be a number of GiB >= 0, got {g}")
     if g:
         rec["cpu_offload"] = asdict(plan.capacity(int(g * (1 << 30)), args.context_len))
+    check_range("--tensor-parallel-size", args.tensor_parallel_size, 1)
+    if args.tensor_parallel_size > 1:
+        from kvq.parallel.partition import parallel_capacity
+
+        rec["tensor_parallel"] = parallel_capacity(plan, args.tensor_parallel_size, memory, args.context_len)
     if args.json:
         print(json.dumps(rec, indent=2))
         return 0
@@ -220,6 +225,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"host tier        {format_bytes(host['memory_bytes'])}: {host['num_blocks']} blocks, "
               f"{host['num_tokens']} tokens; {host['sequences']} sequences of {host['context_len']} held at once "
               f"(swapped, or in the CPU prefix cache)")
+    tp = rec.get("tensor_parallel")
+    if tp:
+        for r in tp["ranks"]:
+            a, b = r["kv_heads"]
+            print(f"rank {r['rank']:<12}KV heads {a}..{b - 1}: {r['bytes_per_token']:.1f} bytes per token, "
+                  f"{r['num_blocks']} blocks fit {format_bytes(memory)}")
+        print(f"{tp['size']} ranks          {format_bytes(memory)} each: {tp['num_blocks']} blocks on every rank "
+              f"(the fewest any holds), {tp['num_tokens']} tokens, {format_bytes(tp['bytes_total'])} of KV in all")
     return 0
 
 
@@ -266,6 +279,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "and KV head over the first N tokens served (default 1024), then frozen and the cache "
                         "re-encoded; or a file written by `kvq calibrate` (per layer and KV head, checked against "
                         "the model)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the model and its KV heads are split over (torch.distributed: NCCL on GPUs, one "
+                        "per rank, gloo on the CPU); kvq starts ranks 1..N-1 itself, or joins torchrun's "
+                        "(docs/engine.md, Parallelism); default 1")
+    g.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="seconds a tensor-parallel rank may keep the others waiting before the engine fails "
+                        "(default 600)")
     g.add_argument("--cpu-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="keep finished requests' computed blocks in host memory by prefix hash and load them back "
                         "on a device prefix miss (default: on when --cpu-offload-gb > 0 and prefix caching is on)")
@@ -286,6 +306,7 @@ def engine_config_from_args(args: argparse.Namespace):
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, threads=args.threads,
             preemption_mode=args.preemption_mode, cpu_offload_gb=args.cpu_offload_gb,
             cpu_prefix_cache=args.cpu_prefix_cache, kv_scales=None if args.kv_scales == "none" else args.kv_scales,
+            tensor_parallel_size=args.tensor_parallel_size, distributed_timeout_s=args.distributed_timeout,
         )
     except ValueError as e:  # the API names its fields; here they are flags
         msg = str(e)
@@ -313,7 +334,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[kvq] {info['model']} on {info['device']} ({info['dtype']}); KV {info['kv_cache_dtype']['k']}/"
           f"{info['kv_cache_dtype']['v']}, block {info['block_size']}; backend {info['attention_backend']['resolved']} "
           f"({info['attention_backend']['reason']}); pool {info['kv_pool']['q_blocks']} blocks = "
-          f"{info['kv_pool']['tokens']} tokens; {info['threads']} thread(s)", file=sys.stderr, flush=True)
+          f"{info['kv_pool']['tokens']} tokens; {info['threads']} thread(s)" + llm.engine.describe_parallel(),
+          file=sys.stderr, flush=True)
     prompt = args.prompt
     if not args.no_chat and llm.tokenizer is not None and getattr(llm.tokenizer, "chat_template", None):
         prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
@@ -346,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cpu-offload-gb", type=float, default=0.0,
                     help="also the host tier of that many GiB (swap, docs/offload.md): blocks are stored as on "
                          "the device, so the format's ratio holds there too")
+    pl.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="split the KV heads over N ranks, --memory on each: per-rank bytes and the total")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(func=cmd_plan)
 

@@ -28,6 +28,10 @@ class LLM:
         config.kv_cache_config.check_options_apply()
         self.engine = LLMEngine(config)
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks now (else at exit); the engine is unusable after."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

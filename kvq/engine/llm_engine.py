@@ -42,6 +42,7 @@ from kvq.engine.scheduler import PREEMPTION_MODES, ScheduledSeq, Scheduler, Sche
 from kvq.engine.sequence import Sequence
 from kvq.models.builder import LOAD_FORMATS, build_model
 from kvq.models.source import model_shape, resolve_model
+from kvq.parallel.partition import Partition
 from kvq.units import format_bytes, parse_bytes
 
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -105,6 +106,11 @@ class EngineConfig:
     # static KV scales (formats with static scales: fp8_e4m3, fp8_e5m2): None = 1.0, or a file written
     # by `kvq calibrate` (kvq.calibration.scales), checked against the model and plan before the load
     kv_scales: str | None = None
+    # tensor parallelism (kvq.parallel): ranks over torch.distributed, NCCL on CUDA (one GPU each:
+    # cuda:0..N-1, or LOCAL_RANK under torchrun), gloo on the CPU; a rank that does not answer a
+    # collective within distributed_timeout_s seconds fails the engine
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         """Every choice range-checked here, before a model file is opened (ValueError naming what is
@@ -173,6 +179,26 @@ class EngineConfig:
                              "(`kvq calibrate`) with cpu_offload_gb")
         if self.cpu_prefix_cache and not self.enable_prefix_caching:
             raise ValueError("cpu_prefix_cache keeps prefix-cached blocks: it needs enable_prefix_caching")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"distributed_timeout_s must be a number of seconds > 0, got {t!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        from kvq.calibration.warmup import parse_warmup
+
+        n = self.tensor_parallel_size
+        unsupported = {"cpu_offload_gb > 0 (a host tier)": self.cpu_offload_gb > 0,
+                       "async_scheduling": self.async_scheduling is True,
+                       "kv_scales warmup": bool(parse_warmup(self.kv_scales)),
+                       f"device {self.device!r} (tensor parallel ranks take cuda:0..{n - 1}; use cuda or auto)":
+                       re.fullmatch(r"cuda:\d+", self.device) is not None}
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"tensor_parallel_size {n} does not work with {', '.join(bad)} yet")
 
     @property
     def uses_cpu_prefix_cache(self) -> bool:
@@ -328,6 +354,12 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
+def dist_backend() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
 def hp_blocks_needed(plan: CachePlan, max_num_seqs: int, max_batched_tokens: int) -> int:
     """High-precision blocks for every running sequence's sinks, recent window and tail."""
     pol = plan.window_policy
@@ -341,19 +373,30 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         cfg = config or EngineConfig(**kwargs)
         self.config = cfg
+        self.tp = None
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.tp is not None:  # the other ranks stop with this one
+                self.tp.close(stop_workers=False)
+            raise
+
+    def _build(self, cfg: EngineConfig) -> None:
         # Everything that can be wrong with the choices is checked before the weights load (seconds
         # to minutes): the config's ranges (EngineConfig), the device, the model files' headers, the
         # plan against the model's shape, the backend, the scheduler's limits, and the KV budget
         # against the device's memory wherever it is known without profiling.
         self.device = _resolve_device(cfg.device)
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
-                                 else self.device.type == "cuda")
+                                 else self.device.type == "cuda" and cfg.tensor_parallel_size == 1)
         self.dtype = _resolve_dtype(cfg.dtype, self.device)
         src = resolve_model(cfg.model)
         shape = model_shape(src)
         self.kv_cache = cfg.kv_cache_config
-        self.plan = self.kv_cache.plan(shape)
+        self.plan = self.full_plan = self.kv_cache.plan(shape)  # under TP, self.plan becomes this rank's
         self.static_scales, self.kv_scales_source = self._static_scales(cfg, src, shape)
+        if cfg.tensor_parallel_size > 1:  # ranks start here, once every choice above is known to be valid
+            self._start_parallel(cfg, shape)
         backend, self.backend_choice = select_backend(cfg.attention_backend, self.plan, self.device, self.dtype)
         self.kernels = backend.kernels()
         self.max_model_len = cfg.max_model_len or shape.max_position_embeddings
@@ -376,11 +419,16 @@ class LLMEngine:
         if threads is not None:  # process-wide: torch has one intra-op pool
             torch.set_num_threads(threads)
         self.model, self.tokenizer = build_model(src, load_format=cfg.load_format, dtype=self.dtype,
-                                                 device=self.device, seed=cfg.seed, progress=cfg.progress)
+                                                 device=self.device, seed=cfg.seed,
+                                                 progress=cfg.progress and not (self.tp and self.tp.rank),
+                                                 tp=self.tp)
         if memory is None:
             memory = self._profiled_kv_memory()
         num_q, num_hp = self._pool_blocks(memory)
-        use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager
+        if self.tp is not None:  # one scheduler hands out block ids for every rank: the fewest any can hold
+            num_q, num_hp = self.tp.min_int(num_q), self.tp.min_int(num_hp)
+        # (not yet under tensor parallelism: NCCL collectives inside captured graphs have not run here)
+        use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and self.tp is None
                       and self.backend_choice.resolved in ("triton", "cuda"))
         # CUDA graphs pad batches with rows that write to a null block outside the manager's range
         self.pool = KVPool.create(self.plan, int(num_q) + int(use_graphs), num_hp, self.device, self.static_scales)
@@ -402,6 +450,10 @@ class LLMEngine:
             graphs.capture()
         self.runner = ModelRunner(self.model, self.pool, self.kernels, self.device, graphs, cfg.max_num_seqs,
                                   host_pool=self.host_pool)
+        if self.tp is not None and self.tp.rank == 0:
+            from kvq.parallel.worker import BroadcastRunner
+
+            self.runner = BroadcastRunner(self.runner, self.tp)
         if self._warmup_tokens:
             self._start_warmup(self._warmup_tokens)
         self.sampler = Sampler()
@@ -424,7 +476,7 @@ class LLMEngine:
             "model": src.name,
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
-            "kv_cache_dtype": {"requested": self.kv_cache.requested, **self.plan.describe()},
+            "kv_cache_dtype": {"requested": self.kv_cache.requested, **self.full_plan.describe()},
             "kv_scales": self.kv_scales_source,
             "attention_backend": {"requested": self.backend_choice.requested,
                                   "resolved": self.backend_choice.resolved, "reason": self.backend_choice.reason},
@@ -444,6 +496,7 @@ class LLMEngine:
             "threads": torch.get_num_threads(),
             "cuda_graphs": {"batch_sizes": graphs.sizes, "capture_seconds": round(graphs.capture_seconds, 2)}
             if graphs else None,
+            "tensor_parallel": self._parallel_info() if self.tp is not None else None,
         }
         # Everything built so far (model, tokenizer, graphs: ~10^5-10^6 tracked objects) lives as long
         # as the engine; frozen, the collector stops re-scanning it, which otherwise stalls a step for
@@ -453,6 +506,11 @@ class LLMEngine:
             gc.collect()
             gc.freeze()
         logger.info("%s", self.describe())
+        if self.tp is not None and self.tp.rank != 0 and self.tp.launched_by == "torchrun":
+            from kvq.parallel.worker import follow
+
+            follow(self)  # rank 0 drives; this process has nothing else to do
+            raise SystemExit(0)
 
     def _static_scales(self, cfg: EngineConfig, src, shape) -> tuple[dict | None, str]:
         """Static KV scales and where they come from: ``--kv-scales FILE``, else the checkpoint's own
@@ -486,6 +544,52 @@ class LLMEngine:
                               "or a high-precision format")
         return None, f"checkpoint ({convention}): unused, the cache keeps {self.plan.name}"
 
+    def _start_parallel(self, cfg: EngineConfig, shape) -> None:
+        """Start or join the ranks (kvq.parallel.group); this rank's plan holds its KV heads only,
+        with their static scales."""
+        from dataclasses import replace
+
+        from kvq.parallel import group
+        from kvq.parallel.partition import Partition
+
+        n = cfg.tensor_parallel_size
+        Partition(n, 0, shape.num_attention_heads, shape.num_kv_heads, 1, 1)  # geometry, before any rank starts
+        self.tp = group.start(cfg, n, self.device, cfg.distributed_timeout_s)
+        if self.tp.rank == 0:
+            import atexit
+
+            atexit.register(self.tp.close)
+        self.device = self.tp.device
+        part = Partition(n, self.tp.rank, shape.num_attention_heads, shape.num_kv_heads, 1, 1)
+        a, b = part.kv_heads
+        local = replace(shape, num_kv_heads=b - a, num_attention_heads=part.local_heads)
+        self.plan = replace(self.plan, model=local)
+        if self.static_scales:
+            H = shape.num_kv_heads
+            self.static_scales = {i: tuple(torch.as_tensor(s, dtype=torch.float32).reshape(-1).expand(H)[a:b].clone()
+                                           for s in ks) for i, ks in self.static_scales.items()}
+
+    def _parallel_info(self) -> dict:
+        """Per-rank heads and KV bytes, and the totals: what `kvq plan` and the capacity report show."""
+        heads = [Partition(self.tp.world, r, self.full_plan.model.num_attention_heads,
+                           self.full_plan.model.num_kv_heads, 1, 1).kv_heads for r in range(self.tp.world)]
+        rank_bytes = self.tp.all_ints(self.pool.nbytes())
+        return {"size": self.tp.world, "launched_by": self.tp.launched_by, "backend": dist_backend(),
+                "kv_heads_per_rank": [list(h) for h in heads], "kv_pool_bytes_per_rank": rank_bytes,
+                "kv_pool_bytes_total": sum(rank_bytes)}
+
+    def rank_pools(self) -> list[list[dict]]:
+        """Each rank's KV cache copied to the CPU (one rank without tensor parallelism): per layer,
+        its tensors by name (kvq.parallel.worker.pool_state)."""
+        from kvq.parallel.worker import pool_state
+
+        return self.runner.rank_pools() if self.tp is not None else [pool_state(self.pool)]
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them).  Called at exit too."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.close()
+
     def _start_warmup(self, tokens: int) -> None:
         """``--kv-scales warmup[:N]``: observe the first N tokens, then freeze (kvq.calibration.warmup)."""
         from kvq.calibration.scales import static_layers
@@ -508,7 +612,16 @@ class LLMEngine:
                 f"({format_bytes(pool['bytes'])}); attention {i['attention_backend']['resolved']} "
                 f"({i['attention_backend']['reason']}); max_model_len {i['max_model_len']}; threads {i['threads']}; "
                 f"async scheduling {'on' if i['async_scheduling'] else 'off'}; "
-                f"cuda graphs {'on' if i['cuda_graphs'] else 'off'}")
+                f"cuda graphs {'on' if i['cuda_graphs'] else 'off'}" + self.describe_parallel())
+
+    def describe_parallel(self) -> str:
+        """Empty, or "; tensor parallel ...": the ranks, their KV heads, the KV bytes of all."""
+        tp = self.info["tensor_parallel"]
+        if not tp:
+            return ""
+        heads = ", ".join(f"{a}..{b - 1}" for a, b in tp["kv_heads_per_rank"])
+        return (f"; tensor parallel {tp['size']} ranks over {tp['backend']} (KV heads {heads}; "
+                f"{format_bytes(tp['kv_pool_bytes_total'])} of KV in all; the pool above is rank 0's)")
 
     def _explicit_kv_memory(self) -> int | None:
         """The KV budget where it is known before the model loads: given, or the CPU default."""

@@ -104,6 +104,8 @@ def register(sub) -> None:
     w.add_argument("--kv-cache-dtype-skip-layers", nargs="+", default=(), metavar="LAYER",
                    help="layer indices, or 'sliding_window', kept in the model dtype")
     e.add_argument("--seed", type=int, default=0, help="seed of the passkey keys and names")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks each format's engine is split over (docs/engine.md, Parallelism); default 1")
     e.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: the reference path is many small ops, and on a shared "
                         "2-core machine 1 thread measured ~4x faster than 2; 0 = torch's default)")
@@ -127,7 +129,8 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.attention_backend not in backend_names():
         raise ValueError(f"unknown --attention-backend {args.attention_backend!r}; valid: {', '.join(backend_names())}")
     for flag, value, low, high in (
-            ("--threads", args.threads, 0, None), ("--chunk", args.chunk, 1, None), ("--window", args.window, 1, None),
+            ("--threads", args.threads, 0, None), ("--tensor-parallel-size", args.tensor_parallel_size, 1, None),
+            ("--chunk", args.chunk, 1, None), ("--window", args.window, 1, None),
             ("--passages", args.passages, 1, None), ("--greedy-tokens", args.greedy_tokens, 0, None),
             ("--passkey-trials", args.passkey_trials, 0, None), ("--max-ppl-increase", args.max_ppl_increase, 0, None),
             ("--max-kl", args.max_kl, 0, None), ("--min-top1", args.min_top1, 0, 1),
@@ -192,6 +195,7 @@ def settings_from_args(args: argparse.Namespace):
         memory=parse_bytes(args.memory), cpu_offload=_offload_bytes(args.cpu_offload_gb),
         attention_backend=args.attention_backend, device=args.device,
         dtype=args.dtype, seed=args.seed, threads=args.threads or None,
+        tensor_parallel_size=args.tensor_parallel_size,
         kv=KVCacheConfig(block_size=args.block_size, sink_tokens=args.kv_sink_tokens,
                          residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
                          skip_layers=tuple(args.kv_cache_dtype_skip_layers or ())),

@@ -62,6 +62,7 @@ class EvalSettings:
     progress: bool = True
     kv_scales: str | None = None  # static KV scales file for the formats that take them
     text_tokens: int | None = None  # score only the first N tokens of the text (kvq tune holds out the rest)
+    tensor_parallel_size: int = 1  # ranks each format's engine is split over (kvq.parallel)
 
 
 def hardware_info(device: torch.device) -> dict:
@@ -113,7 +114,7 @@ def _engine(s: EvalSettings, fmt: str):
         model=s.model, kv_cache=kv, kv_scales=scales, attention_backend=s.attention_backend,
         device=s.device, dtype=s.dtype, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=max(s.chunk, 64),
         kv_cache_memory=max(64 << 20, 3 * max_bin * hp_token_bytes), seed=s.seed, progress=s.progress,
-        threads=s.threads or 0))
+        threads=s.threads or 0, tensor_parallel_size=s.tensor_parallel_size))
 
 
 @dataclass
@@ -218,7 +219,8 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], sp
                 passkey.setdefault(L, []).extend(run_haystack(session, hay, s.chunk))
                 bar.update(L)
     engine.block_manager.check_integrity()
-    run = FormatRun(display_name(s, fmt), engine.info, engine.plan, scored, passkey, session.throughput(), time.perf_counter() - t0)  # noqa: E501
+    engine.shutdown()  # the other tensor-parallel ranks, if any
+    run = FormatRun(display_name(s, fmt), engine.info, engine.full_plan, scored, passkey, session.throughput(), time.perf_counter() - t0)  # noqa: E501
     del session, engine
     gc.collect()
     return run, raw

@@ -42,16 +42,18 @@ def _hf_config(src: ModelSource):
 
 
 def build_model(model: str | ModelSource = "default", *, load_format: str = "auto", dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", seed: int = 0, progress: bool = True):
-    """-> (LlamaForCausalLM in eval mode on ``device``, tokenizer or None)."""
+                device: str | torch.device = "cpu", seed: int = 0, progress: bool = True, tp=None):
+    """-> (LlamaForCausalLM in eval mode on ``device``, tokenizer or None).  ``tp`` (a
+    :class:`~kvq.parallel.group.TPGroup`): this rank's shard only (dummy weights: seeded per rank,
+    so they differ between tensor-parallel sizes)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     src = resolve_model(model) if isinstance(model, str) else model
     if load_format == "dummy":
         cfg = LlamaConfig.from_hf(_hf_config(src))
-        torch.manual_seed(seed)
+        torch.manual_seed(seed + (tp.rank if tp is not None else 0))
         with torch.device(device):
-            lm = LlamaForCausalLM(cfg).to(dtype)
+            lm = LlamaForCausalLM(cfg, _partition(cfg, tp), tp).to(dtype)
         for p in lm.parameters():  # small random weights at the real shapes, made on the device
             p.data.normal_(0.0, 0.02)
         for name, p in lm.named_parameters():
@@ -69,9 +71,15 @@ def build_model(model: str | ModelSource = "default", *, load_format: str = "aut
         raise ValueError(f"{src.name} has no weights on disk; use --load-format dummy for its shapes")
     cfg, state, tok = _load_checkpoint(src, progress)
     with torch.device(device):  # the random init the weights overwrite runs where it is fast
-        lm = LlamaForCausalLM(cfg)
+        lm = LlamaForCausalLM(cfg, _partition(cfg, tp), tp)
     lm.load_hf_state_dict(state)
     return lm.to(dtype=dtype).eval(), tok
+
+
+def _partition(cfg: LlamaConfig, tp):
+    from kvq.parallel.partition import Partition
+
+    return Partition.of(cfg, tp.world if tp is not None else 1, tp.rank if tp is not None else 0)
 
 
 @functools.lru_cache(maxsize=1)

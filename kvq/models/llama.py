@@ -25,6 +25,7 @@ from torch import nn
 from kvq.cache.pool import KVPool
 from kvq.cache.step import StepMetadata
 from kvq.models.fused import add_rms_norm, add_rms_norm_torch, apply_rope, silu_mul
+from kvq.parallel.partition import Partition
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -177,10 +178,13 @@ def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float,
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, index: int):
+    """Tensor parallel (``tp`` not None): this rank's query heads and the KV heads of their groups
+    (``part``), o_proj row-parallel with its partial sums all-reduced."""
+
+    def __init__(self, cfg: LlamaConfig, index: int, part: Partition, tp=None):
         super().__init__()
-        self.index = index
-        self.Hq, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.index, self.tp = index, tp
+        self.Hq, self.Hkv, self.D = part.local_heads, part.local_kv_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, (self.Hq + 2 * self.Hkv) * self.D, bias=cfg.attention_bias)
         self.o_proj = Linear(self.Hq * self.D, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
@@ -206,24 +210,46 @@ class Attention(nn.Module):
             kernels.seal_pairs(layer, meta.seals)
         kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)
         o = attend(kernels, q, layer, meta, self.scale, k, v)
-        return self.o_proj(o.reshape(T, self.Hq * self.D))
+        out = self.o_proj(o.reshape(T, self.Hq * self.D))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """Tensor parallel: this rank's intermediate rows; down_proj row-parallel, all-reduced."""
+
+    def __init__(self, cfg: LlamaConfig, part: Partition, tp=None):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * part.local_intermediate, bias=False)
+        self.down_proj = Linear(part.local_intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        out = self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+class VocabEmbedding(nn.Embedding):
+    """The token embedding; tensor parallel: this rank's rows of the (padded) vocabulary, the
+    others' tokens looked up as zeros, and the ranks' rows summed (exact: one term is not zero)."""
+
+    def __init__(self, cfg: LlamaConfig, part: Partition, tp=None):
+        super().__init__(part.local_vocab if tp is not None else cfg.vocab_size, cfg.hidden_size)
+        self.tp, self.start = tp, part.vocab[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return super().forward(ids)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        x = super().forward(local.clamp(0, self.num_embeddings - 1)) * inside[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, index: int):
+    def __init__(self, cfg: LlamaConfig, index: int, part: Partition, tp=None):
         super().__init__()
-        self.self_attn = Attention(cfg, index)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, index, part, tp)
+        self.mlp = MLP(cfg, part, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -236,10 +262,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, part: Partition, tp=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg, part, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, part, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
 
@@ -261,13 +287,19 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder and its LM head; ``forward`` returns logits of selected tokens only."""
+    """The decoder and its LM head; ``forward`` returns logits of selected tokens only.
 
-    def __init__(self, cfg: LlamaConfig):
+    Tensor parallel (``tp``, a :class:`~kvq.parallel.group.TPGroup`): this rank's share ``part``
+    of every sharded layer (:mod:`kvq.parallel.partition`); ``config`` stays the whole model's."""
+
+    def __init__(self, cfg: LlamaConfig, part: Partition | None = None, tp=None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaBody(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.part = part or Partition.of(cfg, 1, 0)
+        self.tp = tp
+        self.model = LlamaBody(cfg, self.part, tp)
+        rows = self.part.local_vocab if tp is not None else cfg.vocab_size
+        self.lm_head = Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -280,11 +312,19 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.model.rotary_emb, pool, meta, kernels)
         x = x.index_select(0, logits_indices)
         x, _ = self.model.norm.add_norm(x, residual.index_select(0, logits_indices))
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.tp is not None:  # every rank's vocabulary rows, padding cut
+            logits = self.tp.gather_columns(logits)[:, : self.config.vocab_size]
+        return logits
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF Llama-family state dict; every parameter must be covered."""
-        state = fuse_projections({k: v for k, v in state.items() if "rotary_emb" not in k})
+        state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+        if self.tp is not None:
+            from kvq.parallel.shard import shard_state_dict
+
+            state = shard_state_dict(state, self.config, self.part)
+        state = fuse_projections(state)
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         missing, unexpected = self.load_state_dict(state, strict=False)

@@ -1,0 +1,129 @@
+"""Which slice of a model each tensor-parallel rank holds (no tensors here).
+
+Attention splits by KV head: rank r holds a contiguous run of KV heads and the query heads of their
+groups, so a KV head's codes, scales, zero points and high-precision blocks live on exactly one rank
+and every KV format keeps its bytes per head.  When the KV heads do not divide evenly (SmolLM2-135M
+has 3), the first ranks take one head more; the slowest rank sets the pace, and the pools of every
+rank hold the same number of blocks (the fewest any rank can afford), because one scheduler hands
+out block ids for all of them.  The MLP's intermediate rows split the same way; the vocabulary is
+padded to a multiple of the world size so that every rank's LM-head logits have one shape (the
+padded ids are never sampled: they are cut after the gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def split(n: int, world: int, rank: int) -> tuple[int, int]:
+    """[start, end) of ``rank``'s share of ``n`` items in contiguous runs; the first ``n % world``
+    ranks take one more."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Rank ``rank`` of ``world``: its heads, intermediate rows and vocabulary rows."""
+
+    world: int
+    rank: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world, int) or self.world < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.world!r}")
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} outside 0..{self.world - 1}")
+        if self.world > self.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {self.world} exceeds the model's {self.num_kv_heads} KV heads: "
+                             f"each rank must hold at least one (valid: 1..{self.num_kv_heads})")
+
+    @classmethod
+    def of(cls, cfg, world: int, rank: int) -> "Partition":
+        """For a :class:`~kvq.models.llama.LlamaConfig` (or anything with its field names)."""
+        return cls(world, rank, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size)
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        return split(self.num_kv_heads, self.world, self.rank)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        a, b = self.kv_heads
+        return a * self.group, b * self.group
+
+    @property
+    def intermediate(self) -> tuple[int, int]:
+        return split(self.intermediate_size, self.world, self.rank)
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.world) * self.world
+
+    @property
+    def vocab(self) -> tuple[int, int]:
+        """[start, end) of this rank's rows of the padded vocabulary (equal for every rank)."""
+        per = self.padded_vocab // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    @property
+    def local_kv_heads(self) -> int:
+        a, b = self.kv_heads
+        return b - a
+
+    @property
+    def local_heads(self) -> int:
+        a, b = self.heads
+        return b - a
+
+    @property
+    def local_intermediate(self) -> int:
+        a, b = self.intermediate
+        return b - a
+
+    @property
+    def local_vocab(self) -> int:
+        a, b = self.vocab
+        return b - a
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "world": self.world, "kv_heads": list(self.kv_heads), "heads": list(self.heads),
+                "intermediate": list(self.intermediate), "vocab": list(self.vocab)}
+
+
+def rank_plans(plan, world: int) -> list[tuple[tuple[int, int], object]]:
+    """A :class:`~kvq.cache.plan.CachePlan` split over ``world`` ranks: per rank, its KV heads
+    [start, end) and the plan of its own pool (the same formats over fewer heads)."""
+    from dataclasses import replace
+
+    m = plan.model
+    out = []
+    for r in range(world):
+        part = Partition(world, r, m.num_attention_heads, m.num_kv_heads, 1, 1)
+        a, b = part.kv_heads
+        out.append(((a, b), replace(plan, model=replace(m, num_kv_heads=b - a, num_attention_heads=part.local_heads))))
+    return out
+
+
+def parallel_capacity(plan, world: int, memory: int, context_len: int | None = None) -> dict:
+    """``memory`` bytes on each of ``world`` ranks: every rank's bytes, and what the engine can use
+    (each rank's pool holds the fewest blocks any rank can, since one scheduler hands out block ids)."""
+    ranks = []
+    for (a, b), p in rank_plans(plan, world):
+        cap = p.capacity(memory, context_len)
+        ranks.append({"rank": len(ranks), "kv_heads": [a, b], "bytes_per_block": p.bytes_per_block,
+                      "bytes_per_token": p.bytes_per_token, "num_blocks": cap.num_blocks})
+    blocks = min(r["num_blocks"] for r in ranks)
+    used = [blocks * r["bytes_per_block"] for r in ranks]
+    return {"size": world, "memory_per_rank": memory, "ranks": ranks, "num_blocks": blocks,
+            "num_tokens": blocks * plan.block_size, "bytes_per_rank": used, "bytes_total": sum(used)}

@@ -1,0 +1,139 @@
+"""Ranks 1..N-1 of a tensor-parallel engine: build the same engine as rank 0, then run what rank 0
+tells them, step by step, until it says stop.
+
+Rank 0 keeps the scheduler, the block manager and the sampler; its :class:`BroadcastRunner` sends
+each step's data object (the scheduler's output, with the tokens it feeds) to the others before
+running it, so every rank runs the same forward on its own heads and the collectives inside it
+meet.  Cache ops (seals, copies) travel the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+logger = logging.getLogger("kvq")
+
+FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+          if hasattr(torch, n)}
+
+
+class StepTokens:
+    """The tokens a step feeds, per sequence, standing in for the engine's sequences on ranks > 0."""
+
+    def __init__(self, tokens: dict[int, tuple[int, list[int]]]):
+        self.tokens = tokens  # seq id -> (start position, tokens from there)
+
+    def __getitem__(self, seq_id: int) -> "StepTokens._One":
+        return StepTokens._One(*self.tokens[seq_id])
+
+    class _One:
+        def __init__(self, start: int, ids: list[int]):
+            self.start, self.ids = start, ids
+
+        def token_ids(self, a: int, b: int) -> list[int]:
+            return self.ids[a - self.start: b - self.start]
+
+
+def pool_state(pool) -> list[dict]:
+    """Per layer, the pool's tensors by name on the CPU (float8 ones as uint8 views)."""
+    out = []
+    for layer in pool.layers:
+        d = {f"k.{n}": t for n, t in layer.k.items()} | {f"v.{n}": t for n, t in layer.v.items()}
+        d |= {"k_hp": layer.k_hp, "v_hp": layer.v_hp, "k_scale": layer.k_scale, "v_scale": layer.v_scale}
+        # float8 tensors travel as their bytes (uint8): torch's pickling does not carry float8 storages
+        out.append({n: (t.view(torch.uint8) if t.dtype in FLOAT8 else t).detach().cpu().clone()
+                    for n, t in d.items()})
+    return out
+
+
+def step_tokens(sched, seqs) -> StepTokens:
+    return StepTokens({it.seq_id: (it.start, seqs[it.seq_id].token_ids(it.start, it.start + it.num_new_tokens))
+                       for it in sched.scheduled})
+
+
+class BroadcastRunner:
+    """Rank 0's runner: each call is sent to the other ranks, then run here."""
+
+    def __init__(self, runner, group):
+        self.runner, self.group = runner, group
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def _send(self, message) -> None:
+        try:
+            self.group.send(message)
+        except Exception as e:  # noqa: BLE001
+            raise self.failed(e) from None
+
+    def failed(self, e: Exception) -> RuntimeError:
+        """A rank died or hung: every rank is stopped, and the error says which."""
+        codes = self.group.worker_exit_codes()
+        self.group.close(stop_workers=False)
+        return RuntimeError(f"tensor parallel: a rank failed ({type(e).__name__}: {e}); "
+                            f"worker exit codes {codes}; the engine is shut down")
+
+    def apply_ops(self, ops) -> None:
+        self._send(("ops", ops))
+        self.runner.apply_ops(ops)
+
+    def rank_pools(self) -> list[list[dict]]:
+        """Every rank's cache, copied to the CPU: per rank, per layer, its tensors by name (K/V planes,
+        high-precision blocks, static scales) -- what each rank stores, to inspect or compare."""
+        self._send(("pools",))
+        mine = pool_state(self.runner.pool)
+        return [mine] + [self.group.gather_from(r, None) for r in range(1, self.group.world)]
+
+    def execute(self, sched, seqs, feed=None):
+        if feed is not None:
+            raise RuntimeError("tensor parallelism runs without asynchronous scheduling")
+        tokens = step_tokens(sched, seqs)
+        self._send(("step", sched, tokens.tokens))
+        try:
+            return self.runner.execute(sched, tokens)
+        except RuntimeError as e:
+            if "gloo" in str(e).lower() or "nccl" in str(e).lower() or "connection" in str(e).lower():
+                raise self.failed(e) from None
+            raise
+
+
+def follow(engine) -> None:
+    """Run rank 0's messages on this rank's engine until it says stop (or its socket closes)."""
+    group, runner = engine.tp, engine.runner
+    while True:
+        message = group.receive()
+        kind = message[0]
+        if kind == "stop":
+            break
+        if kind == "ops":
+            runner.apply_ops(message[1])
+        elif kind == "pools":
+            for r in range(1, group.world):
+                group.gather_from(r, pool_state(runner.pool) if r == group.rank else None)
+        elif kind == "step":
+            runner.execute(message[1], StepTokens(message[2]))
+        else:
+            raise RuntimeError(f"tensor parallel: unknown message {kind!r}")
+    group.close(stop_workers=False)
+
+
+def spawned_worker(config, rank: int, world: int, init_method: str, timeout_s: float) -> None:
+    """Entry point of a rank that kvq spawned: join the group, build the engine, follow rank 0."""
+    from kvq.engine.llm_engine import LLMEngine, _resolve_device
+    from kvq.parallel import group as tp
+
+    os.environ.pop("WORLD_SIZE", None)  # this rank's group is kvq's, whatever the parent's environment
+    try:
+        device = tp.rank_device(_resolve_device(config.device), rank)
+        tp._init(rank, world, device, init_method, timeout_s)
+        tp.set_worker_group(tp.TPGroup(rank, world, rank, device, timeout_s))
+        engine = LLMEngine(config)
+        follow(engine)
+    except Exception as e:  # noqa: BLE001 - reported by rank 0 from the exit code and its own error
+        print(f"[kvq] tensor parallel rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+        sys.exit(1)
