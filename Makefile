@@ -32,12 +32,24 @@ test: install-test
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test bench-kernels bench-engine bench-server bench-offload bench-kv-transfer disagg-check
+.PHONY: gpu-test gpu-test-tp bench-tp bench-kernels bench-engine bench-server bench-offload bench-kv-transfer disagg-check
 gpu-test:
 	bash scripts/gpu.sh test
 
 bench-kernels:
 	bash scripts/gpu.sh bench-kernels
+
+# two GPUs (device kind nvidia-h200-x2): tensor-parallel equality, then TP=1 vs TP=2 on dummy Llama-3-8B and
+# a Llama-3-70B-shaped model that fits only on two GPUs, with fp8 and int4_kivi KV at 8K contexts
+gpu-test-tp:
+	bash scripts/gpu.sh test-tp
+bench-tp:
+	bash scripts/gpu.sh bench-engine --formats bfloat16,fp8_e4m3 --workloads 1024x256 --concurrency 1,64 \
+	  --out docs/results/bench_engine_tp1_h200.json
+	bash scripts/gpu.sh bench-engine --formats bfloat16,fp8_e4m3 --workloads 1024x256 --concurrency 1,64 \
+	  --tensor-parallel-size 2 --out docs/results/bench_engine_tp2_h200x2.json
+	bash scripts/gpu.sh bench-engine --model llama-3-70b --formats fp8_e4m3,int4_kivi --workloads 8192x256 \
+	  --concurrency 16 --skip "" --tensor-parallel-size 2 --out docs/results/bench_engine_70b_tp2_h200x2.json
 
 bench-engine:
 	bash scripts/gpu.sh bench-engine --formats bfloat16,fp8_e4m3 --hf

@@ -152,16 +152,20 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                                     max_num_seqs=max(concs), max_num_batched_tokens=args.max_num_batched_tokens,
                                     gpu_memory_utilization=args.gpu_memory_utilization, progress=False,
                                     kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
-                                    async_scheduling=async_scheduling))
+                                    async_scheduling=async_scheduling,
+                                    tensor_parallel_size=args.tensor_parallel_size))
     info = engine.info
-    plan = engine.plan
+    plan = engine.full_plan  # every rank's heads (under tensor parallelism engine.plan is rank 0's)
     system = "kvq-async" if engine.async_scheduling else "kvq"  # asynchronous scheduling is the default on CUDA
+    if args.tensor_parallel_size > 1:
+        system += f"-tp{args.tensor_parallel_size}"
     res.data["capacity"][fmt] = {"q_blocks": info["kv_pool"]["q_blocks"], "hp_blocks": info["kv_pool"]["hp_blocks"],
                                  "tokens": info["kv_pool"]["tokens"], "pool_bytes": info["kv_pool"]["bytes"],
                                  "bytes_per_token": plan.bytes_per_token, "block_size": plan.block_size,
                                  "k": info["kv_cache_dtype"]["k"], "v": info["kv_cache_dtype"]["v"],
                                  "backend": info["attention_backend"], "cuda_graphs": info["cuda_graphs"],
-                                 "engine_start_s": time.perf_counter() - t0}
+                                 "engine_start_s": time.perf_counter() - t0,
+                                 "tensor_parallel": info["tensor_parallel"]}
     res.save()
     print(f"[{system} {fmt}] pool {info['kv_pool']['q_blocks']} blocks = {info['kv_pool']['tokens']} tokens "
           f"({info['kv_pool']['bytes'] / 2**30:.1f} GiB), backend {info['attention_backend']['resolved']}, "
@@ -193,6 +197,7 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                       f"(roofline {1e3 * (r['roofline_step_s'] or 0):.2f} ms), "
                       f"step {1e3 * (r['decode_step_mean_s'] or 0):.2f}"
                       f" ms, preempt {r['preemptions']} [{time.perf_counter() - t:.0f}s]", flush=True)
+    engine.shutdown()
     del engine
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -293,6 +298,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (GPUs) the engine is split over; the pool of each holds kv_cache_memory / "
+                        "gpu_memory_utilization's share of its own GPU")
     p.add_argument("--scheduling", default="default", help="default (the engine's: async on CUDA), sync, async, "
                    "or a list such as sync,async (one engine each, per format; recorded as systems kvq and "
                    "kvq-async)")

@@ -10,6 +10,7 @@
 #   bash scripts/gpu.sh bench-kv-transfer  # bf16 sender -> receiver format: cast ms, NIXL GB/s vs a device copy
 #   bash scripts/gpu.sh disagg-check       # prefill + decode servers vs colocated: greedy texts equal per format
 #   bash scripts/gpu.sh probe           # quick decode timing probe
+#   bash scripts/gpu.sh test-tp         # tensor-parallel equality tests on 2 GPUs (kind nvidia-h200-x2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD"
@@ -19,6 +20,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfer" FLASHINFER_NO_DOWNLOAD=1 \
   TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared machines (the device notes, KINDS.md), for every rank kvq starts too
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 target="${1:-test}"; shift || true
 # on the device machine only $OUT comes back: copy the results there however the target ends
 # (only the files this run wrote: the device returns a limited number of files)
@@ -31,10 +34,11 @@ case "$target" in
           tests/test_formats_spec.py "$@" ;;
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
+  test-tp) KVQ_TEST_TP_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py "$@" ;;
   bench-server) python3 benchmarks/bench_server.py "$@" ;;
   bench-offload) python3 benchmarks/bench_offload.py "$@" ;;
   bench-kv-transfer) python3 benchmarks/bench_kv_transfer.py "$@" ;;
   disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
-  *) echo "unknown target $target (test, bench-kernels, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, test-tp, bench-kernels, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
 esac

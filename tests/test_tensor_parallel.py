@@ -93,6 +93,8 @@ def test_cli_tensor_parallel_size_too_large_exits_2():
 
 
 # -- two ranks against one on the default model ---------------------------------------------------
+#: `make gpu-test-tp` runs these on two GPUs (NCCL); CI on the CPU (gloo)
+DEVICE = os.environ.get("KVQ_TEST_TP_DEVICE", "cpu")
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
            "Once upon a time, in a small village by the sea, there lived"]
 BLOCKS = 96
@@ -104,7 +106,7 @@ def _serve(tp: int, fmt: str):
     rank's, so that block ids line up."""
     plan = make_plan(model_shape(resolve_model("default")), fmt)
     memory = BLOCKS * plan.bytes_per_block * 2 // 3 if tp == 2 else BLOCKS * plan.bytes_per_block
-    llm = LLM(tensor_parallel_size=tp, kv_cache_dtype=fmt, device="cpu", progress=False, kv_cache_memory=memory,
+    llm = LLM(tensor_parallel_size=tp, kv_cache_dtype=fmt, device=DEVICE, progress=False, kv_cache_memory=memory,
               max_num_seqs=4, max_num_batched_tokens=256)
     try:
         llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
@@ -144,7 +146,7 @@ def test_two_ranks_match_one(fmt):
         assert equal == len(PROMPTS)
     assert info2["kv_pool"]["q_blocks"] == info1["kv_pool"]["q_blocks"]
     tp = info2["tensor_parallel"]
-    assert tp["kv_heads_per_rank"] == [[0, 2], [2, 3]] and tp["backend"] == "gloo"
+    assert tp["kv_heads_per_rank"] == [[0, 2], [2, 3]] and tp["backend"] == ("gloo" if DEVICE == "cpu" else "nccl")
     assert tp["kv_pool_bytes_total"] == sum(tp["kv_pool_bytes_per_rank"]) == info1["kv_pool"]["bytes"]
     for (a, b), pool in zip(tp["kv_heads_per_rank"], pools2):
         for layer, (mine, whole) in enumerate(zip(pool, pool1)):
@@ -163,7 +165,7 @@ def test_two_ranks_match_one(fmt):
 
 
 def test_a_dead_rank_fails_the_engine_and_stops_the_others():
-    llm = LLM(tensor_parallel_size=2, device="cpu", progress=False, kv_cache_memory="64MiB", max_num_seqs=2,
+    llm = LLM(tensor_parallel_size=2, device=DEVICE, progress=False, kv_cache_memory="64MiB", max_num_seqs=2,
               max_num_batched_tokens=64, distributed_timeout_s=60)
     workers = list(llm.engine.tp.workers)
     assert len(workers) == 1 and workers[0].is_alive()

@@ -52,8 +52,13 @@ def build_model(model: str | ModelSource = "default", *, load_format: str = "aut
     if load_format == "dummy":
         cfg = LlamaConfig.from_hf(_hf_config(src))
         torch.manual_seed(seed + (tp.rank if tp is not None else 0))
-        with torch.device(device):
-            lm = LlamaForCausalLM(cfg, _partition(cfg, tp), tp).to(dtype)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # made in the model dtype: a 70B shard in float32 would not fit a GPU
+        try:
+            with torch.device(device):
+                lm = LlamaForCausalLM(cfg, _partition(cfg, tp), tp).to(dtype)  # (buffers as before)
+        finally:
+            torch.set_default_dtype(default)
         for p in lm.parameters():  # small random weights at the real shapes, made on the device
             p.data.normal_(0.0, 0.02)
         for name, p in lm.named_parameters():
