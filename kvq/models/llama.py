@@ -130,26 +130,50 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-#: On the CPU a linear layer's rows are padded to a multiple of this (see :class:`Linear`).
-CPU_ROW_MULTIPLE = 4
+#: Row multiples tried, smallest first, for :func:`cpu_row_multiple`.
+CPU_ROW_MULTIPLES = (4, 8, 16, 32)
+_row_multiple: dict[tuple, int] = {}
+
+
+def cpu_row_multiple(weight: torch.Tensor) -> int:
+    """The smallest row multiple (of :data:`CPU_ROW_MULTIPLES`) at which this CPU's GEMM computes
+    a row of ``x @ weight.T`` exactly as it does among 64 rows, whatever the batch; measured once
+    per weight shape, dtype and thread count.  Machines differ: on one (AVX2) every multiple of 4
+    matched; on a Sapphire Rapids (AMX) core, one thread, 4-12 rows took another kernel than 16 or
+    more (the last bits differ), so there it is 16."""
+    key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
+    found = _row_multiple.get(key)
+    if found is None:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, weight.shape[1], generator=g).to(weight.dtype)
+        with torch.inference_mode():
+            full = torch.nn.functional.linear(x, weight)
+            found = next((r for r in CPU_ROW_MULTIPLES
+                          if all(torch.equal(torch.nn.functional.linear(x[:n], weight), full[:n])
+                                 for n in range(r, 64, r))), 64)
+        _row_multiple[key] = found
+    return found
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose output rows on the CPU do not depend on the other rows of the batch.
 
     The CPU GEMM picks its kernel and splits its work by the row count: in float32 a row
-    computed among 1-3 rows, or in a remainder tile split off across threads, differs in the
+    computed among few rows, or in a remainder tile split off across threads, differs in the
     last bits from the same row computed among others, and a quantized cache turns such bits
-    into different codes.  Padding the rows to a multiple of :data:`CPU_ROW_MULTIPLE` keeps
-    every row on the same kernel path (checked bit for bit on the default model's projection
-    shapes for 1, 2 and 4 threads), so a request's greedy output is the same alone and batched
-    (``tests/test_batch_invariance.py``).  It costs a one-sequence CPU decode about 1.3x (4
-    rows where 1 would do; 8 measured 1.6x).  On CUDA the GEMM is left to cuBLAS, which chooses
-    its algorithm by the batch (docs/engine.md)."""
+    into different codes.  Padding the rows to a multiple of :func:`cpu_row_multiple` (4 on the
+    machine where this was first checked, bit for bit on the default model's projection shapes
+    for 1, 2 and 4 threads; 16 on another) keeps every row on the same kernel path, so a
+    request's greedy output is the same alone and batched (``tests/test_batch_invariance.py``).
+    It costs a one-sequence CPU decode about 1.3x at 4 rows (8 measured 1.6x; 16 about 1.5-2x per
+    GEMM).  On CUDA the GEMM is left to cuBLAS, which chooses its algorithm by the batch
+    (docs/engine.md)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pad = -x.shape[0] % CPU_ROW_MULTIPLE
-        if x.device.type != "cpu" or pad == 0:
+        if x.device.type != "cpu":
+            return super().forward(x)
+        pad = -x.shape[0] % cpu_row_multiple(self.weight)
+        if pad == 0:
             return super().forward(x)
         return super().forward(torch.cat([x, x.new_zeros(pad, *x.shape[1:])]))[: x.shape[0]]
 
