@@ -232,7 +232,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"rank {r['rank']:<12}KV heads {a}..{b - 1}: {r['bytes_per_token']:.1f} bytes per token, "
                   f"{r['num_blocks']} blocks fit {format_bytes(memory)}")
         print(f"{tp['size']} ranks          {format_bytes(memory)} each: {tp['num_blocks']} blocks on every rank "
-              f"(the fewest any holds), {tp['num_tokens']} tokens, {format_bytes(tp['bytes_total'])} of KV in all")
+              f"(the fewest any holds), {tp['num_tokens']} tokens, {format_bytes(tp['bytes_total'])} of KV in all"
+              + (f"; each KV head on {tp['kv_head_replicas']} ranks" if tp["kv_head_replicas"] > 1 else ""))
     return 0
 
 

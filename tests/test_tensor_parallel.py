@@ -3,6 +3,7 @@ default model served by two ranks against one, token for token and byte for byte
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -34,15 +35,18 @@ def test_split_covers_everything_once_in_order(n, world):
 
 @given(kv=st.integers(1, 16), group=st.integers(1, 8), world=st.integers(1, 16), vocab=st.integers(1, 100_000))
 def test_partition_keeps_query_groups_with_their_kv_head(kv, group, world, vocab):
-    if world > kv:
+    if world > kv and (world % kv or (kv * group) % world):
         with pytest.raises(ValueError, match=r"valid: 1\.\.%d" % kv):
             Partition(world, 0, kv * group, kv, 64, vocab)
         return
     parts = [Partition(world, r, kv * group, kv, 64, vocab) for r in range(world)]
-    assert sum(p.local_kv_heads for p in parts) == kv and all(p.local_kv_heads >= 1 for p in parts)
+    replicas = max(1, world // kv)
+    assert all(p.replicas == replicas and p.local_kv_heads >= 1 for p in parts)
+    assert sum(p.local_kv_heads for p in parts) == kv * replicas  # each KV head on `replicas` ranks
+    assert [h for p in parts for h in range(*p.heads)] == list(range(kv * group))  # each query head once
     for p in parts:
         (ka, kb), (qa, qb) = p.kv_heads, p.heads
-        assert (qa, qb) == (ka * group, kb * group)  # a KV head's queries live on its rank
+        assert ka * group <= qa < qb <= kb * group  # a rank's queries read only the KV heads it holds
     assert {p.local_vocab for p in parts} == {parts[0].padded_vocab // world}
     assert parts[0].padded_vocab >= vocab > parts[0].padded_vocab - world
 
@@ -190,3 +194,83 @@ def test_kvq_plan_shows_every_rank_and_the_total():
     fullest = tp["ranks"][0]["bytes_per_block"]
     assert tp["num_blocks"] == min(x["num_blocks"] for x in tp["ranks"]) == (1 << 30) // fullest
     assert tp["bytes_total"] == tp["num_blocks"] * rec["bytes_per_block"]
+
+
+# -- replicated KV heads and per-head scales, on tiny checkpoints ------------------------------------
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
+            intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+            rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+            torch_dtype="float32")
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer():
+    from kvq.models.loader import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+def _tiny_checkpoint(path, extra: dict | None = None, **config) -> str:
+    """An HF folder with random weights (seeded): config.json and model.safetensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = {**TINY, **config}
+    g = torch.Generator().manual_seed(1)
+    H, D, kv, hq, inter = cfg["hidden_size"], cfg["head_dim"], cfg["num_key_value_heads"], cfg["num_attention_heads"], \
+        cfg["intermediate_size"]
+    w = {"model.embed_tokens.weight": (cfg["vocab_size"], H), "lm_head.weight": (cfg["vocab_size"], H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": (hq * D, H), p + "self_attn.k_proj.weight": (kv * D, H),
+              p + "self_attn.v_proj.weight": (kv * D, H), p + "self_attn.o_proj.weight": (H, hq * D),
+              p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+              p + "mlp.down_proj.weight": (H, inter)}
+    tensors = {k: torch.randn(s, generator=g) * 0.2 for k, s in w.items()}
+    for i in range(cfg["num_hidden_layers"]):
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{n}.weight"] = torch.ones(H)
+    tensors["model.norm.weight"] = torch.ones(H)
+    path.mkdir(parents=True, exist_ok=True)
+    _tokenizer().save_pretrained(str(path))  # the default model's (prompts here are ids below 256)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({**tensors, **(extra or {})}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_more_ranks_than_kv_heads_replicate_them(tmp_path):
+    model = _tiny_checkpoint(tmp_path / "mqa")  # 4 query heads, 1 KV head: 2 ranks hold it both
+    prompts = [[5, 17, 99, 3, 42, 7, 200, 11], [1, 2, 3, 4]]
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(model, tensor_parallel_size=tp, kv_cache_dtype="int8_per_token_head", device=DEVICE,
+                  progress=False, kv_cache_memory="4MiB", max_num_seqs=2, max_num_batched_tokens=64)
+        try:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, logprobs=5), use_tqdm=False)
+            got[tp] = ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm.engine.rank_pools(),
+                       llm.engine.info)
+        finally:
+            llm.shutdown()
+    _same_or_near_tie(got[1][0], got[2][0])
+    info = got[2][2]["tensor_parallel"]
+    assert info["kv_head_replicas"] == 2 and info["kv_heads_per_rank"] == [[0, 1], [0, 1]]
+    for pool in got[2][1]:  # each rank's copy of the KV head is layer 0 of the one-rank cache, bit for bit
+        for name, t in pool[0].items():
+            assert torch.equal(t, got[1][1][0][0][name]), name
+
+
+def test_per_head_checkpoint_scales_follow_their_heads(tmp_path):
+    scales = {f"model.layers.{i}.self_attn.{r}_proj.{r}_scale": torch.tensor([0.25, 0.75]) * (i + 1)
+              for i in range(2) for r in "kv"}
+    model = _tiny_checkpoint(tmp_path / "modelopt", scales, num_key_value_heads=2)
+    llm = LLM(model, tensor_parallel_size=2, kv_cache_dtype="fp8_e4m3", device=DEVICE, progress=False,
+              kv_cache_memory="4MiB", max_num_seqs=2, max_num_batched_tokens=64)
+    try:
+        pools = llm.engine.rank_pools()
+    finally:
+        llm.shutdown()
+    for rank, pool in enumerate(pools):
+        for layer in range(2):
+            want = [(0.25, 0.75)[rank] * (layer + 1)]
+            assert pool[layer]["k_scale"].tolist() == want and pool[layer]["v_scale"].tolist() == want

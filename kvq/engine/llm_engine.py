@@ -571,10 +571,12 @@ class LLMEngine:
 
     def _parallel_info(self) -> dict:
         """Per-rank heads and KV bytes, and the totals: what `kvq plan` and the capacity report show."""
-        heads = [Partition(self.tp.world, r, self.full_plan.model.num_attention_heads,
-                           self.full_plan.model.num_kv_heads, 1, 1).kv_heads for r in range(self.tp.world)]
+        m = self.full_plan.model
+        parts = [Partition(self.tp.world, r, m.num_attention_heads, m.num_kv_heads, 1, 1) for r in range(self.tp.world)]
+        heads = [p.kv_heads for p in parts]
         rank_bytes = self.tp.all_ints(self.pool.nbytes())
         return {"size": self.tp.world, "launched_by": self.tp.launched_by, "backend": dist_backend(),
+                "kv_head_replicas": parts[0].replicas,
                 "kv_heads_per_rank": [list(h) for h in heads], "kv_pool_bytes_per_rank": rank_bytes,
                 "kv_pool_bytes_total": sum(rank_bytes)}
 

@@ -3,7 +3,9 @@
 Attention splits by KV head: rank r holds a contiguous run of KV heads and the query heads of their
 groups, so a KV head's codes, scales, zero points and high-precision blocks live on exactly one rank
 and every KV format keeps its bytes per head.  When the KV heads do not divide evenly (SmolLM2-135M
-has 3), the first ranks take one head more; the slowest rank sets the pace, and the pools of every
+has 3), the first ranks take one head more; with more ranks than KV heads (a multiple of them, each
+rank an equal share of the query heads), each KV head is replicated on world / heads ranks, as vLLM
+does, each computing it from the same weights for its own query heads; the slowest rank sets the pace, and the pools of every
 rank hold the same number of blocks (the fewest any rank can afford), because one scheduler hands
 out block ids for all of them.  The MLP's intermediate rows split the same way; the vocabulary is
 padded to a multiple of the world size so that every rank's LM-head logits have one shape (the
@@ -39,9 +41,12 @@ class Partition:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.world!r}")
         if not 0 <= self.rank < self.world:
             raise ValueError(f"rank {self.rank} outside 0..{self.world - 1}")
-        if self.world > self.num_kv_heads:
-            raise ValueError(f"tensor_parallel_size {self.world} exceeds the model's {self.num_kv_heads} KV heads: "
-                             f"each rank must hold at least one (valid: 1..{self.num_kv_heads})")
+        if self.world > self.num_kv_heads and (self.world % self.num_kv_heads or self.num_heads % self.world):
+            valid = [n for n in range(self.num_kv_heads + 1, self.num_heads + 1)
+                     if n % self.num_kv_heads == 0 and self.num_heads % n == 0]
+            raise ValueError(f"tensor_parallel_size {self.world} exceeds the model's {self.num_kv_heads} KV heads and "
+                             f"is not a multiple of them dividing its {self.num_heads} query heads (valid: "
+                             f"1..{self.num_kv_heads}{''.join(f', {n}' for n in valid)})")
 
     @classmethod
     def of(cls, cfg, world: int, rank: int) -> "Partition":
@@ -54,11 +59,22 @@ class Partition:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def replicas(self) -> int:
+        """Ranks that hold each KV head (1 unless there are more ranks than KV heads)."""
+        return max(1, self.world // self.num_kv_heads)
+
+    @property
     def kv_heads(self) -> tuple[int, int]:
+        if self.replicas > 1:
+            j = self.rank // self.replicas
+            return j, j + 1
         return split(self.num_kv_heads, self.world, self.rank)
 
     @property
     def heads(self) -> tuple[int, int]:
+        if self.replicas > 1:
+            per = self.num_heads // self.world
+            return self.rank * per, (self.rank + 1) * per
         a, b = self.kv_heads
         return a * self.group, b * self.group
 
@@ -98,6 +114,7 @@ class Partition:
 
     def describe(self) -> dict:
         return {"rank": self.rank, "world": self.world, "kv_heads": list(self.kv_heads), "heads": list(self.heads),
+                "kv_head_replicas": self.replicas,
                 "intermediate": list(self.intermediate), "vocab": list(self.vocab)}
 
 
@@ -125,5 +142,6 @@ def parallel_capacity(plan, world: int, memory: int, context_len: int | None = N
                       "bytes_per_token": p.bytes_per_token, "num_blocks": cap.num_blocks})
     blocks = min(r["num_blocks"] for r in ranks)
     used = [blocks * r["bytes_per_block"] for r in ranks]
-    return {"size": world, "memory_per_rank": memory, "ranks": ranks, "num_blocks": blocks,
+    replicas = Partition(world, 0, plan.model.num_attention_heads, plan.model.num_kv_heads, 1, 1).replicas
+    return {"size": world, "memory_per_rank": memory, "kv_head_replicas": replicas, "ranks": ranks, "num_blocks": blocks,
             "num_tokens": blocks * plan.block_size, "bytes_per_rank": used, "bytes_total": sum(used)}
