@@ -274,3 +274,20 @@ def test_per_head_checkpoint_scales_follow_their_heads(tmp_path):
         for layer in range(2):
             want = [(0.25, 0.75)[rank] * (layer + 1)]
             assert pool[layer]["k_scale"].tolist() == want and pool[layer]["v_scale"].tolist() == want
+
+
+def test_a_hung_rank_times_out_and_every_rank_stops(tmp_path):
+    import signal
+    import time
+
+    llm = LLM(_tiny_checkpoint(tmp_path / "tiny", num_key_value_heads=2), tensor_parallel_size=2, device=DEVICE,
+              progress=False, kv_cache_memory="4MiB", max_num_seqs=2, max_num_batched_tokens=64,
+              distributed_timeout_s=5)
+    worker = llm.engine.tp.workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)  # alive, but answers nothing
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor parallel: a rank failed"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert time.monotonic() - t < 60
+    worker.join(timeout=10)
+    assert not worker.is_alive()

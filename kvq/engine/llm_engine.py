@@ -506,6 +506,8 @@ class LLMEngine:
             gc.collect()
             gc.freeze()
         logger.info("%s", self.describe())
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.start_heartbeat()  # every rank is built: from here the others wait on rank 0
         if self.tp is not None and self.tp.rank != 0 and self.tp.launched_by == "torchrun":
             from kvq.parallel.worker import follow
 

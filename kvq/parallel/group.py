@@ -1,10 +1,11 @@
 """The ranks of a tensor-parallel engine and what they say to each other, over torch.distributed.
 
-Two process groups: the compute group (NCCL on CUDA, gloo on the CPU) carries the all-reduces of
-the row-parallel layers and the gather of the LM head's logits, with ``timeout`` seconds for a
-rank that hangs; the control group (gloo) carries rank 0's step messages to the other ranks, which
-may wait on it for as long as the engine is idle.  A rank that dies closes its sockets, so the
-others' next collective fails at once rather than at the timeout.
+Two process groups, both with ``timeout`` seconds for a rank that hangs: the compute group (NCCL on
+CUDA, gloo on the CPU) carries the all-reduces of the row-parallel layers and the gather of the LM
+head's logits; the control group (gloo) carries rank 0's step messages to the other ranks, and,
+while the engine idles, a heartbeat every quarter of the timeout, so that a waiting rank hears
+from rank 0 in time and rank 0 finds out about a rank that stopped answering.  A rank that dies
+closes its sockets, so the others' next collective fails at once rather than at the timeout.
 
 Ranks start in one of two ways (:func:`start`):
 
@@ -21,6 +22,8 @@ import datetime
 import logging
 import os
 import socket
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,9 +52,11 @@ class TPGroup:
         self.workers = workers or []  # the processes of ranks 1..N-1 when this rank 0 spawned them
         self.launched_by = launched_by
         self.compute = dist.group.WORLD
-        # the control group may idle for hours between requests
-        self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+        self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.control_lock = threading.RLock()  # rank 0: one exchange on the control group at a time
         self.closed = False
+        self._beat: threading.Thread | None = None
+        self.beat_error: Exception | None = None
 
     # -- collectives of the forward ----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +83,27 @@ class TPGroup:
     # -- rank 0's messages -------------------------------------------------------------------------
     def send(self, message) -> None:
         """Rank 0: hand ``message`` (picklable) to every other rank."""
-        dist.broadcast_object_list([message], src=0, group=self.control)
+        with self.control_lock:
+            if self.beat_error is not None:
+                raise RuntimeError(f"heartbeat: {self.beat_error}")
+            dist.broadcast_object_list([message], src=0, group=self.control)
+
+    def start_heartbeat(self) -> None:
+        """Rank 0, once every rank is built: a ("beat",) message every quarter of the timeout."""
+        def beat():
+            while not self.closed:
+                time.sleep(self.timeout_s / 4)
+                try:
+                    with self.control_lock:
+                        if self.closed:  # (the stop message went out: nobody listens any more)
+                            return
+                        dist.broadcast_object_list([("beat",)], src=0, group=self.control)
+                except Exception as e:  # noqa: BLE001 - kept for the engine's next send to report
+                    self.beat_error = e
+                    return
+
+        self._beat = threading.Thread(target=beat, name="kvq-tp-heartbeat", daemon=True)
+        self._beat.start()
 
     def receive(self):
         box = [None]
@@ -100,19 +125,21 @@ class TPGroup:
         and leave the process groups.  Safe to call twice."""
         if self.closed:
             return
-        self.closed = True
-        if stop_workers and self.rank == 0:
-            try:
-                self.send(("stop",))
-            except Exception as e:  # noqa: BLE001 - a rank already gone: nothing to tell it
-                logger.debug("tensor parallel: stop message not delivered: %s", e)
-        for p in self.workers:
-            p.join(timeout=30)
+        with self.control_lock:
+            if stop_workers and self.rank == 0:
+                try:
+                    dist.broadcast_object_list([("stop",)], src=0, group=self.control)
+                except Exception as e:  # noqa: BLE001 - a rank already gone: nothing to tell it
+                    logger.debug("tensor parallel: stop message not delivered: %s", e)
+            self.closed = True
+        for p in self.workers:  # after a stop message they end by themselves; after a failure, now
+            p.join(timeout=30 if stop_workers else 0.1)
             if p.is_alive():
                 p.terminate()
-                p.join(timeout=10)
+                p.join(timeout=5)
             if p.is_alive():
-                p.kill()
+                p.kill()  # (also ends a stopped process)
+                p.join(timeout=5)
         try:
             dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - already torn down by a failed collective

@@ -5,11 +5,11 @@ groups, so a KV head's codes, scales, zero points and high-precision blocks live
 and every KV format keeps its bytes per head.  When the KV heads do not divide evenly (SmolLM2-135M
 has 3), the first ranks take one head more; with more ranks than KV heads (a multiple of them, each
 rank an equal share of the query heads), each KV head is replicated on world / heads ranks, as vLLM
-does, each computing it from the same weights for its own query heads; the slowest rank sets the pace, and the pools of every
-rank hold the same number of blocks (the fewest any rank can afford), because one scheduler hands
-out block ids for all of them.  The MLP's intermediate rows split the same way; the vocabulary is
-padded to a multiple of the world size so that every rank's LM-head logits have one shape (the
-padded ids are never sampled: they are cut after the gather).
+does, each computing it from the same weights for its own query heads.  The slowest rank sets the
+pace, and the pools of every rank hold the same number of blocks (the fewest any rank can
+afford), because one scheduler hands out block ids for all of them.  The MLP's intermediate rows
+split the same way; the vocabulary is padded to a multiple of the world size so that every rank's
+LM-head logits have one shape (the padded ids are never sampled: they are cut after the gather).
 """
 
 from __future__ import annotations
@@ -143,5 +143,6 @@ def parallel_capacity(plan, world: int, memory: int, context_len: int | None = N
     blocks = min(r["num_blocks"] for r in ranks)
     used = [blocks * r["bytes_per_block"] for r in ranks]
     replicas = Partition(world, 0, plan.model.num_attention_heads, plan.model.num_kv_heads, 1, 1).replicas
-    return {"size": world, "memory_per_rank": memory, "kv_head_replicas": replicas, "ranks": ranks, "num_blocks": blocks,
-            "num_tokens": blocks * plan.block_size, "bytes_per_rank": used, "bytes_total": sum(used)}
+    return {"size": world, "memory_per_rank": memory, "kv_head_replicas": replicas, "ranks": ranks,
+            "num_blocks": blocks, "num_tokens": blocks * plan.block_size, "bytes_per_rank": used,
+            "bytes_total": sum(used)}

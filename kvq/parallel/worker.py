@@ -79,14 +79,18 @@ class BroadcastRunner:
 
     def apply_ops(self, ops) -> None:
         self._send(("ops", ops))
-        self.runner.apply_ops(ops)
+        try:
+            self.runner.apply_ops(ops)
+        except Exception as e:  # noqa: BLE001
+            raise self.failed(e) from e
 
     def rank_pools(self) -> list[list[dict]]:
         """Every rank's cache, copied to the CPU: per rank, per layer, its tensors by name (K/V planes,
         high-precision blocks, static scales) -- what each rank stores, to inspect or compare."""
-        self._send(("pools",))
-        mine = pool_state(self.runner.pool)
-        return [mine] + [self.group.gather_from(r, None) for r in range(1, self.group.world)]
+        with self.group.control_lock:  # no heartbeat between the request and the answers
+            self._send(("pools",))
+            mine = pool_state(self.runner.pool)
+            return [mine] + [self.group.gather_from(r, None) for r in range(1, self.group.world)]
 
     def execute(self, sched, seqs, feed=None):
         if feed is not None:
@@ -95,10 +99,8 @@ class BroadcastRunner:
         self._send(("step", sched, tokens.tokens))
         try:
             return self.runner.execute(sched, tokens)
-        except RuntimeError as e:
-            if "gloo" in str(e).lower() or "nccl" in str(e).lower() or "connection" in str(e).lower():
-                raise self.failed(e) from None
-            raise
+        except Exception as e:  # noqa: BLE001 - the other ranks are mid-step: none can go on without this one
+            raise self.failed(e) from e
 
 
 def follow(engine) -> None:
@@ -109,6 +111,8 @@ def follow(engine) -> None:
         kind = message[0]
         if kind == "stop":
             break
+        if kind == "beat":
+            continue
         if kind == "ops":
             runner.apply_ops(message[1])
         elif kind == "pools":
