@@ -94,6 +94,9 @@ def test_cli_tensor_parallel_size_too_large_exits_2():
                         "--device", "cpu", "--max-tokens", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "valid: 1..3" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvq", "serve", "--kv-role", "prefill", "--tensor-parallel-size", "2",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--kv-role prefill with --tensor-parallel-size 2" in r.stderr, r.stderr[-2000:]
 
 
 # -- two ranks against one on the default model ---------------------------------------------------

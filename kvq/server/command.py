@@ -92,6 +92,9 @@ def kv_options_from_args(args: argparse.Namespace) -> KVRoleOptions:
     if args.kv_role != "both" and str(args.kv_scales).startswith("warmup"):
         raise ValueError(f"--kv-scales {args.kv_scales} re-encodes the cache when its scales freeze, which a KV "
                          f"transfer peer would not see: use a scales file (`kvq calibrate`) with --kv-role {args.kv_role}")  # noqa: E501
+    if args.kv_role != "both" and args.tensor_parallel_size > 1:
+        raise ValueError(f"--kv-role {args.kv_role} with --tensor-parallel-size {args.tensor_parallel_size} is not "
+                         "supported yet: KV transfer reads one rank's pool (valid: --kv-role both, or one rank)")
     return KVRoleOptions(role=args.kv_role, peer=args.kv_peer, fallback=args.kv_fallback,
                          timeout_s=args.kv_transfer_timeout, staging_tokens=args.kv_staging_tokens,
                          verify=args.kv_verify)
