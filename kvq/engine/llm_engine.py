@@ -42,7 +42,7 @@ from kvq.engine.scheduler import PREEMPTION_MODES, ScheduledSeq, Scheduler, Sche
 from kvq.engine.sequence import Sequence
 from kvq.models.builder import LOAD_FORMATS, build_model
 from kvq.models.source import model_shape, resolve_model
-from kvq.parallel.partition import Partition
+from kvq.parallel.partition import head_partition, rank_plan
 from kvq.units import format_bytes, parse_bytes
 
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -549,23 +549,17 @@ class LLMEngine:
     def _start_parallel(self, cfg: EngineConfig, shape) -> None:
         """Start or join the ranks (kvq.parallel.group); this rank's plan holds its KV heads only,
         with their static scales."""
-        from dataclasses import replace
-
         from kvq.parallel import group
-        from kvq.parallel.partition import Partition
 
         n = cfg.tensor_parallel_size
-        Partition(n, 0, shape.num_attention_heads, shape.num_kv_heads, 1, 1)  # geometry, before any rank starts
+        head_partition(shape, n, 0)  # geometry, before any rank starts
         self.tp = group.start(cfg, n, self.device, cfg.distributed_timeout_s)
         if self.tp.rank == 0:
             import atexit
 
             atexit.register(self.tp.close)
         self.device = self.tp.device
-        part = Partition(n, self.tp.rank, shape.num_attention_heads, shape.num_kv_heads, 1, 1)
-        a, b = part.kv_heads
-        local = replace(shape, num_kv_heads=b - a, num_attention_heads=part.local_heads)
-        self.plan = replace(self.plan, model=local)
+        (a, b), self.plan = rank_plan(self.full_plan, n, self.tp.rank)
         if self.static_scales:
             H = shape.num_kv_heads
             self.static_scales = {i: tuple(torch.as_tensor(s, dtype=torch.float32).reshape(-1).expand(H)[a:b].clone()
@@ -573,13 +567,11 @@ class LLMEngine:
 
     def _parallel_info(self) -> dict:
         """Per-rank heads and KV bytes, and the totals: what `kvq plan` and the capacity report show."""
-        m = self.full_plan.model
-        parts = [Partition(self.tp.world, r, m.num_attention_heads, m.num_kv_heads, 1, 1) for r in range(self.tp.world)]
-        heads = [p.kv_heads for p in parts]
+        parts = [head_partition(self.full_plan.model, self.tp.world, r) for r in range(self.tp.world)]
         rank_bytes = self.tp.all_ints(self.pool.nbytes())
         return {"size": self.tp.world, "launched_by": self.tp.launched_by, "backend": dist_backend(),
                 "kv_head_replicas": parts[0].replicas,
-                "kv_heads_per_rank": [list(h) for h in heads], "kv_pool_bytes_per_rank": rank_bytes,
+                "kv_heads_per_rank": [list(p.kv_heads) for p in parts], "kv_pool_bytes_per_rank": rank_bytes,
                 "kv_pool_bytes_total": sum(rank_bytes)}
 
     def rank_pools(self) -> list[list[dict]]:

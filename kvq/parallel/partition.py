@@ -92,44 +92,34 @@ class Partition:
         per = self.padded_vocab // self.world
         return self.rank * per, (self.rank + 1) * per
 
-    @property
-    def local_kv_heads(self) -> int:
-        a, b = self.kv_heads
-        return b - a
-
-    @property
-    def local_heads(self) -> int:
-        a, b = self.heads
-        return b - a
-
-    @property
-    def local_intermediate(self) -> int:
-        a, b = self.intermediate
-        return b - a
-
-    @property
-    def local_vocab(self) -> int:
-        a, b = self.vocab
-        return b - a
-
-    def describe(self) -> dict:
-        return {"rank": self.rank, "world": self.world, "kv_heads": list(self.kv_heads), "heads": list(self.heads),
-                "kv_head_replicas": self.replicas,
-                "intermediate": list(self.intermediate), "vocab": list(self.vocab)}
+    local_kv_heads = property(lambda self: _width(self.kv_heads))
+    local_heads = property(lambda self: _width(self.heads))
+    local_intermediate = property(lambda self: _width(self.intermediate))
+    local_vocab = property(lambda self: _width(self.vocab))
 
 
-def rank_plans(plan, world: int) -> list[tuple[tuple[int, int], object]]:
-    """A :class:`~kvq.cache.plan.CachePlan` split over ``world`` ranks: per rank, its KV heads
-    [start, end) and the plan of its own pool (the same formats over fewer heads)."""
+def _width(run: tuple[int, int]) -> int:
+    return run[1] - run[0]
+
+
+def head_partition(model, world: int, rank: int) -> Partition:
+    """The attention heads of rank ``rank`` for a :class:`~kvq.cache.shape.ModelShape` (which
+    knows no MLP or vocabulary; those fields are 1)."""
+    return Partition(world, rank, model.num_attention_heads, model.num_kv_heads, 1, 1)
+
+
+def rank_plan(plan, world: int, rank: int):
+    """(KV heads [start, end), the plan of rank ``rank``'s own pool): the same formats over its heads."""
     from dataclasses import replace
 
-    m = plan.model
-    out = []
-    for r in range(world):
-        part = Partition(world, r, m.num_attention_heads, m.num_kv_heads, 1, 1)
-        a, b = part.kv_heads
-        out.append(((a, b), replace(plan, model=replace(m, num_kv_heads=b - a, num_attention_heads=part.local_heads))))
-    return out
+    part = head_partition(plan.model, world, rank)
+    local = replace(plan.model, num_kv_heads=part.local_kv_heads, num_attention_heads=part.local_heads)
+    return part.kv_heads, replace(plan, model=local)
+
+
+def rank_plans(plan, world: int) -> list:
+    """:func:`rank_plan` of every rank."""
+    return [rank_plan(plan, world, r) for r in range(world)]
 
 
 def parallel_capacity(plan, world: int, memory: int, context_len: int | None = None) -> dict:
@@ -142,7 +132,7 @@ def parallel_capacity(plan, world: int, memory: int, context_len: int | None = N
                       "bytes_per_token": p.bytes_per_token, "num_blocks": cap.num_blocks})
     blocks = min(r["num_blocks"] for r in ranks)
     used = [blocks * r["bytes_per_block"] for r in ranks]
-    replicas = Partition(world, 0, plan.model.num_attention_heads, plan.model.num_kv_heads, 1, 1).replicas
+    replicas = head_partition(plan.model, world, 0).replicas
     return {"size": world, "memory_per_rank": memory, "kv_head_replicas": replicas, "ranks": ranks,
             "num_blocks": blocks, "num_tokens": blocks * plan.block_size, "bytes_per_rank": used,
             "bytes_total": sum(used)}
