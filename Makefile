@@ -24,12 +24,15 @@ demo: install
 	$(PY) -m kvq.cli formats --model default
 	$(PY) -m kvq.cli eval --model default --out kvq-eval
 
-# Lint (the repo's ruff config) and the test suite: what CI runs.  Progress per file with a running
-# percentage, the 15 slowest tests at the end; pytest's exit code 5 ("no tests ran") fails the target.
-# One torch thread (tests/conftest.py pins it too): fastest on a shared 2-core machine.
+# Lint (the repo's ruff config) and the test suite: what CI runs.  One pytest worker per core
+# (pytest-xdist; work stealing keeps both busy to the end), one torch thread each (tests/conftest.py
+# pins it too); a running percentage, the 15 slowest tests at the end; pytest's exit code 5
+# ("no tests ran") fails the target.  TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= auto
 test: install-test
 	$(PY) -m ruff check .
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -o console_output_style=progress --durations=15
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
+	  -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
 .PHONY: gpu-test gpu-test-tp bench-tp bench-kernels bench-engine bench-server bench-offload bench-kv-transfer disagg-check

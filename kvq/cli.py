@@ -392,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands that live with their concept; each module's register(sub) adds its parser
     # (heavy imports stay inside the command functions).
-    for module in ("kvq.eval.command", "kvq.server.command", "kvq.calibration.command", "kvq.calibration.tune"):
+    for module in ("kvq.eval.command", "kvq.server.command", "kvq.calibration.command", "kvq.calibration.tune",
+                   "kvq.environment"):
         importlib.import_module(module).register(sub)
     return p
 

@@ -5,7 +5,9 @@ the rest of the suite uses): the launchers are called with CPU tensors while
 JITFunction.run is replaced by a recorder; each recorded launch is then
 compiled ahead of time for an H100/H200 target (front end, LLVM, PTX, ptxas).
 This catches code that only the GPU compiler rejects.  Prints one line per
-compiled variant and exits non-zero on the first failure.
+compiled variant and exits non-zero on the first failure.  ``--shard I/N``
+compiles every N-th distinct launch from the I-th on, so N processes share the
+work (the test runs its shards as separate tests, spread over the pytest workers).
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ def _record(self, *args, grid, warmup, **kwargs):
     recorded.append((self, bound))
 
 
-def compile_recorded() -> int:
+def compile_recorded(shard: int = 0, shards: int = 1) -> int:
+    """Compile every distinct recorded launch whose index among the distinct ones is ``shard``
+    modulo ``shards`` (shards run in parallel processes); -> how many this shard compiled."""
     seen = set()
+    mine = 0
     for fn, bound in recorded:
         sig, consts = {}, {}
         for i, name in enumerate(fn.arg_names):
@@ -58,13 +63,17 @@ def compile_recorded() -> int:
         if key in seen:
             continue
         seen.add(key)
+        if (len(seen) - 1) % shards != shard:
+            continue
+        mine += 1
         triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
         consts = {n: str(bound[n]) for n in fn.arg_names if fn.arg_names.index(n) in fn.constexprs}
         print("compiled", fn.__name__, consts)
-    return len(seen)
+    print(f"shard {shard}/{shards}: {mine} of {len(seen)} distinct launches")
+    return mine
 
 
-def main(formats: list[str]) -> None:
+def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
     JITFunction.run = _record
     from kvq.attention.triton import kernels
     from kvq.cache.plan import bare_model, make_plan
@@ -88,9 +97,14 @@ def main(formats: list[str]) -> None:
                                         max_q_len=2, has_hp=True, max_seq_len=40, dequant_first=first)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=False)
-    n = compile_recorded()
+    n = compile_recorded(shard, shards)
     print(f"{n} kernel variants compiled for sm_90")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    shard, shards = 0, 1
+    if args and args[0] == "--shard":  # --shard I/N: the I-th of N parallel parts
+        shard, shards = map(int, args[1].split("/"))
+        args = args[2:]
+    main(args, shard, shards)

@@ -41,3 +41,45 @@ def test_default_model_completes_a_fact(loaded):
 def test_unknown_model_is_an_error():
     with pytest.raises(ValueError, match="never downloads"):
         load_hf_model("HuggingFaceTB/SmolLM2-135M-Instruct", progress=False)
+
+
+@pytest.mark.slow
+def test_converted_copy_is_the_gguf_load_exactly(tmp_path, monkeypatch):
+    """The first load converts the GGUF and writes an HF folder; a second load reads that folder
+    and gets the same weights to the bit, the same config and a tokenizer that encodes, decodes and
+    templates the same text; a half-written or foreign entry is never read."""
+    import json
+
+    from kvq.eval.data import eval_token_ids
+    from kvq.models import checkpoint_cache as cc
+    from kvq.models.source import resolve_model
+
+    monkeypatch.setenv(cc.CACHE_ENV, str(tmp_path))
+    src = resolve_model("default")
+    assert cc.cached_folder(src) is None
+    first = load_hf_model(src, progress=False)  # converts, then writes the entry
+    folder = cc.cached_folder(src)
+    assert folder is not None and folder.parent == tmp_path / "gguf"
+    again = load_hf_model(src, progress=False)  # reads the entry
+    a, b = first.model.state_dict(), again.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert again.model.lm_head.weight.data_ptr() == again.model.model.embed_tokens.weight.data_ptr()  # still tied
+    ca, cb = first.model.config.to_dict(), again.model.config.to_dict()
+    for k in ("num_hidden_layers", "num_key_value_heads", "head_dim", "rope_parameters", "rms_norm_eps",
+              "tie_word_embeddings", "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id"):
+        assert ca.get(k) == cb.get(k), k
+    ta, tb = first.tokenizer, again.tokenizer
+    ids = eval_token_ids(ta)[:4000]
+    assert eval_token_ids(tb)[:4000] == ids and tb.decode(ids) == ta.decode(ids)
+    chat = [{"role": "user", "content": "Hi there"}]
+    assert ta.apply_chat_template(chat, tokenize=False) == tb.apply_chat_template(chat, tokenize=False)
+    assert (ta.eos_token_id, ta.bos_token_id) == (tb.eos_token_id, tb.bos_token_id)
+
+    manifest = folder / cc.MANIFEST
+    meta = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**meta, "transformers": "0.0"}))  # converted by another version
+    assert cc.cached_folder(src) is None
+    manifest.unlink()  # an entry whose writer died before the manifest
+    assert cc.cached_folder(src) is None
+    monkeypatch.setenv(cc.CACHE_ENV, "off")
+    assert cc.entry_dir(src) is None and cc.cached_folder(src) is None

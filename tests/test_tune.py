@@ -252,7 +252,7 @@ def test_tune_end_to_end_on_the_default_model(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert cli.main(["tune", "--candidates-k", "int2_kivi", "--candidates-v", "", "--context", "288", "--scored",
                      "32", "--passages", "1", "--budget", "12", "--validate-bins", "320", "--validate-passages",
-                     "1", "--threads", "2", "--no-progress", "--save-sensitivity", str(tmp_path / "s.json"),
+                     "1", "--threads", "1", "--no-progress", "--save-sensitivity", str(tmp_path / "s.json"),
                      "--out", str(out)]) == 0
     plan = json.loads(out.read_text())
     sens = json.loads((tmp_path / "s.json").read_text())

@@ -11,8 +11,9 @@ silently (seed 004).
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -20,11 +21,27 @@ import torch
 from kvq.cache.plan import CachePlan
 
 
+log = logging.getLogger("kvq")
+
+
 @dataclass(frozen=True)
 class BackendChoice:
     requested: str
     resolved: str
     reason: str
+    decode_per_layer: tuple[str, ...] = field(default=())  # the kernel that decodes each layer
+
+
+#: What the Triton decode costs where the CUDA kernel would serve (H200, `make bench-kernels`,
+#: docs/kernels.md; decode time of kvq bf16 over the format's, 4x128K and 16x32K).
+CUDA_DECODE_GAIN = ("8-bit formats decode at 1.6-1.9x bf16's speed with the CUDA kernel and about 1.0-1.1x "
+                    "with Triton; KIVI at 1.9-2.0x with CUDA and 0.27-0.40x with Triton")
+
+
+def cuda_extra() -> str:
+    """The pip extra that brings CuPy for the CUDA major version torch was built with."""
+    major = (torch.version.cuda or "13").split(".")[0]
+    return "kvq[cuda12]" if major == "12" else "kvq[cuda]"
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,48 @@ def _load_cuda():
     return kernels
 
 
+def decode_per_layer(resolved: str, plan: CachePlan, dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernel that runs each layer's decode under backend ``resolved``."""
+    if resolved != "cuda":
+        return (resolved,) * len(plan.layers)
+    served = set(_cuda_layers(plan, dtype)[0])
+    return tuple("cuda" if i in served else "triton" for i in range(len(plan.layers)))
+
+
+def compact_layers(per_layer: tuple[str, ...]) -> str:
+    """``cuda 0-29`` / ``triton 0-1, cuda 2-29``: runs of equal kernels over the layers."""
+    runs: list[list] = []
+    for i, name in enumerate(per_layer):
+        if runs and runs[-1][0] == name and runs[-1][2] == i - 1:
+            runs[-1][2] = i
+        else:
+            runs.append([name, i, i])
+    return ", ".join(f"{n} {a}" if a == b else f"{n} {a}-{b}" for n, a, b in runs)
+
+
+_warned_cuda: list[str] = []
+
+
+def warn_if_cuda_decode_missing(plan: CachePlan, device: torch.device, dtype: torch.dtype) -> str | None:
+    """On a CUDA device where the CUDA decode kernel would serve some layer of ``plan`` but cannot run
+    (no CuPy, an older GPU), log one WARNING per process naming what is missing and what it costs;
+    -> the message (None when nothing is missing)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from kvq.attention.cuda import decode8
+
+    why = decode8.unavailable_reason()
+    if why is None or not _cuda_layers(plan, dtype)[0]:
+        return None
+    fix = f"pip install '{cuda_extra()}'" if "CuPy" in why else "an sm_90 GPU (H100/H200)"
+    msg = (f"the CUDA decode kernel cannot run here ({why}): layers stored in 8 bits or as KIVI decode with "
+           f"the Triton kernels instead; {CUDA_DECODE_GAIN} (H200, docs/kernels.md). Fix: {fix}")
+    if not _warned_cuda:
+        _warned_cuda.append(msg)
+        log.warning("kvq: %s", msg)
+    return msg
+
+
 def describe_cuda(plan: CachePlan, dtype: torch.dtype) -> str:
     """Which layers decode through CUDA and which through Triton (engine start line, records)."""
     served, why_not = _cuda_layers(plan, dtype)
@@ -173,7 +232,9 @@ def select_backend(
                     reason += f": {describe_cuda(plan, dtype)}"
                 if passed:
                     reason += " (" + "; ".join(passed) + ")"
-                return _BACKENDS[cand], BackendChoice("auto", cand, reason)
+                if cand == "triton":
+                    warn_if_cuda_decode_missing(plan, device, dtype)
+                return _BACKENDS[cand], BackendChoice("auto", cand, reason, decode_per_layer(cand, plan, dtype))
             passed.append(f"{cand}: {why}")
         raise ValueError("no attention backend serves this plan: " + "; ".join(passed))
     backend = get_backend(name)
@@ -181,4 +242,4 @@ def select_backend(
     if why is not None:
         raise ValueError(f"attention backend {name!r} cannot serve this request: {why}")
     reason = "requested explicitly" + (f": {describe_cuda(plan, dtype)}" if name == "cuda" else "")
-    return backend, BackendChoice(name, name, reason)
+    return backend, BackendChoice(name, name, reason, decode_per_layer(name, plan, dtype))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvq.attention.backends import backend_names, select_backend
+from kvq.attention.backends import backend_names, compact_layers, select_backend
 from kvq.cache.block_manager import BlockManager, BlockRef, HostStoreOp
 from kvq.cache.host_pool import HostKVPool
 from kvq.cache.plan import CachePlan, KVCacheConfig
@@ -479,7 +479,8 @@ class LLMEngine:
             "kv_cache_dtype": {"requested": self.kv_cache.requested, **self.full_plan.describe()},
             "kv_scales": self.kv_scales_source,
             "attention_backend": {"requested": self.backend_choice.requested,
-                                  "resolved": self.backend_choice.resolved, "reason": self.backend_choice.reason},
+                                  "resolved": self.backend_choice.resolved, "reason": self.backend_choice.reason,
+                                  "decode_per_layer": compact_layers(self.backend_choice.decode_per_layer)},
             "block_size": self.plan.block_size,
             "kv_pool": {"q_blocks": int(num_q), "hp_blocks": num_hp, "tokens": int(num_q) * self.plan.block_size,
                         "bytes": self.pool.nbytes()},

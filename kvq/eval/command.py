@@ -13,8 +13,10 @@ from pathlib import Path
 
 #: Context-length ladder; the full run takes every bin the model supports.
 BIN_LADDER = (512, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-#: Quick settings (the default on a CPU): a 2-core machine finishes in about 18 minutes.
-QUICK = {"bins": (512, 1024), "window": 128, "greedy_tokens": 16, "passkey_trials": 1, "passages": 4}
+#: Quick settings (the default on a CPU): the formats a user chooses among -- one FP8, one INT8 and one
+#: KIVI format, each with the 4 sink and 128 recent tokens the report recommends -- at two bins.
+QUICK = {"bins": (512, 2048), "window": 128, "greedy_tokens": 16, "passkey_trials": 1, "passages": 4}
+QUICK_FORMATS = ("fp8_e4m3:r128:s4", "int8_per_token_head:r128:s4", "int4_kivi")
 FULL = {"window": 256, "greedy_tokens": 32, "passkey_trials": 3, "passages": 6}
 
 DESCRIPTION = """\
@@ -182,7 +184,7 @@ def settings_from_args(args: argparse.Namespace):
     bins = tuple(sorted(set(args.bins or mode["bins"])))
     formats = tuple(args.kv_cache_dtype or ())
     if args.kv_cache_dtype is None and not args.kv_cache_plan:
-        formats = default_formats()
+        formats = default_formats() if full else QUICK_FORMATS
     formats += tuple(f"{PLAN_PREFIX}{p}" for p in args.kv_cache_plan or ())
     return EvalSettings(
         model=model, baseline=args.baseline, formats=tuple(formats), bins=bins,
@@ -242,4 +244,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     print(f"[kvq eval] {len(result['records'])} records ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) "
           f"in {result['meta']['seconds']:.0f} s; report: {Path(args.out) / 'report.md'}", file=sys.stderr)
+    print(what_to_use(result))
     return 0
+
+
+def what_to_use(result: dict) -> str:
+    """The report's *What to use*, as plain text for the terminal."""
+    import re
+
+    from kvq.eval.recommend import advice_lines
+
+    lines = advice_lines(result["records"], result["meta"]["baseline"])
+    plain = [re.sub(r"\*\*|`", "", ln) for ln in lines]
+    bins = sorted({r["context_length_bin"] for r in result["records"]})
+    return "\n".join(["", f"What to use (kvq eval at {', '.join(map(str, bins))} tokens):", *plain])

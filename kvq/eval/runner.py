@@ -192,35 +192,41 @@ def kept_windows(s: EvalSettings) -> tuple[int, int]:
     return head, tail
 
 
+def format_tokens(spec: StreamSpec, offsets: list[int], hays: dict[int, list], align: int) -> int:
+    """Tokens one format's run feeds (text passes, greedy spans, haystacks): the progress unit."""
+    g = spec.greedy_span(align)
+    return (len(offsets) * (max(spec.bins) - g + g * len(spec.bins))
+            + sum(len(stacks) * L for L, stacks in hays.items()))
+
+
 def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], spec: StreamSpec,
-               hays: dict[int, list], align: int, base_scores: list[list] | None = None
+               hays: dict[int, list], align: int, base_scores: list[list] | None = None, bar=None
                ) -> tuple[FormatRun, list[list]]:
     """Score every passage and haystack with ``fmt``; -> (the run, its raw bin scores per passage
-    when it is the baseline (``base_scores`` None), else [])."""
+    when it is the baseline (``base_scores`` None), else []).  ``bar``: the run's progress bar,
+    advanced by :func:`format_tokens` tokens (None: no progress)."""
     t0 = time.perf_counter()
     engine = _engine(s, fmt)
     session = CacheSession(engine)
-    g = spec.greedy_span(align)
-    hay_total = sum(len(stacks) * L for L, stacks in hays.items())
     need = spec.tokens_needed(align)
-    total = len(offsets) * (max(spec.bins) - g + g * len(spec.bins)) + hay_total
     raw, scored = [], []
-    with tqdm(total=total, desc=f"{display_name(s, fmt):<20}", unit="tok", disable=not s.progress, leave=True) as bar:
-        for k, off in enumerate(offsets):
-            got = score_stream(session, ids[off:off + need], spec, align, progress=bar)
-            if base_scores is None:
-                raw.append(got)
-                scored.append(compare(got, got, off))
-            else:
-                scored.append(compare(base_scores[k], got, off))  # the logprobs are dropped here
-        passkey: dict[int, list] = {}
-        for L, stacks in hays.items():
-            for hay in stacks:
-                passkey.setdefault(L, []).extend(run_haystack(session, hay, s.chunk))
+    for k, off in enumerate(offsets):
+        got = score_stream(session, ids[off:off + need], spec, align, progress=bar)
+        if base_scores is None:
+            raw.append(got)
+            scored.append(compare(got, got, off))
+        else:
+            scored.append(compare(base_scores[k], got, off))  # the logprobs are dropped here
+    passkey: dict[int, list] = {}
+    for L, stacks in hays.items():
+        for hay in stacks:
+            passkey.setdefault(L, []).extend(run_haystack(session, hay, s.chunk))
+            if bar is not None:
                 bar.update(L)
     engine.block_manager.check_integrity()
     engine.shutdown()  # the other tensor-parallel ranks, if any
-    run = FormatRun(display_name(s, fmt), engine.info, engine.full_plan, scored, passkey, session.throughput(), time.perf_counter() - t0)  # noqa: E501
+    run = FormatRun(display_name(s, fmt), engine.info, engine.full_plan, scored, passkey, session.throughput(),
+                    time.perf_counter() - t0)
     del session, engine
     gc.collect()
     return run, raw
@@ -366,13 +372,23 @@ def run_eval(s: EvalSettings) -> dict:
     ids = eval_token_ids(tokenizer, s.text_file)[:s.text_tokens]
     need = spec.tokens_needed(align)
     offsets = passage_offsets(len(ids), need, s.passages, s.window)
-    base, raw = run_format(s, s.baseline, ids, offsets, spec, hays, align)
+    per_format = format_tokens(spec, offsets, hays, align)
+    names = [display_name(s, f) for f in (s.baseline, *s.formats)]
+    # one bar for the whole run (its ETA is the run's, from the first chunk on: rate averaged over the run)
+    with tqdm(total=per_format * len(names), unit="tok", disable=not s.progress, smoothing=0,
+              desc=f"[1/{len(names)}] {names[0]}") as bar:
+        base, raw = run_format(s, s.baseline, ids, offsets, spec, hays, align, bar=bar)
+        bar.write(f"[kvq eval] {base.name}: {base.seconds:.0f} s")
+        runs = [base]
+        for i, f in enumerate(s.formats, start=2):
+            bar.set_description(f"[{i}/{len(names)}] {names[i - 1]}")
+            runs.append(run_format(s, f, ids, offsets, spec, hays, align, raw, bar=bar)[0])
+            bar.write(f"[kvq eval] {runs[-1].name}: {runs[-1].seconds:.0f} s")
+    del raw
     device = torch.device(base.info["device"])
     hardware = hardware_info(device)
     requested = s.attention_backend if s.attention_backend != "auto" else base.info["attention_backend"]["resolved"]
-    runs = [base] + [run_format(s, f, ids, offsets, spec, hays, align, raw)[0] for f in s.formats]
-    del raw
-    records, per_format = [], []
+    records, formats_meta = [], []
     bins = sorted(s.bins)
     src = resolve_model(s.model)
     model = {"name": src.name, "checkpoint": src.gguf_file or str(src.folder), "compute_dtype": base.info["dtype"],
@@ -391,7 +407,7 @@ def run_eval(s: EvalSettings) -> dict:
             rec["baseline"] = s.baseline
             fmt_records.append(rec)
         records += fmt_records
-        per_format.append({"format": run.name, "seconds": run.seconds,
+        formats_meta.append({"format": run.name, "seconds": run.seconds,
                            "passkey": {str(k): v for k, v in run.passkey.items()}})
     meta = {
         "settings": {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in asdict(s).items()},
@@ -405,4 +421,4 @@ def run_eval(s: EvalSettings) -> dict:
         "requested_backend": requested,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
-    return {"meta": meta, "records": records, "formats": per_format}
+    return {"meta": meta, "records": records, "formats": formats_meta}

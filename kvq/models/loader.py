@@ -37,10 +37,17 @@ def _kwargs(src: ModelSource) -> dict:
 
 
 def load_tokenizer(model: str | ModelSource):
+    """The tokenizer of ``model``; a GGUF file's from its converted copy once there is one
+    (:mod:`kvq.models.checkpoint_cache`)."""
     from transformers import AutoTokenizer
 
+    from kvq.models.checkpoint_cache import cached_folder
+
     src = resolve_model(model) if isinstance(model, str) else model
+    folder = cached_folder(src) if src.gguf_file else None
     with _named_errors(src, "tokenizer"):
+        if folder is not None:
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         return AutoTokenizer.from_pretrained(str(src.folder), **_kwargs(src))
 
 
@@ -59,17 +66,27 @@ def _named_errors(src: ModelSource, what: str):
 
 def load_hf_model(model: str | ModelSource = "default", dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu", progress: bool = True) -> LoadedModel:
-    """Tokenizer + transformers causal LM for ``model`` ('default', .gguf path, HF folder)."""
+    """Tokenizer + transformers causal LM for ``model`` ('default', .gguf path, HF folder).  A GGUF
+    file is converted once and read from its converted copy after that
+    (:mod:`kvq.models.checkpoint_cache`)."""
     from transformers import AutoModelForCausalLM
 
+    from kvq.models.checkpoint_cache import cached_folder, store
+
     src = resolve_model(model) if isinstance(model, str) else model
+    folder = cached_folder(src) if src.gguf_file else None
     with tqdm(total=3, desc=f"loading {src.name}", disable=not progress, unit="stage") as bar:
         bar.set_postfix_str("tokenizer")
         tok = load_tokenizer(src)
         bar.update()
-        bar.set_postfix_str("weights")
+        bar.set_postfix_str("weights" if folder is None else "weights (converted copy)")
         with _named_errors(src, "weights"):
-            lm = AutoModelForCausalLM.from_pretrained(str(src.folder), dtype=dtype, **_kwargs(src))
+            if folder is not None:
+                lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+            else:
+                lm = AutoModelForCausalLM.from_pretrained(str(src.folder), dtype=dtype, **_kwargs(src))
+                if src.gguf_file and dtype == torch.float32:  # the exact dequantized weights
+                    store(src, lm, tok)
         bar.update()
         bar.set_postfix_str(f"to {device}")
         lm = lm.to(device).eval()
