@@ -212,7 +212,8 @@ def test_tiny_eval_end_to_end_catches_a_broken_quantizer(tmp_path, monkeypatch):
     monkeypatch.setattr(reference, "dequantize", broken)
     out = tmp_path / "ev"
     rc = cli.main(["eval", "--kv-cache-dtype", "bfloat16,fp8_e4m3", "--bins", "192", "--window", "32",
-                   "--greedy-tokens", "4", "--passkey-depths", "0,0.5,1", "--passkey-trials", "1",
+                   "--greedy-tokens", "4", "--passkey-depths", "0,0.5,1", "--passkey-trials", "1", "--passages", "4",
+                   "--workers", "1",  # the broken quantizer is patched into this process only
                    "--attention-backend", "torch", "--device", "cpu", "--out", str(out), "--no-progress"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
@@ -225,7 +226,7 @@ def test_tiny_eval_end_to_end_catches_a_broken_quantizer(tmp_path, monkeypatch):
     assert same["kl_mean"] == 0.0 and same["top1_agreement"] == 1.0 and same["ppl_rel_change"] == 0.0
     assert same["greedy_prefix_match"] == 4 and recs["bfloat16"]["status"] == "ok"
     assert recs["fp8_e4m3"]["status"] == "quality_regressed" and bad["kl_mean"] > 0.1
-    # 4 passages (the quick default) at disjoint text positions, intervals around each figure
+    # 4 passages at disjoint text positions, intervals around each figure
     assert same["passages"] == bad["passages"] == 4 and same["kl_mean_ci95"] == [0.0, 0.0]
     starts = [p[0] for p in bad["scored_positions"]]
     assert len(set(starts)) == 4 and bad["kl_mean_ci95"][0] > 0.1 and bad["interval_units"] == 4
@@ -331,3 +332,20 @@ def test_text_option_scores_the_given_file_and_records_its_hash(tmp_path, capsys
     assert cli.main(["eval", "--text", str(f), "--bins", "4096", "--kv-cache-dtype", "fp8_e4m3",
                      "--device", "cpu", "--no-progress", "--out", str(tmp_path / "o")]) == 2
     assert "fewer than the" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_formats_in_worker_processes_give_the_records_of_one_process(tmp_path):
+    """--workers 2 runs the baseline and the formats in spawned processes and compares in the parent:
+    every quality figure equals a one-process run's to the bit."""
+    common = ["eval", "--kv-cache-dtype", "int4_kivi,fp8_e4m3:r64:s4", "--bins", "192", "--window", "32",
+              "--greedy-tokens", "4", "--passages", "2", "--passkey-depths", "0,1", "--attention-backend", "torch",
+              "--device", "cpu", "--no-progress"]
+    assert cli.main([*common, "--workers", "1", "--out", str(tmp_path / "one")]) == 0
+    assert cli.main([*common, "--workers", "2", "--out", str(tmp_path / "two")]) == 0
+    one, two = ({r["kv_cache_dtype"]["requested"]: r for r in json.loads((tmp_path / d / "results.json").read_text())
+                 ["records"]} for d in ("one", "two"))
+    assert set(one) == set(two) == {"auto", "int4_kivi", "fp8_e4m3:r64:s4"}
+    for name in one:
+        assert one[name]["quality_by_bin"] == two[name]["quality_by_bin"], name
+    assert one["int4_kivi"]["quality_by_bin"]["192"]["kl_mean"] > 0  # compared with the baseline, not itself

@@ -150,6 +150,15 @@ TILE = 256
 ROWS = 8
 
 
+def _tile_index(idx: list[int]):
+    """Tiles as an index: a slice (views, no copies) when they are consecutive; None when empty."""
+    if not idx:
+        return None
+    if idx == list(range(idx[0], idx[-1] + 1)):
+        return slice(idx[0], idx[-1] + 1)
+    return idx
+
+
 def _attend(qb, ke, ve, pos, sm_scale, kq=None, vq=None, quant=None):
     """softmax(q k^T * sm_scale) v of one sequence's queries ``qb`` [t, Hq, D] at positions ``pos``
     [t] over keys ``ke``/``ve`` [H, n, D] (causal: a query sees keys up to its position), in
@@ -169,41 +178,51 @@ def _attend(qb, ke, ve, pos, sm_scale, kq=None, vq=None, quant=None):
     group, nt = Hq // H, -(-n // TILE)
     t_pad, n_pad = -(-t // ROWS) * ROWS, nt * TILE
     dev = qb.device
+    ninf = float("-inf")
 
     def tiles(x):  # [H, n, D] -> [H, nt, TILE, D] (zeros past n: masked)
         return torch.nn.functional.pad(x, (0, 0, 0, n_pad - n)).view(H, nt, TILE, D)
 
-    def by_tile(x):  # [t, n] -> [nt, 1, t, TILE]
-        return torch.nn.functional.pad(x, (0, n_pad - n)).view(t, nt, TILE).transpose(0, 1)[:, None]
+    def by_tile(x, pad_rows):  # [t, n] bool -> [nt, 1, t_pad, TILE] (padding rows: pad_rows)
+        x = torch.nn.functional.pad(x, (0, n_pad - n))
+        if t_pad > t:
+            x = torch.cat([x, torch.full((t_pad - t, n_pad), pad_rows, dtype=torch.bool, device=dev)])
+        return x.view(t_pad, nt, TILE).transpose(0, 1)[:, None]
 
+    # Every product runs on t_pad rows; the padding rows (zero queries) see every key with score 0, so
+    # their softmax stays finite, and are dropped at the end: a real row's bits never depend on them.
     qh = torch.nn.functional.pad(qb.float().transpose(0, 1), (0, 0, 0, t_pad - t))  # [Hq, t_pad, D]
-    visible = by_tile(torch.arange(n, device=dev)[None, :] <= pos[:, None])
-    if quant is None:
-        sides = [(tiles(ke), tiles(ve), None, list(range(nt)))]
-    else:
-        sides = []
-        for kx, vx, m in ((ke, ve, ~quant), (kq, vq, quant)):
-            m = by_tile(m) & visible
-            sides.append((tiles(kx), tiles(vx), m, m.flatten(1).any(1).nonzero().flatten().tolist()))
+    visible = by_tile(torch.arange(n, device=dev)[None, :] <= pos[:, None], True)
     qg = qh.reshape(H, 1, group * t_pad, D)  # rows: (query head, query), per KV head
-    s = torch.full((H, nt, group, t, TILE), float("-inf"), device=dev)
-    for kt, _, m, idx in sides:
-        if idx:
-            si = torch.matmul(qg, kt[:, idx].transpose(2, 3)).view(H, len(idx), group, t_pad, TILE)[..., :t, :]
-            s[:, idx] = si * sm_scale if m is None else torch.where(m[idx], si * sm_scale, s[:, idx])
-    s = s.masked_fill(~visible, float("-inf"))
-    p = torch.exp(s - s.amax(dim=(1, 4), keepdim=True))  # [H, nt, group, t, TILE]
-    o = torch.zeros(H, nt, group * t_pad, D, device=dev)
-    for _, vt, m, idx in sides:
-        if idx:
-            pi = p[:, idx] if m is None else p[:, idx] * m[idx]
-            pi = torch.nn.functional.pad(pi, (0, 0, 0, t_pad - t)).view(H, len(idx), group * t_pad, TILE)
-            o[:, idx] = o[:, idx] + torch.matmul(pi, vt[:, idx])
-    den = p.sum(dim=4)  # [H, nt, group, t]
+    me = mq = eidx = None
+    if quant is not None:
+        mq = by_tile(quant, False) & visible  # pairs read from the quantized side
+        if not bool(mq.any()):  # every visible pair exact: one side
+            mq = None
+        else:
+            me = by_tile(~quant, False) & visible
+            eidx = _tile_index(me.flatten(1).any(1).nonzero().flatten().tolist())
+            if eidx is None:  # every visible pair quantized: one side
+                ke, ve, mq = kq, vq, None
+    # Scores: the quantized side over every tile (pairs it does not read are replaced or masked), then the
+    # exact side's pairs on the tiles it reads; a pair's value comes from one side only.
+    s = torch.matmul(qg, tiles(ke if mq is None else kq).transpose(2, 3)).view(H, nt, group, t_pad, TILE)
+    s.mul_(sm_scale)
+    if mq is not None:
+        se = torch.matmul(qg, tiles(ke)[:, eidx].transpose(2, 3)).view(H, -1, group, t_pad, TILE).mul_(sm_scale)
+        s[:, eidx] = torch.where(me[eidx], se, s[:, eidx])
+    s.masked_fill_(~visible, ninf)
+    p = s.sub_(s.amax(dim=(1, 4), keepdim=True)).exp_()  # [H, nt, group, t_pad, TILE]
+    if mq is None:
+        o = torch.matmul(p.view(H, nt, group * t_pad, TILE), tiles(ve))
+    else:  # per tile: quantized side's sum + exact side's sum (either may be all zeros)
+        o = torch.matmul((p * mq).view(H, nt, group * t_pad, TILE), tiles(vq))
+        o[:, eidx] += torch.matmul((p[:, eidx] * me[eidx]).view(H, -1, group * t_pad, TILE), tiles(ve)[:, eidx])
+    den = p.sum(dim=4)  # [H, nt, group, t_pad]
     acc, tot = o[:, 0], den[:, 0]
     for i in range(1, nt):  # position order
         acc, tot = acc + o[:, i], tot + den[:, i]
-    out = acc.view(H, group, t_pad, D)[:, :, :t] / tot[..., None]
+    out = acc.view(H, group, t_pad, D)[:, :, :t] / tot[:, :, :t, None]
     out = out.reshape(Hq, t, D)
     return out.transpose(0, 1)  # [t, Hq, D]
 

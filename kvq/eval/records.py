@@ -10,7 +10,8 @@ One record per (format, context-length bin)::
     context_length_bins  every bin of the run; ``context_length_bin`` is this record's
     quality_by_bin       {bin: quality metrics against the baseline on the same tokens}
     kv_cache_capacity    bytes per token, tokens per GiB, sequences at this bin in a budget
-    throughput_before    the baseline's measured throughput (same device and backend kind)
+    throughput_before    the baseline's device, backend and decode kernel per layer (no speed: kvq eval's
+                         one-sequence passes are not a serving setting; benchmarks/bench_engine.py measures it)
     throughput_after     this format's
     status               ok | quality_regressed | backend_mismatch | capacity_lost
 

@@ -2,7 +2,7 @@
 
     report.md                what to use per context-length bin, in plain words (kvq.eval.recommend), one
                              line per format, a ranking table; then per bin the detail table, the paired
-                             comparisons (K per channel vs per token, E4M3 vs E5M2), throughput; all
+                             comparisons (K per channel vs per token, E4M3 vs E5M2), backends; all
                              computed from the records, never written by hand
     quality_vs_context.png   relative perplexity change and mean KL against context length, one line per
                              format, bars for the 95% intervals
@@ -189,14 +189,14 @@ def markdown(result: dict, plots: dict[str, str]) -> str:
     cmp_lines = comparison_lines(records)
     if cmp_lines:
         out += ["## Paired comparisons", ""] + cmp_lines
-    out += ["## Throughput measured during this run", "",
-            "| format | backend | prefill tok/s | decode tok/s |", "| --- | --- | --- | --- |"]
+    out += ["## Backends", "",
+            "| format | backend | decode kernel per layer |", "| --- | --- | --- |"]
     for name, recs in fm.items():
-        t = recs[0]["throughput_after"]
-        out.append(f"| `{name}` | {t['backend']} | {_fmt(t['prefill_tokens_per_s'], '.1f')} | "
-                   f"{_fmt(t['decode_tokens_per_s'], '.1f')} |")
-    out += ["", "Single-sequence prefill chunks and decode steps of this evaluation on the device above; on a CPU "
-            "these time the torch reference backend, not the GPU kernels.", ""]
+        t = recs[0]["throughput_after"] or {}
+        out.append(f"| `{name}` | {t.get('backend', '-')} | {t.get('decode_per_layer', '-')} |")
+    out += ["", "Speed is not measured here: the evaluation runs its passes one sequence at a time, which says "
+            "nothing about serving.  Serving throughput per format (batched, CUDA graphs): "
+            "`benchmarks/bench_engine.py`, docs/engine.md.", ""]
     out += ["## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()] + [""]
     return "\n".join(out)
 

@@ -63,6 +63,7 @@ class EvalSettings:
     kv_scales: str | None = None  # static KV scales file for the formats that take them
     text_tokens: int | None = None  # score only the first N tokens of the text (kvq tune holds out the rest)
     tensor_parallel_size: int = 1  # ranks each format's engine is split over (kvq.parallel)
+    workers: int | None = None  # processes running formats side by side (None: one per CPU core, 1 on a GPU)
 
 
 def hardware_info(device: torch.device) -> dict:
@@ -203,8 +204,9 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], sp
                hays: dict[int, list], align: int, base_scores: list[list] | None = None, bar=None
                ) -> tuple[FormatRun, list[list]]:
     """Score every passage and haystack with ``fmt``; -> (the run, its raw bin scores per passage
-    when it is the baseline (``base_scores`` None), else []).  ``bar``: the run's progress bar,
-    advanced by :func:`format_tokens` tokens (None: no progress)."""
+    when ``base_scores`` is None (the baseline, or a format run in a worker process, compared in
+    the parent by :func:`rescore`), else []).  ``bar``: the run's progress bar, advanced by
+    :func:`format_tokens` tokens (None: no progress)."""
     t0 = time.perf_counter()
     engine = _engine(s, fmt)
     session = CacheSession(engine)
@@ -219,10 +221,14 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], sp
             scored.append(compare(base_scores[k], got, off))  # the logprobs are dropped here
     passkey: dict[int, list] = {}
     for L, stacks in hays.items():
-        for hay in stacks:
-            passkey.setdefault(L, []).extend(run_haystack(session, hay, s.chunk))
+        # deepest needle first: the haystacks of a bin share their filler up to the needle, so each later
+        # one finds its prefix in the cache (as a server's prefix cache would) and computes only the rest
+        got: dict[int, list] = {}
+        for i in sorted(range(len(stacks)), key=lambda i: -max(nd.depth for nd in stacks[i].needles)):
+            got[i] = run_haystack(session, stacks[i], s.chunk)
             if bar is not None:
                 bar.update(L)
+        passkey[L] = [r for i in range(len(stacks)) for r in got[i]]
     engine.block_manager.check_integrity()
     engine.shutdown()  # the other tensor-parallel ranks, if any
     run = FormatRun(display_name(s, fmt), engine.info, engine.full_plan, scored, passkey, session.throughput(),
@@ -230,6 +236,74 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], sp
     del session, engine
     gc.collect()
     return run, raw
+
+
+def rescore(run: FormatRun, raw: list[list], base_raw: list[list], offsets: list[int]) -> FormatRun:
+    """``run`` (scored against itself in a worker) compared with the baseline's raw scores."""
+    run.scores = [compare(b, r, off) for b, r, off in zip(base_raw, raw, offsets, strict=True)]
+    return run
+
+
+class _QueueBar:
+    """The part of a tqdm bar a worker process uses: token counts sent to the parent's bar."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def update(self, n: int) -> None:
+        self.queue.put(n)
+
+
+def _worker_run(s: EvalSettings, fmt: str, ids, offsets, spec, hays, align, queue):
+    from dataclasses import replace
+
+    s = replace(s, progress=False)  # the parent draws the one bar
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    run, raw = run_format(s, fmt, ids, offsets, spec, hays, align, bar=_QueueBar(queue) if queue else None)
+    return run, raw
+
+
+def resolve_workers(s: EvalSettings, device: torch.device, jobs: int) -> int:
+    """Processes for ``jobs`` format runs: ``s.workers``, else one per CPU core on a CPU (each with
+    ``s.threads`` torch threads) and one on a GPU or with tensor parallelism."""
+    if s.workers is not None:
+        return max(1, min(s.workers, jobs))
+    if device.type != "cpu" or s.tensor_parallel_size > 1:
+        return 1
+    return max(1, min(jobs, (os.cpu_count() or 1) // max(1, s.threads or 1)))
+
+
+def _run_parallel(s: EvalSettings, workers: int, ids, offsets, spec, hays, align, bar) -> list[FormatRun]:
+    """Every format in ``workers`` spawned processes, the baseline first; each run's raw scores come back
+    to this process and are compared with the baseline's here (formats in the order given)."""
+    import concurrent.futures as cf
+    import queue as queue_mod
+
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    q = ctx.Manager().Queue() if bar is not None else None
+    fmts = (s.baseline, *s.formats)
+    out: dict[int, tuple] = {}
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futs = {pool.submit(_worker_run, s, f, ids, offsets, spec, hays, align, q): i for i, f in enumerate(fmts)}
+        pending = set(futs)
+        while pending:
+            done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            while q is not None:
+                try:
+                    bar.update(q.get_nowait())
+                except queue_mod.Empty:
+                    break
+            for f in done:
+                i = futs[f]
+                out[i] = f.result()  # a worker's exception is raised here
+                if bar is not None:
+                    bar.write(f"[kvq eval] {out[i][0].name}: {out[i][0].seconds:.0f} s")
+    base, base_raw = out[0]
+    base.scores = [compare(r, r, off) for r, off in zip(base_raw, offsets, strict=True)]
+    return [base] + [rescore(out[i][0], out[i][1], base_raw, offsets) for i in range(1, len(fmts))]
 
 
 def _ci(units: list[float]) -> tuple[float, list[float]]:
@@ -309,8 +383,12 @@ def capacity(run: FormatRun, base: FormatRun, memory: int, L: int, cpu_offload: 
 
 
 def _throughput(run: FormatRun, hardware: dict) -> dict:
-    return {"device": hardware["device"], "backend": run.info["attention_backend"]["resolved"],
-            "what": "single-sequence prefill chunks and greedy decode steps of this evaluation", **run.throughput}
+    """What served the run; no speed: the evaluation's one-sequence passes would mislead about serving
+    (measure that with benchmarks/bench_engine.py)."""
+    be = run.info["attention_backend"]
+    return {"device": hardware["device"], "backend": be["resolved"], "decode_per_layer": be.get("decode_per_layer"),
+            "tokens_per_s": None, "note": "not measured by kvq eval (one sequence at a time, not a serving "
+                                          "setting): see benchmarks/bench_engine.py"}
 
 
 def validate(s: EvalSettings) -> None:
@@ -374,17 +452,28 @@ def run_eval(s: EvalSettings) -> dict:
     offsets = passage_offsets(len(ids), need, s.passages, s.window)
     per_format = format_tokens(spec, offsets, hays, align)
     names = [display_name(s, f) for f in (s.baseline, *s.formats)]
+    from kvq.engine.llm_engine import _resolve_device
+
+    workers = resolve_workers(s, _resolve_device(s.device), len(names))
     # one bar for the whole run (its ETA is the run's, from the first chunk on: rate averaged over the run)
     with tqdm(total=per_format * len(names), unit="tok", disable=not s.progress, smoothing=0,
-              desc=f"[1/{len(names)}] {names[0]}") as bar:
-        base, raw = run_format(s, s.baseline, ids, offsets, spec, hays, align, bar=bar)
-        bar.write(f"[kvq eval] {base.name}: {base.seconds:.0f} s")
-        runs = [base]
-        for i, f in enumerate(s.formats, start=2):
-            bar.set_description(f"[{i}/{len(names)}] {names[i - 1]}")
-            runs.append(run_format(s, f, ids, offsets, spec, hays, align, raw, bar=bar)[0])
-            bar.write(f"[kvq eval] {runs[-1].name}: {runs[-1].seconds:.0f} s")
-    del raw
+              desc=f"{len(names)} formats, {workers} at a time" if workers > 1 else f"[1/{len(names)}] {names[0]}"
+              ) as bar:
+        if workers > 1:
+            from kvq.models.builder import ensure_converted
+
+            ensure_converted(s.model)  # once here, not in every worker at the same time
+            runs = _run_parallel(s, workers, ids, offsets, spec, hays, align, bar)
+        else:
+            base, raw = run_format(s, s.baseline, ids, offsets, spec, hays, align, bar=bar)
+            bar.write(f"[kvq eval] {base.name}: {base.seconds:.0f} s")
+            runs = [base]
+            for i, f in enumerate(s.formats, start=2):
+                bar.set_description(f"[{i}/{len(names)}] {names[i - 1]}")
+                runs.append(run_format(s, f, ids, offsets, spec, hays, align, raw, bar=bar)[0])
+                bar.write(f"[kvq eval] {runs[-1].name}: {runs[-1].seconds:.0f} s")
+            del raw
+    base = runs[0]
     device = torch.device(base.info["device"])
     hardware = hardware_info(device)
     requested = s.attention_backend if s.attention_backend != "auto" else base.info["attention_backend"]["resolved"]

@@ -87,6 +87,16 @@ def _partition(cfg: LlamaConfig, tp):
     return Partition.of(cfg, tp.world if tp is not None else 1, tp.rank if tp is not None else 0)
 
 
+def ensure_converted(model: str | ModelSource) -> None:
+    """Make sure a GGUF checkpoint has its converted copy on disk (kvq.models.checkpoint_cache), so
+    processes started next read it instead of converting the file each at the same time."""
+    from kvq.models.checkpoint_cache import cached_folder, entry_dir
+
+    src = resolve_model(model) if isinstance(model, str) else model
+    if src.gguf_file and entry_dir(src) is not None and cached_folder(src) is None:
+        _load_checkpoint(src, False)
+
+
 @functools.lru_cache(maxsize=1)
 def _load_checkpoint(src: ModelSource, progress: bool):
     """(config, float32 CPU state dict, tokenizer) of the last checkpoint loaded; engines built

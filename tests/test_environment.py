@@ -1,0 +1,67 @@
+"""`kvq env` reports what this machine will use, and a CUDA machine without CuPy warns once."""
+
+import json
+import logging
+import sys
+
+import pytest
+import torch
+
+from kvq import cli
+from kvq.attention import backends
+from kvq.cache.plan import KVCacheConfig, bare_model
+
+
+def test_kvq_env_names_the_backend_of_every_format(capsys):
+    assert cli.main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["torch"]["version"] == torch.__version__ and info["device"] in ("cpu", "cuda")
+    rows = {r["format"]: r for r in info["formats"]}
+    assert {"bfloat16", "fp8_e4m3", "int8_per_token_head", "int4_kivi", "int2_kivi"} <= set(rows)
+    if info["device"] == "cpu":  # the torch reference everywhere, and why the kernels were passed over
+        assert all(r["backend"] == "torch" and r["decode_per_layer"] == "torch 0-29" for r in rows.values())
+        assert set(rows["int4_kivi"]["passed_over"]) == {"cuda", "triton"}  # each with its reason
+        assert all(rows["int4_kivi"]["passed_over"].values())
+        assert info["cuda_decode_kernel"] == {"available": False, "why_not": "needs a CUDA device"}
+    assert cli.main(["info"]) == 0  # the alias, as one screen of text
+    text = capsys.readouterr().out
+    assert "decode kernel per layer" in text and "int4_kivi" in text and "threads" in text
+
+
+def _fake_cuda_without_cupy(monkeypatch):
+    """A CUDA sm_90 device as far as the backend choice can tell, and `import cupy` failing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    monkeypatch.setattr(backends, "_warned_cuda", [])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_missing_cupy_on_a_cuda_device_warns_once_naming_the_fix_and_the_cost(monkeypatch, caplog):
+    pytest.importorskip("triton")
+    _fake_cuda_without_cupy(monkeypatch)
+    model = bare_model(4, 2, 128, num_attention_heads=8)
+    with caplog.at_level(logging.WARNING, logger="kvq"):
+        for fmt in ("int4_kivi", "fp8_e4m3", "int4_kivi"):
+            _, choice = backends.select_backend("auto", KVCacheConfig(dtype=fmt).plan(model), "cuda", torch.bfloat16)
+            assert choice.resolved == "triton" and choice.decode_per_layer == ("triton",) * 4
+            assert "CuPy (NVRTC) is not installed" in choice.reason
+        _, choice = backends.select_backend("auto", KVCacheConfig(dtype="bfloat16").plan(model), "cuda",
+                                            torch.bfloat16)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings  # once per process, whatever the number of engines
+    assert "pip install 'kvq[" in warnings[0] and "0.27-0.40x" in warnings[0] and "CuPy" in warnings[0]
+
+
+def test_bf16_alone_on_a_cuda_device_without_cupy_does_not_warn(monkeypatch, caplog):
+    pytest.importorskip("triton")
+    _fake_cuda_without_cupy(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="kvq"):
+        backends.select_backend("auto", KVCacheConfig(dtype="bfloat16").plan(bare_model(2, 2, 128)), "cuda",
+                                torch.bfloat16)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # the CUDA kernel would serve nothing
+
+
+def test_decode_per_layer_names_cuda_and_triton_layers():
+    assert backends.compact_layers(("triton", "triton", "cuda", "cuda", "cuda")) == "triton 0-1, cuda 2-4"
+    assert backends.compact_layers(("torch",)) == "torch 0"
