@@ -35,9 +35,14 @@ test: install-test
 	  -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test gpu-test-tp bench-tp bench-kernels bench-engine bench-server bench-offload bench-kv-transfer disagg-check
+.PHONY: gpu-test gpu-env-check gpu-test-tp bench-tp bench-kernels bench-engine bench-server bench-offload bench-kv-transfer disagg-check
 gpu-test:
 	bash scripts/gpu.sh test
+
+# `kvq env` on the GPU with CuPy (every 8-bit and KIVI format decodes through CUDA) and with CuPy blocked
+# (Triton, one WARNING); writes docs/results/cuda_extra_h200.json
+gpu-env-check:
+	bash scripts/gpu.sh env-check
 
 bench-kernels:
 	bash scripts/gpu.sh bench-kernels

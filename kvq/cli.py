@@ -113,6 +113,7 @@ def plan_from_args(args: argparse.Namespace, shape=None) -> CachePlan:
 # -- kvq formats ---------------------------------------------------------------------------------
 def cmd_formats(args: argparse.Namespace) -> int:
     shape = shape_from_args(args) if (args.model or args.num_layers) else None
+    here = _backends_here(shape) if shape is not None and args.model else {}
     rows = []
     for e in entries():
         fmt = resolve_kv(e.name, model_dtype=shape.dtype if shape else "bfloat16")
@@ -133,6 +134,8 @@ def cmd_formats(args: argparse.Namespace) -> int:
             values = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
             row["bits_per_value"] = 8 * plan.bytes_per_token / values
             row["ratio_vs_model_dtype"] = plan.ratio_vs_model_dtype
+        if e.name in here:
+            row["backend"], row["decode_per_layer"] = here[e.name]
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -145,11 +148,31 @@ def cmd_formats(args: argparse.Namespace) -> int:
         if shape:
             line += f"{r['bytes_per_token']:>9.1f} {r['ratio_vs_model_dtype']:>7.2f}x  "
         scale = r["scale"]["k"] if r["scale"]["k"] == r["scale"]["v"] else f"{r['scale']['k']}; {r['scale']['v']}"
-        print(line + scale + ("  [reference only]" if r["reference_only"] else ""))
+        print(line + scale + ("  [reference only]" if r["reference_only"] else "")
+              + (f"  -> {r['decode_per_layer']}" if "decode_per_layer" in r else ""))
     if shape:
         print(f"\nbytes per token across all {shape.num_layers} layers of {shape.name}, K+V, scales included, "
               f"without sink/residual windows (`kvq plan` counts those)")
     return 0
+
+
+def _backends_here(shape) -> dict[str, tuple[str, str]]:
+    """format -> (backend, decode kernel per layer) that an engine on this machine's default device
+    would resolve with --attention-backend auto (`kvq env` says why)."""
+    import torch
+
+    from kvq.attention.backends import compact_layers, select_backend
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    out = {}
+    for e in entries():
+        try:
+            _, choice = select_backend("auto", KVCacheConfig(dtype=e.name).plan(shape), dev, dtype)
+        except ValueError:
+            continue
+        out[e.name] = (choice.resolved, f"{dev.type}: {compact_layers(choice.decode_per_layer)}")
+    return out
 
 
 # -- kvq plan ------------------------------------------------------------------------------------

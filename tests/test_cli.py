@@ -63,6 +63,18 @@ def test_formats_lists_every_format(capsys):
     assert main(["formats", *BARE[:6]]) == 0
     out = capsys.readouterr().out
     assert "18432.0" in out  # fp8 on the Qwen2.5-3B shape: 36 layers * (K+V) * 2 heads * 128 bytes
+    assert "decode_per_layer" not in out  # a bare shape has no engine: no backend column
+
+
+def test_formats_with_a_model_name_the_decode_backend_per_layer_here(capsys):
+    import torch
+
+    assert main(["formats", "--model", "default", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    if not torch.cuda.is_available():
+        assert rows["int4_kivi"]["backend"] == "torch" and rows["int4_kivi"]["decode_per_layer"] == "cpu: torch 0-29"
+    else:
+        assert rows["int4_kivi"]["decode_per_layer"].startswith("cuda: ")
 
 
 def test_default_model_shape():

@@ -33,9 +33,9 @@ class BackendChoice:
 
 
 #: What the Triton decode costs where the CUDA kernel would serve (H200, `make bench-kernels`,
-#: docs/kernels.md; decode time of kvq bf16 over the format's, 4x128K and 16x32K).
-CUDA_DECODE_GAIN = ("8-bit formats decode at 1.6-1.9x bf16's speed with the CUDA kernel and about 1.0-1.1x "
-                    "with Triton; KIVI at 1.9-2.0x with CUDA and 0.27-0.40x with Triton")
+#: docs/results/bench_decode.json; decode time of kvq bf16 over the format's, 4x128K and 16x32K).
+CUDA_DECODE_GAIN = ("8-bit formats decode at 1.7-1.8x bf16's speed with the CUDA kernel and 0.84-1.24x with "
+                    "Triton; KIVI at 1.9-2.0x with CUDA and 0.27-0.37x with Triton")
 
 
 def cuda_extra() -> str:
@@ -173,7 +173,7 @@ def warn_if_cuda_decode_missing(plan: CachePlan, device: torch.device, dtype: to
         return None
     fix = f"pip install '{cuda_extra()}'" if "CuPy" in why else "an sm_90 GPU (H100/H200)"
     msg = (f"the CUDA decode kernel cannot run here ({why}): layers stored in 8 bits or as KIVI decode with "
-           f"the Triton kernels instead; {CUDA_DECODE_GAIN} (H200, docs/kernels.md). Fix: {fix}")
+           f"the Triton kernels instead; {CUDA_DECODE_GAIN} (H200, docs/results/bench_decode.json). Fix: {fix}")
     if not _warned_cuda:
         _warned_cuda.append(msg)
         log.warning("kvq: %s", msg)

@@ -25,13 +25,14 @@ FULL = {"window": 256, "greedy_tokens": 32, "passkey_trials": 3, "passages": 6}
 DESCRIPTION = """\
 Evaluate KV cache formats on a model: quality against the baseline (bf16 / the model dtype) on the same tokens,
 per context-length bin, with the quantized past read by attention through the paged cache; passkey retrieval at
-several depths; bytes per token, tokens per GiB and sequences per budget; throughput; one JSON record per
+several depths; bytes per token, tokens per GiB and sequences per budget; backends; one JSON record per
 (format, bin) with a status (ok, quality_regressed, backend_mismatch, capacity_lost), a Markdown report and plots.
 
-Defaults: on a CPU the quick settings (bins 512,1024; 4 passages of the text with 128 scored positions and
-16 greedy tokens per bin each; 1 passkey haystack per bin with a needle at each of 5 depths), about 18 minutes
-on 2 cores for every format; on a GPU, or with --full, every bin of the ladder 512,2048,4096,8192,... the model
-supports, 6 passages with 256 scored positions and 32 greedy tokens each, 3 haystacks per bin.  Explicit flags
+Defaults: on a CPU the quick settings: bf16 against the formats a user chooses among (fp8_e4m3:r128:s4,
+int8_per_token_head:r128:s4, int4_kivi) at bins 512,2048, 2 passages of the text with 256 scored positions and 16
+greedy tokens per bin each, 1 passkey haystack per depth (5 depths) at 512 tokens, one worker process per CPU core;
+on a GPU, or with --full, every format at every bin of the ladder 512,2048,4096,8192,... the model supports, 6
+passages with 256 scored positions and 32 greedy tokens each, 3 haystacks per depth and bin.  Explicit flags
 override either.  Perplexity change, KL and top-1 carry 95% intervals (batch means over 32-position segments
 of every passage); a status threshold fails only when the whole interval is past it."""
 
