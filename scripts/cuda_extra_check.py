@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 BLOCK = "import sys; sys.modules['cupy'] = None\n"
-ENV = "from kvq.cli import main; main(['env', '--json'])\n"
+ENV = "from kvq.cli import main; main(['env', '--json', '--model', 'llama-3-8b'])\n"
 ENGINES = """
 import logging, torch
 logging.basicConfig(level=logging.WARNING)

@@ -176,7 +176,7 @@ def warn_if_cuda_decode_missing(plan: CachePlan, device: torch.device, dtype: to
            f"the Triton kernels instead; {CUDA_DECODE_GAIN} (H200, docs/results/bench_decode.json). Fix: {fix}")
     if not _warned_cuda:
         _warned_cuda.append(msg)
-        log.warning("kvq: %s", msg)
+        log.warning("%s", msg)
     return msg
 
 
