@@ -157,22 +157,14 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def _backends_here(shape) -> dict[str, tuple[str, str]]:
-    """format -> (backend, decode kernel per layer) that an engine on this machine's default device
-    would resolve with --attention-backend auto (`kvq env` says why)."""
-    import torch
+    """format -> (backend, "device: decode kernel per layer") on this machine's default device
+    (:func:`kvq.environment.format_backends`; `kvq env` says why)."""
+    from kvq.engine.llm_engine import _resolve_device, _resolve_dtype
+    from kvq.environment import format_backends
 
-    from kvq.attention.backends import compact_layers, select_backend
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    out = {}
-    for e in entries():
-        try:
-            _, choice = select_backend("auto", KVCacheConfig(dtype=e.name).plan(shape), dev, dtype)
-        except ValueError:
-            continue
-        out[e.name] = (choice.resolved, f"{dev.type}: {compact_layers(choice.decode_per_layer)}")
-    return out
+    dev = _resolve_device("auto")
+    return {r["format"]: (r["backend"], f"{dev.type}: {r['decode_per_layer']}")
+            for r in format_backends(shape, dev, _resolve_dtype("auto", dev)) if r["backend"]}
 
 
 # -- kvq plan ------------------------------------------------------------------------------------

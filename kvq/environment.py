@@ -44,11 +44,9 @@ def _cpu_name() -> str:
 def collect(model: str = "default", device: str = "auto") -> dict:
     import torch
 
-    from kvq.attention.backends import AUTO_ORDER, compact_layers, cuda_extra, get_backend, select_backend
+    from kvq.attention.backends import cuda_extra
     from kvq.attention.cuda import decode8
-    from kvq.cache.plan import KVCacheConfig
     from kvq.engine.llm_engine import _resolve_device, _resolve_dtype, resolve_threads
-    from kvq.formats.registry import entries
     from kvq.models.source import model_shape, resolve_model
 
     dev = _resolve_device(device)
@@ -98,22 +96,33 @@ def collect(model: str = "default", device: str = "auto") -> dict:
     except (ValueError, FileNotFoundError) as e:
         info["model"] = {"name": model, "error": str(e)}
         return info
+    rows = format_backends(shape, dev, dtype)
+    info["formats"] = rows
+    return info
+
+
+def format_backends(shape, dev, dtype) -> list[dict]:
+    """Per format of the registry: the backend and decode kernel per layer an engine on ``dev`` would
+    resolve with ``--attention-backend auto``, its reason, and why each backend before it was passed over."""
+    from kvq.attention.backends import AUTO_ORDER, compact_layers, get_backend, select_backend
+    from kvq.cache.plan import KVCacheConfig
+    from kvq.formats.registry import entries
+
     rows = []
     for e in entries():
         try:
             plan = KVCacheConfig(dtype=e.name).plan(shape)
             _, choice = select_backend("auto", plan, dev, dtype)
-            passed = {}
-            for cand in AUTO_ORDER[:AUTO_ORDER.index(choice.resolved)]:
-                passed[cand] = get_backend(cand).unsupported_reason(plan, dev, dtype)
-            rows.append({"format": e.name, "backend": choice.resolved,
-                         "decode_per_layer": compact_layers(choice.decode_per_layer), "reason": choice.reason,
-                         "passed_over": passed})
         except ValueError as err:
             rows.append({"format": e.name, "backend": None, "decode_per_layer": None, "reason": str(err),
                          "passed_over": {}})
-    info["formats"] = rows
-    return info
+            continue
+        passed = {c: get_backend(c).unsupported_reason(plan, dev, dtype)
+                  for c in AUTO_ORDER[:AUTO_ORDER.index(choice.resolved)]}
+        rows.append({"format": e.name, "backend": choice.resolved,
+                     "decode_per_layer": compact_layers(choice.decode_per_layer), "reason": choice.reason,
+                     "passed_over": passed})
+    return rows
 
 
 def _line(name: str, value: str) -> str:

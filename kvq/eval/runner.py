@@ -301,8 +301,7 @@ def _run_parallel(s: EvalSettings, workers: int, ids, offsets, spec, hays, align
                 out[i] = f.result()  # a worker's exception is raised here
                 if bar is not None:
                     bar.write(f"[kvq eval] {out[i][0].name}: {out[i][0].seconds:.0f} s")
-    base, base_raw = out[0]
-    base.scores = [compare(r, r, off) for r, off in zip(base_raw, offsets, strict=True)]
+    base, base_raw = out[0]  # scored against itself in its worker, as a baseline is
     return [base] + [rescore(out[i][0], out[i][1], base_raw, offsets) for i in range(1, len(fmts))]
 
 
