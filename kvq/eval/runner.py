@@ -26,9 +26,9 @@ from kvq.cache.plan import KVCacheConfig
 from kvq.eval import metrics, stats
 from kvq.eval.data import (TEXT_FILE, eval_token_ids, file_sha256, make_haystack, passage_offsets, text_source,
                            tokens_sha256)
-from kvq.eval.passkey import accuracy_by_depth, run_haystack
+from kvq.eval.passkey import accuracy_by_depth, run_haystacks
 from kvq.eval.records import Thresholds, make_record
-from kvq.eval.scoring import StreamSpec, score_stream
+from kvq.eval.scoring import StreamSpec, score_streams
 from kvq.eval.session import CacheSession
 
 GIB = 1 << 30
@@ -64,6 +64,10 @@ class EvalSettings:
     text_tokens: int | None = None  # score only the first N tokens of the text (kvq tune holds out the rest)
     tensor_parallel_size: int = 1  # ranks each format's engine is split over (kvq.parallel)
     workers: int | None = None  # processes running formats side by side (None: one per CPU core, 1 on a GPU)
+    # sequences side by side in each forward: passages of the text, haystacks of a bin (None: every one
+    # on a GPU, where a step costs little more for more sequences; 1 on a CPU, where the haystacks of a
+    # bin then reuse each other's prefix)
+    batch: int | None = None
 
 
 def hardware_info(device: torch.device) -> dict:
@@ -100,7 +104,16 @@ def display_name(s: EvalSettings, fmt: str) -> str:
     return fmt
 
 
-def _engine(s: EvalSettings, fmt: str):
+def resolve_batch(s: EvalSettings, device: torch.device) -> int:
+    """Sequences per forward: ``s.batch``, else 1 on a CPU and every passage / haystack of a bin on a GPU."""
+    if s.batch is not None:
+        return max(1, s.batch)
+    if device.type == "cpu":
+        return 1
+    return max(s.passages, len(s.passkey_depths) * s.passkey_trials, 1)
+
+
+def _engine(s: EvalSettings, fmt: str, batch: int):
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.models.source import model_shape
 
@@ -111,11 +124,15 @@ def _engine(s: EvalSettings, fmt: str):
     kv = kv_config(s, fmt)
     scales = s.kv_scales if s.kv_scales and fmt != s.baseline and static_layers(kv.plan(shape)) else None
     hp_token_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # generous: fp32-wide
+    # one sequence per batch slot and its fork, the blocks a window keeps twice, rounding: 3 bins' worth
+    memory = max(64 << 20, 3 * batch * max_bin * hp_token_bytes)
+    # CUDA graphs (on a GPU) for the greedy decode: one graph per batch size up to the passages side by side
+    decode_batch = max(1, min(batch, s.passages))
     return LLMEngine(EngineConfig(
         model=s.model, kv_cache=kv, kv_scales=scales, attention_backend=s.attention_backend,
-        device=s.device, dtype=s.dtype, enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=max(s.chunk, 64),
-        kv_cache_memory=max(64 << 20, 3 * max_bin * hp_token_bytes), seed=s.seed, progress=s.progress,
-        threads=s.threads or 0, tensor_parallel_size=s.tensor_parallel_size))
+        device=s.device, dtype=s.dtype, enforce_eager=False, max_num_seqs=decode_batch,
+        max_num_batched_tokens=max(s.chunk, 64) * batch, kv_cache_memory=memory, seed=s.seed,
+        progress=s.progress, threads=s.threads or 0, tensor_parallel_size=s.tensor_parallel_size))
 
 
 @dataclass
@@ -143,6 +160,12 @@ class FormatRun:
     passkey: dict  # bin -> list of needle results
     throughput: dict
     seconds: float
+    timing: dict = field(default_factory=dict)  # seconds: engine build, text passes, passkey haystacks
+
+    def summary(self) -> str:
+        t = self.timing
+        parts = ", ".join(f"{k} {t[k]:.1f}" for k in ("engine", "text", "passkey") if k in t)
+        return f"[kvq eval] {self.name}: {self.seconds:.0f} s" + (f" ({parts} s)" if parts else "")
 
 
 def compare(base: list, run: list, offset: int) -> list[Scored]:
@@ -151,12 +174,19 @@ def compare(base: list, run: list, offset: int) -> list[Scored]:
     for b, r in zip(base, run, strict=True):
         assert b.bin == r.bin and torch.equal(b.targets, r.targets)
         start = offset + r.context - len(r.targets)
-        out.append(Scored(
-            r.bin, (start, offset + r.context),
-            metrics.token_nll(r.logprobs, r.targets).double(), metrics.token_nll(b.logprobs, b.targets).double(),
-            metrics.kl_per_position(b.logprobs, r.logprobs),
-            (b.logprobs.argmax(-1) == r.logprobs.argmax(-1)).double(), r.greedy, b.greedy))
+        dev = r.logprobs.device  # where the format's log-probs are (its engine's device): compute there
+        blp, tg = b.logprobs.to(dev), r.targets.to(dev)
+        figures = (metrics.token_nll(r.logprobs, tg).double(), metrics.token_nll(blp, tg).double(),
+                   metrics.kl_per_position(blp, r.logprobs), (blp.argmax(-1) == r.logprobs.argmax(-1)).double())
+        out.append(Scored(r.bin, (start, offset + r.context), *(f.cpu() for f in figures), r.greedy, b.greedy))
     return out
+
+
+def on_host(scores: list) -> list:
+    """BinScores with their log-probs moved to the CPU (what is kept across formats)."""
+    from dataclasses import replace
+
+    return [replace(x, logprobs=x.logprobs.cpu()) for x in scores]
 
 
 def alignment(s: EvalSettings) -> int:
@@ -208,34 +238,48 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], sp
     the parent by :func:`rescore`), else []).  ``bar``: the run's progress bar, advanced by
     :func:`format_tokens` tokens (None: no progress)."""
     t0 = time.perf_counter()
-    engine = _engine(s, fmt)
+    engine = _engine(s, fmt, batch := resolve_batch(s, _device_of(s)))
     session = CacheSession(engine)
+    timing = {"engine": time.perf_counter() - t0}
     need = spec.tokens_needed(align)
     raw, scored = [], []
-    for k, off in enumerate(offsets):
-        got = score_stream(session, ids[off:off + need], spec, align, progress=bar)
-        if base_scores is None:
-            raw.append(got)
-            scored.append(compare(got, got, off))
-        else:
-            scored.append(compare(base_scores[k], got, off))  # the logprobs are dropped here
+    for at in range(0, len(offsets), batch):
+        group = offsets[at:at + batch]
+        for k, (off, got) in enumerate(zip(group, score_streams(session, [ids[o:o + need] for o in group], spec,
+                                                                align, progress=bar)), start=at):
+            if base_scores is None:
+                scored.append(compare(got, got, off))
+                raw.append(on_host(got))
+            else:
+                scored.append(compare(base_scores[k], got, off))  # the logprobs are dropped here
+    timing["text"] = time.perf_counter() - t0 - timing["engine"]
     passkey: dict[int, list] = {}
     for L, stacks in hays.items():
         # deepest needle first: the haystacks of a bin share their filler up to the needle, so each later
-        # one finds its prefix in the cache (as a server's prefix cache would) and computes only the rest
+        # group finds its prefix in the cache (as a server's prefix cache would) and computes only the rest
+        order = sorted(range(len(stacks)), key=lambda i: -max(nd.depth for nd in stacks[i].needles))
         got: dict[int, list] = {}
-        for i in sorted(range(len(stacks)), key=lambda i: -max(nd.depth for nd in stacks[i].needles)):
-            got[i] = run_haystack(session, stacks[i], s.chunk)
+        for at in range(0, len(order), batch):
+            group = order[at:at + batch]
+            for i, res in zip(group, run_haystacks(session, [stacks[i] for i in group], s.chunk)):
+                got[i] = res
             if bar is not None:
-                bar.update(L)
+                bar.update(L * len(group))
         passkey[L] = [r for i in range(len(stacks)) for r in got[i]]
+    timing["passkey"] = time.perf_counter() - t0 - timing["engine"] - timing["text"]
     engine.block_manager.check_integrity()
     engine.shutdown()  # the other tensor-parallel ranks, if any
     run = FormatRun(display_name(s, fmt), engine.info, engine.full_plan, scored, passkey, session.throughput(),
-                    time.perf_counter() - t0)
+                    time.perf_counter() - t0, timing)
     del session, engine
     gc.collect()
     return run, raw
+
+
+def _device_of(s: EvalSettings) -> torch.device:
+    from kvq.engine.llm_engine import _resolve_device
+
+    return _resolve_device(s.device)
 
 
 def rescore(run: FormatRun, raw: list[list], base_raw: list[list], offsets: list[int]) -> FormatRun:
@@ -300,7 +344,7 @@ def _run_parallel(s: EvalSettings, workers: int, ids, offsets, spec, hays, align
                 i = futs[f]
                 out[i] = f.result()  # a worker's exception is raised here
                 if bar is not None:
-                    bar.write(f"[kvq eval] {out[i][0].name}: {out[i][0].seconds:.0f} s")
+                    bar.write(out[i][0].summary())
     base, base_raw = out[0]  # scored against itself in its worker, as a baseline is
     return [base] + [rescore(out[i][0], out[i][1], base_raw, offsets) for i in range(1, len(fmts))]
 
@@ -451,9 +495,7 @@ def run_eval(s: EvalSettings) -> dict:
     offsets = passage_offsets(len(ids), need, s.passages, s.window)
     per_format = format_tokens(spec, offsets, hays, align)
     names = [display_name(s, f) for f in (s.baseline, *s.formats)]
-    from kvq.engine.llm_engine import _resolve_device
-
-    workers = resolve_workers(s, _resolve_device(s.device), len(names))
+    workers = resolve_workers(s, _device_of(s), len(names))
     # one bar for the whole run (its ETA is the run's, from the first chunk on: rate averaged over the run)
     with tqdm(total=per_format * len(names), unit="tok", disable=not s.progress, smoothing=0,
               desc=f"{len(names)} formats, {workers} at a time" if workers > 1 else f"[1/{len(names)}] {names[0]}"
@@ -465,12 +507,12 @@ def run_eval(s: EvalSettings) -> dict:
             runs = _run_parallel(s, workers, ids, offsets, spec, hays, align, bar)
         else:
             base, raw = run_format(s, s.baseline, ids, offsets, spec, hays, align, bar=bar)
-            bar.write(f"[kvq eval] {base.name}: {base.seconds:.0f} s")
+            bar.write(base.summary())
             runs = [base]
             for i, f in enumerate(s.formats, start=2):
                 bar.set_description(f"[{i}/{len(names)}] {names[i - 1]}")
                 runs.append(run_format(s, f, ids, offsets, spec, hays, align, raw, bar=bar)[0])
-                bar.write(f"[kvq eval] {runs[-1].name}: {runs[-1].seconds:.0f} s")
+                bar.write(runs[-1].summary())
             del raw
     base = runs[0]
     device = torch.device(base.info["device"])
@@ -495,7 +537,7 @@ def run_eval(s: EvalSettings) -> dict:
             rec["baseline"] = s.baseline
             fmt_records.append(rec)
         records += fmt_records
-        formats_meta.append({"format": run.name, "seconds": run.seconds,
+        formats_meta.append({"format": run.name, "seconds": run.seconds, "timing": run.timing,
                            "passkey": {str(k): v for k, v in run.passkey.items()}})
     meta = {
         "settings": {k: (asdict(v) if hasattr(v, "__dataclass_fields__") else v) for k, v in asdict(s).items()},

@@ -66,28 +66,39 @@ class BinScore:
 
 def score_stream(session: CacheSession, ids: list[int], spec: StreamSpec, align: int,
                  progress=None) -> list[BinScore]:
-    """Run the pass, chunks aligned to ``align`` (a multiple of the cache's block size, the same for
-    every format compared); ``ids`` holds at least ``spec.tokens_needed(align)`` real tokens."""
+    """:func:`score_streams` of one passage."""
+    return score_streams(session, [ids], spec, align, progress)[0]
+
+
+def score_streams(session: CacheSession, passages: list[list[int]], spec: StreamSpec, align: int,
+                  progress=None) -> list[list[BinScore]]:
+    """Run the pass over each passage, the passages side by side in every forward (one sequence
+    each, in lockstep: they have the same bins), chunks aligned to ``align`` (a multiple of the
+    cache's block size, the same for every format compared); each passage holds at least
+    ``spec.tokens_needed(align)`` real tokens.  -> per passage its bins' scores."""
     if align % session.block_size:
         raise ValueError(f"alignment {align} is not a multiple of the block size {session.block_size}")
     spec.check(align)
     g = spec.greedy_span(align)
-    if len(ids) < spec.tokens_needed(align):
-        raise ValueError(f"{len(ids)} text tokens, {spec.tokens_needed(align)} needed")
-    out: list[BinScore] = []
+    for ids in passages:
+        if len(ids) < spec.tokens_needed(align):
+            raise ValueError(f"{len(ids)} text tokens, {spec.tokens_needed(align)} needed")
+    seqs = [(SEQ, k) for k in range(len(passages))]
+    out: list[list[BinScore]] = [[] for _ in passages]
     pos = 0
 
-    def feed(end: int, size: int, scored: bool) -> list[torch.Tensor]:
+    def feed(end: int, size: int, scored: bool) -> list[list[torch.Tensor]]:
         nonlocal pos
-        got = []
+        got: list[list[torch.Tensor]] = [[] for _ in passages]
         while pos < end:
             stop = min(pos + size, end)
-            rows = list(range(stop - pos)) if scored else []
-            lg = session.append(SEQ, ids[pos:stop], rows=rows)
+            rows = tuple(range(stop - pos)) if scored else ()
+            lgs = session.step([(sid, ids[pos:stop], rows) for sid, ids in zip(seqs, passages)])
             if scored:
-                got.append(lg)
+                for mine, lg in zip(got, lgs):
+                    mine.append(lg)
             if progress is not None:
-                progress.update(stop - pos)
+                progress.update((stop - pos) * len(passages))
             pos = stop
         return got
 
@@ -95,12 +106,16 @@ def score_stream(session: CacheSession, ids: list[int], spec: StreamSpec, align:
         for L in spec.bins:
             c = L - g
             feed(c - spec.window, spec.chunk, scored=False)
-            logits = torch.cat(feed(c, spec.score_chunk, scored=True))
-            greedy = session.greedy(SEQ, logits[-1], spec.greedy_tokens) if spec.greedy_tokens else []
+            logits = [torch.cat(x) for x in feed(c, spec.score_chunk, scored=True)]
+            greedy = (session.greedy_many([(sid, lg[-1], (*sid, "greedy")) for sid, lg in zip(seqs, logits)],
+                                          spec.greedy_tokens) if spec.greedy_tokens else [[] for _ in passages])
             if progress is not None:
-                progress.update(g)
-            out.append(BinScore(L, c, log_softmax(logits), torch.tensor(ids[c - spec.window + 1:c + 1]), greedy))
+                progress.update(g * len(passages))
+            for k, ids in enumerate(passages):
+                out[k].append(BinScore(L, c, log_softmax(logits[k]), torch.tensor(ids[c - spec.window + 1:c + 1]),
+                                       greedy[k]))
     finally:
-        if SEQ in session.bm:
-            session.free(SEQ)
+        for sid in seqs:
+            if sid in session.bm:
+                session.free(sid)
     return out
