@@ -35,7 +35,7 @@ test: install-test
 	  -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test gpu-env-check gpu-test-tp bench-tp bench-kernels bench-engine bench-server bench-offload bench-kv-transfer disagg-check
+.PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-engine bench-capacity bench-server bench-offload bench-kv-transfer disagg-check
 gpu-test:
 	bash scripts/gpu.sh test
 
@@ -43,6 +43,10 @@ gpu-test:
 # (Triton, one WARNING); writes docs/results/cuda_extra_h200.json
 gpu-env-check:
 	bash scripts/gpu.sh env-check
+
+# `kvq eval` at its GPU default (the demo on a GPU), timed; needs the default model in /tmp/model
+gpu-demo:
+	bash scripts/gpu.sh demo --out kvq-eval
 
 bench-kernels:
 	bash scripts/gpu.sh bench-kernels
@@ -68,6 +72,13 @@ bench-engine:
 	bash scripts/gpu.sh bench-engine --formats bfloat16,fp8_e4m3 --workloads 1024x256 --concurrency 1,64,256 \
 	  --scheduling sync,async --hf --hf-concurrency 1,64 --out docs/results/bench_engine_async.json
 	bash scripts/gpu.sh bench-engine --formats "" --hf --hf-eager --hf-concurrency 1 --workloads 1024x256
+
+# capacity-bound serving (benchmarks/scenarios.py): loads that need more KV than bf16's pool holds, on dummy
+# Llama-3-8B; about 6 minutes of H200 per format, so one device call per format (merged into one JSON)
+CAPACITY_FORMATS ?= bfloat16 fp8_e4m3 int8_per_token_head int4_kivi int2_kivi
+bench-capacity:
+	for f in $(CAPACITY_FORMATS); do bash scripts/gpu.sh bench-engine --scenarios decode_heavy,prefill_heavy,mixed \
+	  --formats $$f --out docs/results/bench_capacity.json || exit 1; done
 
 bench-server:
 	bash scripts/gpu.sh bench-server --spawn --num-requests 256 --concurrency 64 --input-len 512 --output-len 128 \

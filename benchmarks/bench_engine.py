@@ -82,12 +82,18 @@ class Results:
         self.path = path
         old = json.loads(path.read_text()) if path.exists() else {}
         self.data = {"meta": {**old.get("meta", {}), **meta}, "runs": old.get("runs", []),
-                     "capacity": old.get("capacity", {})}
+                     "capacity": old.get("capacity", {}), "scenarios": old.get("scenarios", [])}
 
     def add(self, run: dict) -> None:
         key = (run["system"], run["kv_cache_dtype"], run["input_len"], run["output_len"], run["concurrency"])
         self.data["runs"] = [r for r in self.data["runs"] if (r["system"], r["kv_cache_dtype"], r["input_len"],
                              r["output_len"], r["concurrency"]) != key] + [run]
+        self.save()
+
+    def add_scenario(self, run: dict) -> None:
+        key = (run["system"], run["kv_cache_dtype"], run["scenario"])
+        self.data["scenarios"] = [r for r in self.data.get("scenarios", [])
+                                  if (r["system"], r["kv_cache_dtype"], r["scenario"]) != key] + [run]
         self.save()
 
     def save(self) -> None:
@@ -143,13 +149,77 @@ def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]
     }, outs
 
 
+def _ms(v: float | None) -> str:
+    return f"{1e3 * v:.1f}" if v is not None else "-"
+
+
+def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
+    """Serve a scenario (benchmarks/scenarios.py): each request is added when its arrival time has
+    passed (its TTFT counts from that arrival), greedy, ignore_eos, exactly its output length;
+    ``floor(contexts)``: the floor of a decode step over those contexts, or None.  -> tok/s,
+    TTFT/TPOT p50/p99, preemptions, peak running sequences, decode-step mean and its floor."""
+    from kvq.engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    reqs = sc.requests
+    prompts = [torch.randint(0, vocab, (r.input_len,), generator=g).tolist() for r in reqs]
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
+    done, nxt, peak = {}, 0, 0
+    decode_steps, decode_time, floor_sum = 0, 0.0, 0.0
+    steps_before = engine.runner.graph_steps
+    t0 = time.monotonic()
+    while nxt < len(order) or engine.has_unfinished():
+        now = time.monotonic() - t0
+        while nxt < len(order) and reqs[order[nxt]].arrival_s <= now:
+            r = reqs[order[nxt]]
+            rid = engine.add_request(prompts[order[nxt]], SamplingParams(max_tokens=r.output_len, ignore_eos=True,
+                                                                       temperature=0.0))
+            engine.scheduler.get(rid).arrival_time = t0 + r.arrival_s  # queued since its arrival
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(min(0.002, max(0.0, reqs[order[nxt]].arrival_s - now)))
+            continue
+        peak = max(peak, engine.scheduler.num_running)
+        ts = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - ts
+        if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs) and len(outs) == engine.scheduler.num_running:
+            decode_steps += 1
+            decode_time += dt
+            if floor is not None:
+                floor_sum += floor([len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs])
+        for o in outs:
+            if o.finished:
+                done[o.request_id] = o
+    wall = time.monotonic() - t0
+    outs = list(done.values())
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert len(outs) == len(reqs) and ntok == sum(r.output_len for r in reqs), "every request must finish in full"
+    ttft = [o.metrics["ttft"] for o in outs]
+    tpot = [o.metrics["tpot"] for o in outs]
+    step = decode_time / decode_steps if decode_steps else None
+    fl = floor_sum / decode_steps if decode_steps and floor is not None else None
+    return {
+        "scenario": sc.name, "description": sc.description, "requests": len(reqs),
+        "input_tokens": sum(r.input_len for r in reqs), "wall_s": wall, "output_tokens": ntok,
+        "output_tok_per_s": ntok / wall,
+        "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+        "tpot_p50_s": pct(tpot, 0.5), "tpot_p99_s": pct(tpot, 0.99),
+        "preemptions": sum(o.metrics["num_preemptions"] for o in outs), "peak_running": peak,
+        "decode_steps": decode_steps, "decode_step_mean_s": step, "decode_step_floor_s": fl,
+        "step_over_floor": step / fl if step and fl else None,
+        "graph_steps": engine.runner.graph_steps - steps_before,
+    }
+
+
 def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, weight_bytes,
-              async_scheduling: bool | None = None) -> None:
+              async_scheduling: bool | None = None, scenarios=(), gemm_flops_per_token: float = 0.0) -> None:
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=model, load_format="dummy", kv_cache_dtype=fmt,
-                                    max_num_seqs=max(concs), max_num_batched_tokens=args.max_num_batched_tokens,
+                                    max_num_seqs=max([*concs, args.max_num_seqs or 0]) if not scenarios
+                                    else args.max_num_seqs or 1024, max_num_batched_tokens=args.max_num_batched_tokens,
                                     gpu_memory_utilization=args.gpu_memory_utilization, progress=False,
                                     kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
                                     async_scheduling=async_scheduling,
@@ -175,6 +245,31 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
     # a whole prefill step (mixed with decodes) for each workload's prompt length
     for inp, _ in workloads:
         run_kvq_wave(engine, vocab, min(max(concs), -(-args.max_num_batched_tokens // inp) + 1), inp, 4, seed=0)
+    if scenarios:
+        for inp in sorted({min(r.input_len, args.max_num_batched_tokens) for sc in scenarios for r in sc.requests[:1]}):
+            run_kvq_wave(engine, vocab, min(8, -(-args.max_num_batched_tokens // inp) + 1), inp, 4, seed=0)
+        for sc in scenarios:
+            floor = None
+            if bw:
+                from benchmarks.scenarios import step_floor_s
+
+                def floor(ctx, _p=plan):
+                    return step_floor_s(weight_bytes, gemm_flops_per_token, _p, ctx, bw)
+            t = time.perf_counter()
+            try:
+                r = run_scenario(engine, vocab, sc, seed=17, floor=floor)
+            except Exception as e:  # recorded, not hidden
+                traceback.print_exc()
+                r = {"scenario": sc.name, "error": f"{type(e).__name__}: {e}"}
+            res.add_scenario({"system": system, "kv_cache_dtype": fmt, **r})
+            if "error" in r:
+                print(f"[{system} {fmt}] {sc.name}: {r['error']}", flush=True)
+            else:
+                print(f"[{system} {fmt}] {sc.name}: {r['output_tok_per_s']:.0f} tok/s, TTFT p50/p99 "
+                      f"{r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f} s, TPOT p50/p99 {_ms(r['tpot_p50_s'])}/"
+                      f"{_ms(r['tpot_p99_s'])} ms, step {_ms(r['decode_step_mean_s'])} ms (floor "
+                      f"{_ms(r['decode_step_floor_s'])}), preempt {r['preemptions']}, peak running "
+                      f"{r['peak_running']} [{time.perf_counter() - t:.0f}s]", flush=True)
     for inp, out in workloads:
         for c in concs:
             if (inp, c) in args.skip:
@@ -304,9 +399,24 @@ def main(argv=None) -> int:
     p.add_argument("--scheduling", default="default", help="default (the engine's: async on CUDA), sync, async, "
                    "or a list such as sync,async (one engine each, per format; recorded as systems kvq and "
                    "kvq-async)")
+    p.add_argument("--scenarios", default=None,
+                   help="capacity-bound loads instead of the waves: decode_heavy, prefill_heavy, mixed (comma-"
+                        "separated; benchmarks/scenarios.py), written to --out (default docs/results/"
+                        "bench_capacity.json)")
+    p.add_argument("--scenario-scale", type=float, default=1.0, help="fraction of each scenario's requests")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine's running-sequence limit (default: the largest concurrency; 1024 with --scenarios)")
     p.add_argument("--smoke", action="store_true", help="tiny model and workloads")
-    p.add_argument("--out", default=str(ROOT / "docs/results/bench_engine.json"))
+    p.add_argument("--out", default=None, help="JSON (default docs/results/bench_engine.json, or "
+                   "docs/results/bench_capacity.json with --scenarios)")
     args = p.parse_args(argv)
+    from benchmarks.scenarios import scenario, shrink
+
+    try:
+        scenarios = [scenario(n, args.scenario_scale) for n in args.scenarios.split(",") if n] if args.scenarios \
+            else []
+    except ValueError as e:
+        p.error(str(e))
     args.skip = {tuple(int(x) for x in s.split("x")) for s in args.skip.split(",") if s}
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
     concs = [int(c) for c in args.concurrency.split(",")]
@@ -319,8 +429,10 @@ def main(argv=None) -> int:
         model = tmp
         workloads, concs = [(64, 8)], [1, 4]
         args.kv_cache_memory = args.kv_cache_memory or "64MiB"
-        args.out = str(Path(tempfile.mkdtemp()) / "bench_engine_smoke.json")
+        args.out = args.out or str(Path(tempfile.mkdtemp()) / "bench_engine_smoke.json")
         args.max_num_batched_tokens = 256
+        scenarios = [shrink(sc, 96, 16) for sc in scenarios]
+        args.max_num_seqs = args.max_num_seqs or 64
     from kvq.models.source import model_shape, resolve_model
 
     src = resolve_model(model)
@@ -332,6 +444,7 @@ def main(argv=None) -> int:
     hd = cfg.get("head_dim") or (h // heads)
     params = L * (h * hd * (heads + 2 * kvh) + heads * hd * h + 3 * h * inter + 2 * h) + 2 * V * h + h
     weight_bytes = 2 * params
+    gemm_flops = 2 * (params - V * h)  # per token: every matmul (the embedding is a lookup)
     bw = copy_bandwidth(device)
     import transformers
 
@@ -343,6 +456,7 @@ def main(argv=None) -> int:
             "weight_bytes": weight_bytes, "copy_bandwidth_Bps": bw,
             "method": "wave of c requests submitted at once; random token prompts; ignore_eos; greedy; kvq warmed up "
                       "by a wave filling a prefill step per prompt length, HF by the same generate call"}
+    args.out = args.out or str(ROOT / "docs/results" / ("bench_capacity.json" if scenarios else "bench_engine.json"))
     res = Results(Path(args.out), meta)
     print(f"device {meta['device']}, copy bandwidth {bw / 1e9 if bw else 0:.0f} GB/s, "
           f"weights {weight_bytes / 1e9:.2f} GB",
@@ -354,9 +468,12 @@ def main(argv=None) -> int:
     bad = [m for m in chosen if m not in modes]
     if bad:
         p.error(f"--scheduling: unknown {bad}; valid choices: {', '.join(modes)} (or a comma-separated list)")
+    if scenarios:
+        workloads = []  # the scenarios replace the waves
     for fmt in [f for f in args.formats.split(",") if f]:
         for mode in chosen:
-            bench_kvq(args, res, model, fmt, workloads, concs, bw, weight_bytes, async_scheduling=modes[mode])
+            bench_kvq(args, res, model, fmt, workloads, concs, bw, weight_bytes, async_scheduling=modes[mode],
+                      scenarios=scenarios, gemm_flops_per_token=gemm_flops)
     print(f"wrote {args.out}")
     return 0
 

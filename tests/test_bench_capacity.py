@@ -1,0 +1,79 @@
+"""The capacity-bound loads of benchmarks/bench_engine.py --scenarios and the decode-step floor
+(the H200 run is `make bench-capacity`): loads are deterministic and as documented, the floor's
+arithmetic is the plan's bytes, and the benchmark serves every request of a load in full."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.scenarios import (H200_BF16_FLOPS, kv_read_bytes, scenario, shrink,  # noqa: E402
+                                  step_floor_s)
+from kvq.cache.plan import KVCacheConfig  # noqa: E402
+from kvq.models.source import model_shape  # noqa: E402
+
+
+def test_loads_are_the_documented_ones_and_deterministic():
+    d, p, m = scenario("decode_heavy"), scenario("prefill_heavy"), scenario("mixed")
+    assert len(d.requests) == 512
+    assert {(r.input_len, r.output_len, r.arrival_s) for r in d.requests} == {(1024, 2048, 0)}
+    assert len(p.requests) == 256 and {(r.input_len, r.output_len) for r in p.requests} == {(7936, 256)}
+    assert not d.arrivals_spread and m.arrivals_spread
+    assert m == scenario("mixed") and m != scenario("mixed", seed=1)
+    arrivals = [r.arrival_s for r in m.requests]
+    assert arrivals == sorted(arrivals) and 20 < arrivals[-1] < 32  # 1024 at 40/s: about 25.6 s
+    ins = sorted(r.input_len for r in m.requests)
+    outs = sorted(r.output_len for r in m.requests)
+    assert 64 <= ins[0] and ins[-1] <= 8192 and 800 < ins[len(ins) // 2] < 1300
+    assert 16 <= outs[0] and outs[-1] <= 2048 and 300 < outs[len(outs) // 2] < 480
+    assert len(scenario("mixed", 0.25).requests) == 256
+    small = shrink(m, 96, 16)
+    assert max(r.input_len for r in small.requests) == 96 and [r.arrival_s for r in small.requests] == arrivals
+    with pytest.raises(ValueError, match="decode_heavy, prefill_heavy, mixed"):
+        scenario("chat")
+    with pytest.raises(ValueError, match="scale"):
+        scenario("mixed", 0)
+
+
+def test_floor_is_weights_or_flops_plus_the_kv_each_sequence_reads():
+    shape = model_shape("llama-3-8b")
+    bf16 = KVCacheConfig(dtype="bfloat16").plan(shape)
+    kivi = KVCacheConfig(dtype="int4_kivi").plan(shape)
+    per_token_bf16 = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    assert kv_read_bytes(bf16, 3000) == 3000 * per_token_bf16
+    # KIVI: the sink and recent-window tokens at bf16 bytes, the rest at the stored bytes
+    _, hp_blocks = kivi.blocks_for(3000)
+    hp = hp_blocks * kivi.block_size
+    assert 128 + 32 <= hp < 3000
+    assert kv_read_bytes(kivi, 3000) == pytest.approx(hp * per_token_bf16 + (3000 - hp) * kivi.bytes_per_token)
+    assert kv_read_bytes(kivi, 3000) < kv_read_bytes(bf16, 3000) / 2
+    bw, w, f = 4e12, 16e9, 14e9
+    # weight-bound at a small batch, compute-bound at a large one
+    assert step_floor_s(w, f, bf16, [1000], bw) == pytest.approx(w / bw + 1000 * per_token_bf16 / bw)
+    big = [10] * 4096
+    assert step_floor_s(w, f, bf16, big, bw) == pytest.approx(f * 4096 / H200_BF16_FLOPS + sum(
+        kv_read_bytes(bf16, c) for c in big) / bw)
+
+
+@pytest.mark.slow
+def test_bench_engine_serves_every_request_of_each_load(tmp_path):
+    out = tmp_path / "cap.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_engine.py"), "--smoke", "--formats",
+                        "bfloat16,int4_kivi", "--scenarios", "decode_heavy,mixed", "--scenario-scale", "0.02",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = json.loads(out.read_text())["scenarios"]
+    assert {(r["kv_cache_dtype"], r["scenario"]) for r in runs} == {
+        (f, s) for f in ("bfloat16", "int4_kivi") for s in ("decode_heavy", "mixed")}
+    for r in runs:
+        assert "error" not in r, r
+        assert r["output_tokens"] > 0 and r["output_tok_per_s"] > 0 and r["peak_running"] >= 1
+        assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["decode_steps"] > 0
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_engine.py"), "--smoke", "--scenarios", "chat"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and "decode_heavy, prefill_heavy, mixed" in bad.stderr
