@@ -34,7 +34,8 @@ greedy tokens per bin each, 1 passkey haystack per depth (5 depths) at 512 token
 on a GPU, or with --full, every format at every bin of the ladder 512,2048,4096,8192,... the model supports, 6
 passages with 256 scored positions and 32 greedy tokens each, 3 haystacks per depth and bin (on a GPU without
 --full, the formats no GPU kernel serves, fp8_e4m3fnuz, are left out), every passage and every haystack of a
-bin side by side in each forward (--batch), greedy decode in CUDA graphs.  Explicit flags override either.
+bin side by side in each forward (--batch), greedy decode in CUDA graphs, up to 4 worker processes sharing the
+GPU.  Explicit flags override either.
 Perplexity change, KL and top-1 carry 95% intervals (batch means over 32-position segments of every passage);
 a status threshold fails only when the whole interval is past it."""
 

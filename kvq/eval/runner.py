@@ -113,19 +113,27 @@ def resolve_batch(s: EvalSettings, device: torch.device) -> int:
     return max(s.passages, len(s.passkey_depths) * s.passkey_trials, 1)
 
 
+def kv_memory(s: EvalSettings, batch: int) -> int:
+    """KV pool bytes of one format's engine: per batch slot a sequence of the longest bin and its fork,
+    the blocks a window keeps twice, rounding -- 3 bins' worth at the model dtype's width."""
+    from kvq.models.source import model_shape
+
+    shape = model_shape(s.model)
+    width = 4 if _device_of(s).type == "cpu" or s.dtype == "float32" else 2
+    hp_token_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * width
+    return max(64 << 20, 3 * batch * max(s.bins + s.passkey_bins) * hp_token_bytes)
+
+
 def _engine(s: EvalSettings, fmt: str, batch: int):
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.models.source import model_shape
 
-    max_bin = max(s.bins + s.passkey_bins)
     from kvq.calibration.scales import static_layers
 
     shape = model_shape(s.model)
     kv = kv_config(s, fmt)
     scales = s.kv_scales if s.kv_scales and fmt != s.baseline and static_layers(kv.plan(shape)) else None
-    hp_token_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # generous: fp32-wide
-    # one sequence per batch slot and its fork, the blocks a window keeps twice, rounding: 3 bins' worth
-    memory = max(64 << 20, 3 * batch * max_bin * hp_token_bytes)
+    memory = kv_memory(s, batch)
     # CUDA graphs (on a GPU) for the greedy decode: one graph per batch size up to the passages side by side
     decode_batch = max(1, min(batch, s.passages))
     return LLMEngine(EngineConfig(
@@ -168,16 +176,16 @@ class FormatRun:
         return f"[kvq eval] {self.name}: {self.seconds:.0f} s" + (f" ({parts} s)" if parts else "")
 
 
-def compare(base: list, run: list, offset: int) -> list[Scored]:
+def compare(base: list, run: list, offset: int, device: torch.device | None = None) -> list[Scored]:
     """Per-position figures of one passage (lists of BinScore, same bins and targets)."""
     out = []
     for b, r in zip(base, run, strict=True):
         assert b.bin == r.bin and torch.equal(b.targets, r.targets)
         start = offset + r.context - len(r.targets)
-        dev = r.logprobs.device  # where the format's log-probs are (its engine's device): compute there
-        blp, tg = b.logprobs.to(dev), r.targets.to(dev)
-        figures = (metrics.token_nll(r.logprobs, tg).double(), metrics.token_nll(blp, tg).double(),
-                   metrics.kl_per_position(blp, r.logprobs), (blp.argmax(-1) == r.logprobs.argmax(-1)).double())
+        dev = device or r.logprobs.device  # default: where the format's log-probs are (its engine's device)
+        blp, rlp, tg = b.logprobs.to(dev), r.logprobs.to(dev), r.targets.to(dev)
+        figures = (metrics.token_nll(rlp, tg).double(), metrics.token_nll(blp, tg).double(),
+                   metrics.kl_per_position(blp, rlp), (blp.argmax(-1) == rlp.argmax(-1)).double())
         out.append(Scored(r.bin, (start, offset + r.context), *(f.cpu() for f in figures), r.greedy, b.greedy))
     return out
 
@@ -282,9 +290,11 @@ def _device_of(s: EvalSettings) -> torch.device:
     return _resolve_device(s.device)
 
 
-def rescore(run: FormatRun, raw: list[list], base_raw: list[list], offsets: list[int]) -> FormatRun:
-    """``run`` (scored against itself in a worker) compared with the baseline's raw scores."""
-    run.scores = [compare(b, r, off) for b, r, off in zip(base_raw, raw, offsets, strict=True)]
+def rescore(run: FormatRun, raw: list[list], base_raw: list[list], offsets: list[int],
+            device: torch.device | None = None) -> FormatRun:
+    """``run`` (scored against itself in a worker) compared with the baseline's raw scores, on ``device``
+    (default: where the raw scores are)."""
+    run.scores = [compare(b, r, off, device) for b, r, off in zip(base_raw, raw, offsets, strict=True)]
     return run
 
 
@@ -308,13 +318,22 @@ def _worker_run(s: EvalSettings, fmt: str, ids, offsets, spec, hays, align, queu
     return run, raw
 
 
+#: Worker processes sharing one GPU by default: a small model leaves the GPU mostly idle while each process
+#: builds its engine and compiles its format's kernels, so a few side by side finish the run sooner.
+GPU_WORKERS = 4
+
+
 def resolve_workers(s: EvalSettings, device: torch.device, jobs: int) -> int:
     """Processes for ``jobs`` format runs: ``s.workers``, else one per CPU core on a CPU (each with
-    ``s.threads`` torch threads) and one on a GPU or with tensor parallelism."""
+    ``s.threads`` torch threads), :data:`GPU_WORKERS` sharing a GPU, and one with tensor parallelism."""
     if s.workers is not None:
         return max(1, min(s.workers, jobs))
-    if device.type != "cpu" or s.tensor_parallel_size > 1:
+    if s.tensor_parallel_size > 1:
         return 1
+    if device.type == "cuda":  # as many as the GPU's free memory holds (a pool, a model, a context each)
+        free = torch.cuda.mem_get_info(device)[0]
+        fit = int(0.8 * free) // (kv_memory(s, resolve_batch(s, device)) + (2 << 30))
+        return max(1, min(jobs, GPU_WORKERS, os.cpu_count() or 1, fit))
     return max(1, min(jobs, (os.cpu_count() or 1) // max(1, s.threads or 1)))
 
 
@@ -346,7 +365,8 @@ def _run_parallel(s: EvalSettings, workers: int, ids, offsets, spec, hays, align
                 if bar is not None:
                     bar.write(out[i][0].summary())
     base, base_raw = out[0]  # scored against itself in its worker, as a baseline is
-    return [base] + [rescore(out[i][0], out[i][1], base_raw, offsets) for i in range(1, len(fmts))]
+    dev = _device_of(s)  # the comparisons run where the workers ran (float64 KL on a GPU is fast)
+    return [base] + [rescore(out[i][0], out[i][1], base_raw, offsets, dev) for i in range(1, len(fmts))]
 
 
 def _ci(units: list[float]) -> tuple[float, list[float]]:
@@ -488,6 +508,9 @@ def run_eval(s: EvalSettings) -> dict:
     align = alignment(s)
     spec = StreamSpec(tuple(sorted(s.bins)), s.window, s.chunk, align, s.greedy_tokens)
     spec.check(align)
+    from kvq.models.builder import ensure_converted
+
+    ensure_converted(s.model)  # a GGUF once, here: the tokenizer and every engine (worker) read its converted copy
     tokenizer = load_tokenizer(resolve_model(s.model))
     hays = haystacks(s, tokenizer, align)
     ids = eval_token_ids(tokenizer, s.text_file)[:s.text_tokens]
@@ -501,9 +524,6 @@ def run_eval(s: EvalSettings) -> dict:
               desc=f"{len(names)} formats, {workers} at a time" if workers > 1 else f"[1/{len(names)}] {names[0]}"
               ) as bar:
         if workers > 1:
-            from kvq.models.builder import ensure_converted
-
-            ensure_converted(s.model)  # once here, not in every worker at the same time
             runs = _run_parallel(s, workers, ids, offsets, spec, hays, align, bar)
         else:
             base, raw = run_format(s, s.baseline, ids, offsets, spec, hays, align, bar=bar)
