@@ -165,9 +165,10 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
     prompts = [torch.randint(0, vocab, (r.input_len,), generator=g).tolist() for r in reqs]
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
     done, nxt, peak = {}, 0, 0
-    decode_steps, decode_time, floor_sum = 0, 0.0, 0.0
+    decode_steps, decode_time, contexts = 0, 0.0, []
     steps_before = engine.runner.graph_steps
     t0 = time.monotonic()
+    last_end = None  # when the previous step call returned, if it was a decode step
     while nxt < len(order) or engine.has_unfinished():
         now = time.monotonic() - t0
         while nxt < len(order) and reqs[order[nxt]].arrival_s <= now:
@@ -178,16 +179,21 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
             nxt += 1
         if not engine.has_unfinished():
             time.sleep(min(0.002, max(0.0, reqs[order[nxt]].arrival_s - now)))
+            last_end = None
             continue
         peak = max(peak, engine.scheduler.num_running)
-        ts = time.perf_counter()
         outs = engine.step()
-        dt = time.perf_counter() - ts
+        end = time.perf_counter()
+        # a decode step's time: from the previous decode step's return to this one's (with asynchronous
+        # scheduling the host's work between calls overlaps the device's step, so the call alone is less)
         if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs) and len(outs) == engine.scheduler.num_running:
-            decode_steps += 1
-            decode_time += dt
-            if floor is not None:
-                floor_sum += floor([len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs])
+            if last_end is not None:
+                decode_steps += 1
+                decode_time += end - last_end
+                contexts.append([len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs])
+            last_end = end
+        else:
+            last_end = None
         for o in outs:
             if o.finished:
                 done[o.request_id] = o
@@ -198,7 +204,7 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
     ttft = [o.metrics["ttft"] for o in outs]
     tpot = [o.metrics["tpot"] for o in outs]
     step = decode_time / decode_steps if decode_steps else None
-    fl = floor_sum / decode_steps if decode_steps and floor is not None else None
+    fl = sum(floor(c) for c in contexts) / decode_steps if decode_steps and floor is not None else None
     return {
         "scenario": sc.name, "description": sc.description, "requests": len(reqs),
         "input_tokens": sum(r.input_len for r in reqs), "wall_s": wall, "output_tokens": ntok,
@@ -249,12 +255,9 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
         for inp in sorted({min(r.input_len, args.max_num_batched_tokens) for sc in scenarios for r in sc.requests[:1]}):
             run_kvq_wave(engine, vocab, min(8, -(-args.max_num_batched_tokens // inp) + 1), inp, 4, seed=0)
         for sc in scenarios:
-            floor = None
-            if bw:
-                from benchmarks.scenarios import step_floor_s
+            from benchmarks.scenarios import StepFloor
 
-                def floor(ctx, _p=plan):
-                    return step_floor_s(weight_bytes, gemm_flops_per_token, _p, ctx, bw)
+            floor = StepFloor(plan, weight_bytes, gemm_flops_per_token, bw) if bw else None
             t = time.perf_counter()
             try:
                 r = run_scenario(engine, vocab, sc, seed=17, floor=floor)

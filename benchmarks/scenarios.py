@@ -111,3 +111,24 @@ def step_floor_s(weight_bytes: float, gemm_flops_per_token: float, plan, context
     """Floor of one decode step of ``len(contexts)`` sequences (module docstring)."""
     weights = max(weight_bytes / bandwidth, gemm_flops_per_token * len(contexts) / flops)
     return weights + sum(kv_read_bytes(plan, c) for c in contexts) / bandwidth
+
+
+class StepFloor:
+    """:func:`step_floor_s` of one format's plan, with the KV bytes per context length memoized (a
+    scenario's steps ask for the same lengths again and again)."""
+
+    def __init__(self, plan, weight_bytes: float, gemm_flops_per_token: float, bandwidth: float,
+                 flops: float = H200_BF16_FLOPS):
+        self.plan, self.weight_bytes, self.gemm_flops = plan, weight_bytes, gemm_flops_per_token
+        self.bandwidth, self.flops = bandwidth, flops
+        self._kv: dict[int, float] = {}
+
+    def kv(self, context: int) -> float:
+        got = self._kv.get(context)
+        if got is None:
+            got = self._kv[context] = kv_read_bytes(self.plan, context)
+        return got
+
+    def __call__(self, contexts) -> float:
+        weights = max(self.weight_bytes / self.bandwidth, self.gemm_flops * len(contexts) / self.flops)
+        return weights + sum(map(self.kv, contexts)) / self.bandwidth

@@ -12,8 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.scenarios import (H200_BF16_FLOPS, kv_read_bytes, scenario, shrink,  # noqa: E402
-                                  step_floor_s)
+from benchmarks.scenarios import (H200_BF16_FLOPS, StepFloor, kv_read_bytes, scenario,  # noqa: E402
+                                  shrink, step_floor_s)
 from kvq.cache.plan import KVCacheConfig  # noqa: E402
 from kvq.models.source import model_shape  # noqa: E402
 
@@ -58,6 +58,9 @@ def test_floor_is_weights_or_flops_plus_the_kv_each_sequence_reads():
     big = [10] * 4096
     assert step_floor_s(w, f, bf16, big, bw) == pytest.approx(f * 4096 / H200_BF16_FLOPS + sum(
         kv_read_bytes(bf16, c) for c in big) / bw)
+    memo = StepFloor(kivi, w, f, bw)
+    for ctx in ([1000], [3000, 17, 3000], big):
+        assert memo(ctx) == pytest.approx(step_floor_s(w, f, kivi, ctx, bw))
 
 
 @pytest.mark.slow
