@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvq.cache.plan import KVCacheConfig
-from kvq.calibration.scales import KVScales, ScalesError, load_scales, scales_from_stats
+from kvq.cache.scales_file import KVScales, ScalesError, load_scales
+from kvq.calibration.scales import scales_from_stats
 from kvq.cli import main
 from kvq.formats import fp8
 from kvq.formats.reference import roundtrip
@@ -261,7 +262,7 @@ def test_warmup_scales_freeze_after_n_tokens_and_reencode_the_cache(tmp_path):
 
 
 def test_warmup_refusals(tmp_path, capsys):
-    from kvq.calibration.scales import ScalesError
+    from kvq.cache.scales_file import ScalesError
     from kvq.engine.llm_engine import EngineConfig
 
     model = _checkpoint(tmp_path / "m", {})

@@ -19,8 +19,8 @@ from kvq.engine.llm_engine import EngineConfig
 from kvq.engine.sampling_params import SamplingParams
 from kvq.models.llama import LlamaConfig, fuse_projections
 from kvq.models.source import model_shape, resolve_model
-from kvq.parallel.partition import Partition, split
-from kvq.parallel.shard import shard_state_dict
+from kvq.cache.partition import Partition, split
+from kvq.models.shard import shard_state_dict
 
 
 # -- the partition: tensor-free -------------------------------------------------------------------

@@ -356,7 +356,7 @@ def test_concurrent_requests_and_an_abort_leave_nothing_behind(prefill, pair, ex
 def test_static_scales_of_the_decode_server_reach_the_sender(bf16_prefill, tmp_path):
     """A decode server with calibrated FP8 scales (--kv-scales): the prefill server stages in its
     pool with those scales, under its own receiver id, and the pair serves."""
-    from kvq.calibration.scales import KVScales
+    from kvq.cache.scales_file import KVScales
     from kvq.models.source import resolve_model
     from kvq.transfer.describe import model_identity
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from kvq.cache.plan import bare_model, make_plan
 from kvq.cache.pool import KVPool
 from kvq.formats.registry import entries
-from kvq.transfer.describe import (AGREED_FIELDS, PROTOCOL_VERSION, KVDescription, ModelIdentity,
-                                   TransferIncompatible, check_compatible, describe_plan, model_identity,
-                                   tokenizer_hash)
+from kvq.models.identity import ModelIdentity, model_identity, tokenizer_hash
+from kvq.transfer.describe import (AGREED_FIELDS, PROTOCOL_VERSION, KVDescription, TransferIncompatible,
+                                   check_compatible, describe_plan)
 from kvq.transfer.wire import (HEADER_MIN_BYTES, MAX_REQUEST_ID_BYTES, PLANE_SLOTS, ChunkHeader, StaleChunk,
                                WireError, layout_chunk, pack_payload, plan_chunks, unpack_payload)
 

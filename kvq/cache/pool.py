@@ -106,7 +106,7 @@ class KVPool:
     device: torch.device
     layers: list[LayerKV] = field(default_factory=list)
     # sees each layer's new K and V before the write (``observe(layer, k, v)``): the warm-up of
-    # static scales (kvq.calibration.warmup); None otherwise
+    # static scales (kvq.cache.scales_warmup); None otherwise
     observer: object = None
 
     @classmethod

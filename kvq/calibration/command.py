@@ -53,19 +53,20 @@ def check_args(args) -> None:
 
 def calibrate(model: str, fmt: str, text: str, num_tokens: int, window: int, observer: str, device: str = "auto",
               progress=None):
-    """-> :class:`~kvq.calibration.scales.KVScales` of ``model`` for ``fmt`` (module docstring)."""
+    """-> :class:`~kvq.cache.scales_file.KVScales` of ``model`` for ``fmt`` (module docstring)."""
     import torch
 
     from kvq.attention import reference
     from kvq.cache.pool import encode_table
-    from kvq.calibration.scales import KVScales, scales_from_stats
+    from kvq.cache.scales_file import KVScales
+    from kvq.calibration.scales import scales_from_stats
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.engine.remote_prefill import KVExporter
     from kvq.engine.sampling_params import SamplingParams
     from kvq.formats import fp8
     from kvq.formats.registry import resolve_format
     from kvq.models.source import resolve_model
-    from kvq.transfer.describe import model_identity
+    from kvq.models.identity import model_identity
 
     class Collector(KVExporter):
         def __init__(self):

@@ -93,7 +93,7 @@ def register(sub) -> None:
 
 def check_args(args) -> None:
     """Flag ranges (ValueError: exit 2), before any model file is read."""
-    from kvq.cli import check_range
+    from kvq.engine.args import check_range
 
     if args.shard is None and (args.budget is None) == (args.budget_bytes_per_token is None):
         raise ValueError("give exactly one of --budget BITS and --budget-bytes-per-token BYTES")

@@ -42,7 +42,7 @@ from kvq.engine.scheduler import PREEMPTION_MODES, ScheduledSeq, Scheduler, Sche
 from kvq.engine.sequence import Sequence
 from kvq.models.builder import LOAD_FORMATS, build_model
 from kvq.models.source import model_shape, resolve_model
-from kvq.parallel.partition import head_partition, rank_plan
+from kvq.cache.partition import head_partition, rank_plan
 from kvq.units import format_bytes, parse_bytes
 
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -104,7 +104,7 @@ class EngineConfig:
     # with preemption_mode "swap" too, swap and the tier get half of cpu_offload_gb each)
     cpu_prefix_cache: bool | None = None
     # static KV scales (formats with static scales: fp8_e4m3, fp8_e5m2): None = 1.0, or a file written
-    # by `kvq calibrate` (kvq.calibration.scales), checked against the model and plan before the load
+    # by `kvq calibrate` (kvq.cache.scales_file), checked against the model and plan before the load
     kv_scales: str | None = None
     # tensor parallelism (kvq.parallel): ranks over torch.distributed, NCCL on CUDA (one GPU each:
     # cuda:0..N-1, or LOCAL_RANK under torchrun), gloo on the CPU; a rank that does not answer a
@@ -171,7 +171,7 @@ class EngineConfig:
                              f"prefix caching is on), got {self.cpu_prefix_cache!r}")
         if self.cpu_prefix_cache and g <= 0:
             raise ValueError("cpu_prefix_cache needs host memory: cpu_offload_gb > 0 (--cpu-offload-gb)")
-        from kvq.calibration.warmup import parse_warmup
+        from kvq.cache.scales_warmup import parse_warmup
 
         if parse_warmup(self.kv_scales) and g > 0:  # ValueError for a bad warmup:N too
             raise ValueError("kv_scales warmup re-encodes the device cache when the scales freeze; a host tier "
@@ -188,7 +188,7 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be a number of seconds > 0, got {t!r}")
         if self.tensor_parallel_size == 1:
             return
-        from kvq.calibration.warmup import parse_warmup
+        from kvq.cache.scales_warmup import parse_warmup
 
         n = self.tensor_parallel_size
         unsupported = {"cpu_offload_gb > 0 (a host tier)": self.cpu_offload_gb > 0,
@@ -517,12 +517,12 @@ class LLMEngine:
 
     def _static_scales(self, cfg: EngineConfig, src, shape) -> tuple[dict | None, str]:
         """Static KV scales and where they come from: ``--kv-scales FILE``, else the checkpoint's own
-        (kvq.calibration.checkpoint), else none (1.0).  A checkpoint's scales with a quantized format
+        (kvq.cache.scales_checkpoint), else none (1.0).  A checkpoint's scales with a quantized format
         that cannot use them are an error naming both, never dropped in silence."""
-        from kvq.calibration.checkpoint import checkpoint_scales
-        from kvq.calibration.scales import ScalesError, load_scales, static_layers
+        from kvq.cache.scales_checkpoint import checkpoint_scales
+        from kvq.cache.scales_file import ScalesError, load_scales, static_layers
 
-        from kvq.calibration.warmup import parse_warmup
+        from kvq.cache.scales_warmup import parse_warmup
 
         self._warmup_tokens = parse_warmup(cfg.kv_scales)
         if self._warmup_tokens:
@@ -531,7 +531,7 @@ class LLMEngine:
                                   "scales; static-scaled formats: fp8_e4m3, fp8_e5m2")
             return None, f"warmup: observing (0/{self._warmup_tokens} tokens)"
         if cfg.kv_scales is not None:
-            from kvq.transfer.describe import model_identity
+            from kvq.models.identity import model_identity
 
             return load_scales(cfg.kv_scales, self.plan, model_identity(src)), cfg.kv_scales
         found = checkpoint_scales(src, shape.num_layers, shape.num_kv_heads)
@@ -588,9 +588,9 @@ class LLMEngine:
             self.tp.close()
 
     def _start_warmup(self, tokens: int) -> None:
-        """``--kv-scales warmup[:N]``: observe the first N tokens, then freeze (kvq.calibration.warmup)."""
-        from kvq.calibration.scales import static_layers
-        from kvq.calibration.warmup import WarmupScales
+        """``--kv-scales warmup[:N]``: observe the first N tokens, then freeze (kvq.cache.scales_warmup)."""
+        from kvq.cache.scales_file import static_layers
+        from kvq.cache.scales_warmup import WarmupScales
 
         def report(scales):
             self.static_scales = scales

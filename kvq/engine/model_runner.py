@@ -33,7 +33,7 @@ class ModelRunner:
         self.graph_steps = 0
         self.tables = BlockTables(rows=max_num_seqs)
         self.staging = Staging(device)  # eager steps: every input array in one host->device copy
-        self.warmup = None  # kvq.calibration.warmup.WarmupScales while static scales are measured
+        self.warmup = None  # kvq.cache.scales_warmup.WarmupScales while static scales are measured
 
     def apply_ops(self, ops) -> None:
         """Run a step's cache ops (seals, copies, swaps) in order, before anything writes KV."""

@@ -61,7 +61,7 @@ def default_formats(served_only: bool = False) -> tuple[str, ...]:
 
 
 def register(sub) -> None:
-    from kvq.cli import add_device_args, add_model_args
+    from kvq.engine.args import add_device_args, add_model_args
 
     p = sub.add_parser("eval", help="quality and capacity of KV formats per context-length bin",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +139,7 @@ def check_flags(args: argparse.Namespace) -> None:
     """Ranges of the flags alone (ValueError: exit code 2), before a model file is read;
     :func:`kvq.eval.runner.validate` then checks them against the model."""
     from kvq.attention.backends import backend_names
-    from kvq.cli import check_range
+    from kvq.engine.args import check_range
     from kvq.engine.llm_engine import DTYPES, check_device_name
 
     check_device_name(args.device)

@@ -128,7 +128,7 @@ def _engine(s: EvalSettings, fmt: str, batch: int):
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.models.source import model_shape
 
-    from kvq.calibration.scales import static_layers
+    from kvq.cache.scales_file import static_layers
 
     shape = model_shape(s.model)
     kv = kv_config(s, fmt)
@@ -471,12 +471,12 @@ def validate(s: EvalSettings) -> None:
     if s.kv_scales is not None:
         from pathlib import Path
 
-        from kvq.calibration.scales import static_layers
+        from kvq.cache.scales_file import static_layers
 
         if not any(static_layers(kv_config(s, f).plan(shape)) for f in s.formats):
             raise ValueError(f"--kv-scales: none of {', '.join(s.formats) or 'the formats'} takes static scales "
                              "(fp8_e4m3, fp8_e5m2 do)")
-        from kvq.calibration.warmup import parse_warmup
+        from kvq.cache.scales_warmup import parse_warmup
 
         if not parse_warmup(s.kv_scales) and not Path(s.kv_scales).is_file():
             raise ValueError(f"--kv-scales {s.kv_scales}: no such file")

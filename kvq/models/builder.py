@@ -82,7 +82,7 @@ def build_model(model: str | ModelSource = "default", *, load_format: str = "aut
 
 
 def _partition(cfg: LlamaConfig, tp):
-    from kvq.parallel.partition import Partition
+    from kvq.cache.partition import Partition
 
     return Partition.of(cfg, tp.world if tp is not None else 1, tp.rank if tp is not None else 0)
 

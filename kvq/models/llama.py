@@ -25,7 +25,7 @@ from torch import nn
 from kvq.cache.pool import KVPool
 from kvq.cache.step import StepMetadata
 from kvq.models.fused import add_rms_norm, add_rms_norm_torch, apply_rope, silu_mul
-from kvq.parallel.partition import Partition
+from kvq.cache.partition import Partition
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -228,7 +228,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, positions)
         layer = pool.layers[self.index]
-        if pool.observer is not None:  # static-scale warm-up (kvq.calibration.warmup)
+        if pool.observer is not None:  # static-scale warm-up (kvq.cache.scales_warmup)
             pool.observer.observe(self.index, k, v)
         if meta.seals is not None:  # before the write, which may reuse a sealed hp block
             kernels.seal_pairs(layer, meta.seals)
@@ -314,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
     """The decoder and its LM head; ``forward`` returns logits of selected tokens only.
 
     Tensor parallel (``tp``, a :class:`~kvq.parallel.group.TPGroup`): this rank's share ``part``
-    of every sharded layer (:mod:`kvq.parallel.partition`); ``config`` stays the whole model's."""
+    of every sharded layer (:mod:`kvq.cache.partition`); ``config`` stays the whole model's."""
 
     def __init__(self, cfg: LlamaConfig, part: Partition | None = None, tp=None):
         super().__init__()
@@ -345,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy an HF Llama-family state dict; every parameter must be covered."""
         state = {k: v for k, v in state.items() if "rotary_emb" not in k}
         if self.tp is not None:
-            from kvq.parallel.shard import shard_state_dict
+            from kvq.models.shard import shard_state_dict
 
             state = shard_state_dict(state, self.config, self.part)
         state = fuse_projections(state)

@@ -32,15 +32,15 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect
 
 from kvq.server.admission import Admission
 from kvq.server.async_engine import AsyncEngine, EngineDeadError, EngineError, OverloadedError
 from kvq.server.auth import ApiKeyAuth
+from kvq.server.http import ClientGone, api_error_response, error_response, read_json_body
 from kvq.server.metrics import ServerMetrics
 from kvq.server.options import ServerOptions
 from kvq.server.protocol import (
@@ -59,13 +59,6 @@ from kvq.server.protocol import (
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: same handlers and format as its lines
 
-CLOSE_AFTER = (401, 408, 413, 415)  # refused before the body was read: close rather than drain it
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response was ready."""
-
-
 class SSEResponse(StreamingResponse):
     """A streaming response that, however it ends, closes its generator at once (not at garbage
     collection) and then calls ``on_close``: the request is released even if the client left before
@@ -81,43 +74,6 @@ class SSEResponse(StreamingResponse):
         finally:
             await self.body_iterator.aclose()
             self.on_close()
-
-
-def _error(status: int, message: str, type: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status,
-                        headers={"Connection": "close"} if status in CLOSE_AFTER else None)
-
-
-def _api_error(e: ApiError) -> JSONResponse:
-    return _error(e.status, e.message, e.type, e.code, e.param)
-
-
-async def read_json_body(request: Request, max_bytes: int, timeout: float) -> bytes:
-    """The body, checked as it arrives: JSON media type (415), at most ``max_bytes`` whatever
-    Content-Length says (413), complete within ``timeout`` seconds (408); ClientGone if the client left."""
-    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media != "application/json":
-        raise ApiError(415, f"the body must be JSON sent with 'Content-Type: application/json' (got "
-                       f"{media or 'no Content-Type'!r})", code="unsupported_media_type")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"the body is {int(declared)} bytes; this server accepts at most {max_bytes} "
-                       "(--max-request-bytes)", code="request_too_large")
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise ApiError(413, f"the body is over {max_bytes} bytes, the most this server accepts "
-                                   "(--max-request-bytes)", code="request_too_large")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ApiError(408, f"the body was not complete within {timeout:g} s ({size} bytes arrived; "
-                       "--timeout-body)", code="request_timeout") from None
-    except ClientDisconnect:
-        raise ClientGone(f"after {size} bytes of the body") from None
-    return b"".join(chunks)
 
 
 def _sse(obj: dict | str) -> str:
@@ -202,19 +158,19 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_)
+        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_query(request: Request, exc: RequestValidationError):
         err = exc.errors()[0]
         loc = [str(x) for x in err["loc"]]
-        return _error(400, f"{'.'.join(loc)}: {err['msg']}", "invalid_request_error", "invalid_value",
+        return error_response(400, f"{'.'.join(loc)}: {err['msg']}", "invalid_request_error", "invalid_value",
                       loc[-1] if loc else None)
 
     @app.get("/health")
     async def health():
         if not engine.alive:
-            return _error(503, engine.dead_reason or "the engine is not running", "service_unavailable")
+            return error_response(503, engine.dead_reason or "the engine is not running", "service_unavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -250,7 +206,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             try:
                 body["integrity"] = await engine.check()
             except EngineDeadError as e:
-                return _error(503, str(e), "service_unavailable")
+                return error_response(503, str(e), "service_unavailable")
         return body
 
     async def admit(request: Request, kind: type) -> tuple:
@@ -269,16 +225,16 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             return Response(status_code=499)  # nobody reads it
         except ApiError as e:
             metrics.outcome("invalid")
-            return _api_error(e)
+            return api_error_response(e)
         except ValueError as e:
             metrics.outcome("invalid")
-            return _error(400, str(e), "invalid_request_error", "invalid_value")
+            return error_response(400, str(e), "invalid_request_error", "invalid_value")
         except OverloadedError as e:
             metrics.outcome("overloaded")
-            return _error(429, str(e), "rate_limit_error", "overloaded")
+            return error_response(429, str(e), "rate_limit_error", "overloaded")
         except EngineDeadError as e:
             metrics.outcome("unavailable")
-            return _error(503, str(e), "service_unavailable")
+            return error_response(503, str(e), "service_unavailable")
         chat = kind is ChatCompletionRequest
         if req.stream:
             def on_close() -> None:
@@ -294,7 +250,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             return Response(status_code=499)  # nobody reads it
         except (EngineError, EngineDeadError) as e:
             metrics.outcome("error")
-            return _error(500 if isinstance(e, EngineError) else 503, str(e), "server_error")
+            return error_response(500 if isinstance(e, EngineError) else 503, str(e), "server_error")
         finally:
             engine.release(group)
         metrics.outcome("success")

@@ -14,7 +14,7 @@ API_KEY_ENV = "KVQ_API_KEY"
 
 
 def register(sub) -> None:
-    from kvq.cli import add_engine_args, add_kv_args
+    from kvq.engine.args import add_engine_args, add_kv_args
 
     p = sub.add_parser("serve", help="serve the engine over HTTP (OpenAI-compatible API)",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics "
@@ -121,7 +121,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvq.cli import engine_config_from_args
+    from kvq.engine.args import engine_config_from_args
 
     options = check_server_args(args)
     kv = kv_options_from_args(args)

@@ -20,8 +20,9 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 
 from kvq.engine.sampling_params import SamplingParams
-from kvq.server.protocol import ApiError
 from kvq.server.async_engine import AsyncEngine, EngineDeadError, EngineError, OverloadedError, PromptSpec
+from kvq.server.http import api_error_response, error_response, read_json_body
+from kvq.server.protocol import ApiError
 from kvq.transfer.describe import TransferIncompatible
 
 #: Sampling fields a decode server forwards for the first token (the rest stay on the decode side).
@@ -38,7 +39,6 @@ def _field(body: dict, name: str, tp, what: str):
 
 
 def add_kv_routes(app: FastAPI, engine: AsyncEngine, metrics, *, exporter=None, client=None) -> None:
-    from kvq.server.app import _api_error, _error, read_json_body
 
     options = app.state.options
     description = (exporter or client).description
@@ -69,12 +69,12 @@ def add_kv_routes(app: FastAPI, engine: AsyncEngine, metrics, *, exporter=None, 
             scales = body.get("static_scales") or {}
             return exporter.connect(_field(body, "description", dict, "a KVDescription object"), scales)
         except TransferIncompatible as e:
-            return _error(409, f"this prefill server cannot send KV to that decode server: {e}",
+            return error_response(409, f"this prefill server cannot send KV to that decode server: {e}",
                           "invalid_request_error", "kv_incompatible")
         except ApiError as e:
-            return _api_error(e)
+            return api_error_response(e)
         except ValueError as e:
-            return _error(400, str(e), "invalid_request_error", "invalid_value")
+            return error_response(400, str(e), "invalid_request_error", "invalid_value")
 
     @app.post("/kv/prefill")
     async def prefill(request: Request):
@@ -96,23 +96,23 @@ def add_kv_routes(app: FastAPI, engine: AsyncEngine, metrics, *, exporter=None, 
             try:
                 exporter.receiver(rid)
             except KeyError as e:
-                return _error(409, str(e.args[0]), "invalid_request_error", "kv_not_connected")
+                return error_response(409, str(e.args[0]), "invalid_request_error", "kv_not_connected")
             group = await engine.submit([PromptSpec(sampling, token_ids, export_to=(rid, transfer_id, generation))])
         except ApiError as e:
-            return _api_error(e)
+            return api_error_response(e)
         except ValueError as e:
-            return _error(400, str(e), "invalid_request_error", "invalid_value")
+            return error_response(400, str(e), "invalid_request_error", "invalid_value")
         except OverloadedError as e:
-            return _error(429, str(e), "rate_limit_error", "overloaded")
+            return error_response(429, str(e), "rate_limit_error", "overloaded")
         except EngineDeadError as e:
-            return _error(503, str(e), "service_unavailable")
+            return error_response(503, str(e), "service_unavailable")
         final = None
         try:
             async for _, out in engine.outputs(group):
                 if out.finished:
                     final = out
         except (EngineError, EngineDeadError) as e:
-            return _error(500, str(e), "server_error")
+            return error_response(500, str(e), "server_error")
         finally:
             engine.release(group)
         exp = final.kv_export
@@ -120,7 +120,7 @@ def add_kv_routes(app: FastAPI, engine: AsyncEngine, metrics, *, exporter=None, 
             from kvq.transfer.peer import StagingFull
 
             status = 503 if isinstance(exp, StagingFull) else 500
-            return _error(status, f"the prompt's KV was not staged: {exp}", "server_error")
+            return error_response(status, f"the prompt's KV was not staged: {exp}", "server_error")
         metrics.kv_bytes.labels("sent").inc(exp["nbytes"])
         c = final.outputs[0]
         return {"first_token": c.token_ids[0], "logprobs": c.logprobs[0] if c.logprobs else None,
@@ -132,6 +132,6 @@ def add_kv_routes(app: FastAPI, engine: AsyncEngine, metrics, *, exporter=None, 
             body = await body_of(request)
             return {"released": exporter.release(_field(body, "transfer_id", str, "a string"))}
         except ApiError as e:
-            return _api_error(e)
+            return api_error_response(e)
         except ValueError as e:
-            return _error(400, str(e), "invalid_request_error", "invalid_value")
+            return error_response(400, str(e), "invalid_request_error", "invalid_value")

@@ -60,20 +60,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import struct
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvq.formats.registry import MODEL_DTYPES, resolve_format, resolve_kv
 from kvq.formats.spec import KVFormat, TensorFormat
+from kvq.models.identity import ModelIdentity, canonical_json, model_identity, sha256_hex  # noqa: F401
 
 #: Version of the handshake fields and of the wire layout (kvq.transfer.wire).
 PROTOCOL_VERSION = 1
-#: Bytes hashed at each end of a weight file.
-WEIGHT_EDGE_BYTES = 1 << 20
-#: Suffixes of weight files in an HF model folder.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 #: Fields both sides must agree on, in the order check_compatible compares them.
 AGREED_FIELDS = ("protocol", "config_hash", "weights_hash", "tokenizer_hash", "num_layers", "num_kv_heads",
@@ -84,81 +79,6 @@ _ROLES = ("k", "v")
 
 class TransferIncompatible(ValueError):
     """Two servers whose KV caches cannot exchange blocks; the message names the field."""
-
-
-def canonical_json(obj, *, allow_nan: bool = False) -> bytes:
-    """Sorted keys, no whitespace, UTF-8: equal values give equal bytes."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=allow_nan).encode("utf-8", "surrogatepass")
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-# -- model and tokenizer identity ------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelIdentity:
-    """Hex sha256 of a model's config and fingerprint of its weights (see module docstring)."""
-
-    config_hash: str
-    weights_hash: str
-
-
-def _config_dict(source) -> dict:
-    from kvq.models.source import read_gguf_header, read_hf_config
-
-    if source.gguf_file:
-        return {k: v for k, v in read_gguf_header(source.path).items() if v is not None}
-    cfg = read_hf_config(source.folder)
-    return {k: v for k, v in cfg.items() if not k.startswith("_") and k != "transformers_version"}
-
-
-def _weight_files(source) -> list[tuple[str, Path]]:
-    if source.gguf_file:
-        return [("model.gguf", source.path)]  # a copy under another name is the same model
-    return sorted((p.name, p) for p in source.folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
-
-
-def weights_fingerprint(files: list[tuple[str, Path]], edge: int = WEIGHT_EDGE_BYTES) -> str:
-    """sha256 over, per file: name, size (u64), first ``edge`` bytes, last ``edge`` bytes
-    (non-overlapping: a file under ``2 * edge`` bytes is hashed whole)."""
-    h = hashlib.sha256(b"kvq-weights-v1\0")
-    for name, path in files:
-        size = path.stat().st_size
-        h.update(name.encode() + b"\0" + struct.pack("<Q", size))
-        with open(path, "rb") as f:
-            h.update(f.read(min(size, edge)))
-            if size > edge:
-                f.seek(max(edge, size - edge))
-                h.update(f.read(edge))
-    return h.hexdigest()
-
-
-def model_identity(source) -> ModelIdentity:
-    """Identity of a :class:`~kvq.models.source.ModelSource` (or a name ``resolve_model`` takes).
-
-    A shipped config (no weight files, ``--load-format dummy``) has the fingerprint
-    of an empty file list: such models are identified by their config alone."""
-    from kvq.models.source import resolve_model
-
-    src = resolve_model(source) if isinstance(source, str) else source
-    return ModelIdentity(
-        config_hash=_sha256(b"kvq-config-v1\0" + canonical_json(_config_dict(src), allow_nan=True)),
-        weights_hash=weights_fingerprint(_weight_files(src)),
-    )
-
-
-def tokenizer_hash(tokenizer) -> str:
-    """sha256 of a HF tokenizer's vocabulary (``get_vocab()``, added tokens included) and its
-    bos/eos/pad/unk ids, as canonical JSON: what token ids mean.  Normalizer and
-    pre-tokenizer rules are not covered.  ``None`` (a model driven by token ids) hashes to
-    a fixed value."""
-    if tokenizer is None:
-        return _sha256(b"kvq-tokenizer-v1\0none")
-    vocab = sorted((str(t), int(i)) for t, i in tokenizer.get_vocab().items())
-    special = {k: getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}
-    return _sha256(b"kvq-tokenizer-v1\0" + canonical_json({"vocab": vocab, "special": special}))
 
 
 # -- strict JSON helpers ---------------------------------------------------------------------------
@@ -309,7 +229,7 @@ class KVDescription:
 
     def compat_hash(self) -> str:
         """Hex sha256 of the agreed fields' canonical JSON."""
-        return _sha256(b"kvq-compat-v1\0" + canonical_json(self.agreed()))
+        return sha256_hex(b"kvq-compat-v1\0" + canonical_json(self.agreed()))
 
 
 def describe_plan(plan, *, model_id: ModelIdentity, tokenizer_hash: str, tp: tuple[int, int] = (1, 0)

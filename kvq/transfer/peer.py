@@ -59,8 +59,8 @@ from kvq.cache.pool import KVPool
 from kvq.cache.window import POOLS
 from kvq.engine.remote_prefill import KVExporter, RemotePrefill, RemoteResult
 from kvq.transfer.convert import SenderCast, receiver_table
-from kvq.transfer.describe import (KVDescription, Negotiated, TransferIncompatible, check_compatible, describe_plan,
-                                   model_identity, tokenizer_hash)
+from kvq.models.identity import model_identity, tokenizer_hash
+from kvq.transfer.describe import KVDescription, Negotiated, TransferIncompatible, check_compatible, describe_plan
 from kvq.transfer.wire import ChunkHeader, WireError, pack_payload, plan_chunks
 
 log = logging.getLogger("kvq.transfer")

@@ -12,7 +12,7 @@ A scale ``s`` means the cache stores ``x / s`` (kvq's static-scale convention).
 :func:`checkpoint_scales` returns them per layer as ``[H]`` tensors, checked:
 a convention that covers some layers but not all, a tensor of the wrong size, a
 value that is not positive and finite, or a ``kv_cache_scheme`` without any
-scale tensor is a :class:`~kvq.calibration.scales.ScalesError`.  Only tensor
+scale tensor is a :class:`~kvq.cache.scales_file.ScalesError`.  Only tensor
 names are read from each file (safetensors headers), then the few scale tensors.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-from kvq.calibration.scales import ScalesError, per_head
+from kvq.cache.scales_file import ScalesError, per_head
 
 _PATTERNS = (
     ("compressed-tensors", re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")),

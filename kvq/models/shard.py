@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq.parallel.partition import Partition
+from kvq.cache.partition import Partition
 
 
 def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
