@@ -78,12 +78,12 @@ def cmd_formats(args: argparse.Namespace) -> int:
 def _backends_here(shape) -> dict[str, tuple[str, str]]:
     """format -> (backend, "device: decode kernel per layer") on this machine's default device
     (:func:`kvq.environment.format_backends`; `kvq env` says why)."""
-    from kvq.engine.llm_engine import _resolve_device, _resolve_dtype
+    from kvq.engine.config import resolve_device, resolve_dtype
     from kvq.environment import format_backends
 
-    dev = _resolve_device("auto")
+    dev = resolve_device("auto")
     return {r["format"]: (r["backend"], f"{dev.type}: {r['decode_per_layer']}")
-            for r in format_backends(shape, dev, _resolve_dtype("auto", dev)) if r["backend"]}
+            for r in format_backends(shape, dev, resolve_dtype("auto", dev)) if r["backend"]}
 
 
 # -- kvq plan ------------------------------------------------------------------------------------

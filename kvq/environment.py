@@ -46,11 +46,11 @@ def collect(model: str = "default", device: str = "auto") -> dict:
 
     from kvq.attention.backends import cuda_extra
     from kvq.attention.cuda import decode8
-    from kvq.engine.llm_engine import _resolve_device, _resolve_dtype, resolve_threads
+    from kvq.engine.config import resolve_device, resolve_dtype, resolve_threads
     from kvq.models.source import model_shape, resolve_model
 
-    dev = _resolve_device(device)
-    dtype = _resolve_dtype("auto", dev)
+    dev = resolve_device(device)
+    dtype = resolve_dtype("auto", dev)
     info: dict = {
         "kvq": _version("kvq"),
         "python": platform.python_version(),

@@ -44,102 +44,18 @@ prefill has reserved but not yet written.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvq.cache.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
-from kvq.cache.host_tier import HostBlock, HostHit, HostPrefixTier, LoadRequest, StoreRequest
+from kvq.cache.block_loads import LoadsMixin
+from kvq.cache.block_swap import SwapMixin
+from kvq.cache.block_types import (PENDING_TOKEN, BlockRef, CopyOp, HostLoadOp, HostOp, HostStoreOp,  # noqa: F401
+                                   Op, PrefixHit, RemoteLoadOp, SealOp, SeqBlocks, SeqId, SwapOp)
+from kvq.cache.host_tier import HostBlock, HostHit, HostPrefixTier
 from kvq.cache.window import POOLS, Pool, WindowPolicy, block_state  # noqa: F401 (re-exported)
 
 #: Id of a token appended before it is known (see :meth:`BlockManager.set_token`).
-PENDING_TOKEN = -1
-
-SeqId = Hashable  # int or str in practice
-
-
-@dataclass(frozen=True)
-class BlockRef:
-    pool: Pool
-    block_id: int
-
-
-@dataclass(frozen=True)
-class SealOp:
-    """Quantize hp block ``src_hp_block`` into q block ``dst_q_block`` (already in the table)."""
-
-    seq_id: SeqId
-    logical_index: int
-    src_hp_block: int
-    dst_q_block: int
-
-
-@dataclass(frozen=True)
-class CopyOp:
-    """Copy ``src`` to ``dst`` (same pool) before writing into ``dst`` (copy-on-write)."""
-
-    src: BlockRef
-    dst: BlockRef
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """Tokens of a prompt whose KV came from the prefix cache (whole blocks, < len(prompt)).
-
-    ``num_loading_tokens`` of them (the last ones) come from the CPU prefix tier: they are there
-    only once the sequence's :class:`HostLoadOp` has completed (:meth:`BlockManager.load_state`)."""
-
-    num_cached_tokens: int
-    num_loading_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class SwapOp:
-    """Move one sequence's blocks between the device pools and the host tier: ``direction`` "out"
-    copies device -> host, "in" host -> device; ``q`` and ``hp`` are ``(src, dst)`` block ids of
-    each pool (device ids on the device side, host ids on the host side)."""
-
-    seq_id: SeqId
-    direction: str
-    q: tuple[tuple[int, int], ...]
-    hp: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class HostStoreOp:
-    """Copy full, computed device blocks into the CPU prefix tier (asynchronous: issue it, then
-    report its end with :meth:`BlockManager.host_copy_done`).  The manager holds a reference on
-    each device block until then, so nothing rewrites one while it is read."""
-
-    requests: tuple[StoreRequest, ...]
-
-    def pairs(self, pool: Pool) -> tuple[tuple[int, int], ...]:
-        """``(device, host)`` block ids of ``pool``, the argument order of ``HostKVPool.store``."""
-        return tuple((r.device_block, r.host_block) for r in self.requests if r.pool == pool)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.requests)
-
-
-@dataclass(frozen=True)
-class HostLoadOp:
-    """Copy a prompt's prefix blocks from the CPU prefix tier into the device blocks its table
-    already holds (asynchronous, like :class:`HostStoreOp`).  The sequence must not run until
-    :meth:`BlockManager.load_state` says "done"."""
-
-    seq_id: SeqId
-    request: LoadRequest
-
-    def pairs(self, pool: Pool) -> tuple[tuple[int, int], ...]:
-        """``(host, device)`` block ids of ``pool``, the argument order of ``HostKVPool.load``."""
-        return self.request.q_pairs if pool == "q" else self.request.hp_pairs
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.request.device_blocks)
-
-
 class _PromptPlan(NamedTuple):
     """A prompt's reservation: device hits (block ids), their hashes, whether the lookup missed,
     whether it fits, the reserved length, and the blocks to load from the CPU prefix tier."""
@@ -152,48 +68,6 @@ class _PromptPlan(NamedTuple):
     loads: list[HostBlock]
 
 
-@dataclass(frozen=True)
-class RemoteLoadOp:
-    """A whole prompt's KV, to be filled from another server (a prefill peer, :mod:`kvq.transfer`)
-    into the blocks ``table`` holds: laid out as a prompt of ``num_tokens`` tokens without a prefix
-    hit (block ``i`` in pool ``block_state(i, num_tokens)``), nothing computed.  Outstanding until
-    :meth:`BlockManager.remote_done`; a sequence freed before then leaves ``table``'s blocks out of
-    use until it is called (the transfer may still be writing them)."""
-
-    seq_id: SeqId
-    ticket: int
-    table: tuple[BlockRef, ...]
-    num_tokens: int
-
-    def blocks(self, pool: Pool) -> list[tuple[int, int]]:
-        """``(logical index, block id)`` of the table's blocks in ``pool``, in logical order."""
-        return [(i, r.block_id) for i, r in enumerate(self.table) if r.pool == pool]
-
-
-Op = SealOp | CopyOp | SwapOp
-HostOp = HostStoreOp | HostLoadOp
-
-
-class _Seq:
-    """Mutable per-sequence state; private to the manager."""
-
-    __slots__ = ("changed", "hashes", "num_computed", "num_registered", "num_settled", "seal_from", "table", "tokens")
-
-    def __init__(self, tokens: list[int], table: list[BlockRef], num_computed: int, hashes: list[int], sink: int):
-        self.tokens = tokens  # ids of all tokens with reserved slots
-        self.table = table  # one BlockRef per logical block
-        self.num_computed = num_computed  # tokens whose KV is written (prefix-cacheable)
-        self.num_settled = 0  # length before the last append call (see module docstring)
-        self.num_registered = len(hashes)  # leading full blocks already offered to the prefix index
-        self.hashes = hashes  # chained hashes of leading full blocks (a cache)
-        self.seal_from = sink  # blocks [sink, seal_from) are known to be q
-        self.changed = 0  # table entries [changed, len) changed since the last table_delta()
-
-    def clone(self) -> _Seq:
-        s = _Seq(list(self.tokens), list(self.table), self.num_computed, list(self.hashes), 0)
-        s.num_settled, s.num_registered, s.seal_from = self.num_settled, self.num_registered, self.seal_from
-        return s  # changed = 0: the clone's table is new to whoever mirrors it
-
 
 def _pick(allocators: dict[str, BlockAllocator], pool: Pool) -> BlockAllocator:
     if pool not in allocators:
@@ -201,7 +75,7 @@ def _pick(allocators: dict[str, BlockAllocator], pool: Pool) -> BlockAllocator:
     return allocators[pool]
 
 
-class BlockManager:
+class BlockManager(LoadsMixin, SwapMixin):
     """Block tables for sequences, over a q pool and an hp pool.
 
     Every method that can run out of blocks checks first and raises
@@ -220,11 +94,11 @@ class BlockManager:
             "q": BlockAllocator(num_q_blocks, policy.block_size, enable_prefix_caching, name="q"),
             "hp": BlockAllocator(num_hp_blocks, policy.block_size, enable_prefix_caching, name="hp"),
         }
-        self._seqs: dict[SeqId, _Seq] = {}
+        self._seqs: dict[SeqId, SeqBlocks] = {}
         # The host tier of request-level swap: (q, hp) blocks in host memory, no prefix index.
         self._host = {pool: BlockAllocator(n, policy.block_size, False, name=f"host {pool}")
                       for pool, n in zip(POOLS, host_blocks)}
-        self._swapped: dict[SeqId, _Seq] = {}  # tables hold host block ids
+        self._swapped: dict[SeqId, SeqBlocks] = {}  # tables hold host block ids
         # The CPU prefix tier: host copies of full computed blocks by prefix hash, at host ids after
         # the swap tier's (one HostKVPool holds both).  Offered when a sequence frees its blocks,
         # loaded back when a prompt's prefix misses the device but hits the tier.
@@ -243,13 +117,13 @@ class BlockManager:
         self._next_remote = 0
 
     # -- queries ----------------------------------------------------------------------------
-    def _seq(self, seq_id: SeqId) -> _Seq:
+    def _seq(self, seq_id: SeqId)  -> SeqBlocks:
         try:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"unknown sequence id {seq_id!r} (not allocated, or already freed)") from None
 
-    def _any(self, seq_id: SeqId) -> _Seq:
+    def _any(self, seq_id: SeqId)  -> SeqBlocks:
         """A sequence on the device or swapped to the host."""
         seq = self._seqs.get(seq_id) or self._swapped.get(seq_id)
         if seq is None:
@@ -314,7 +188,7 @@ class BlockManager:
     def _block_tokens(self, tokens: Sequence[int], i: int) -> Sequence[int]:
         return tokens[i * self.block_size:(i + 1) * self.block_size]
 
-    def _hashes_upto(self, seq: _Seq, upto: int) -> list[int]:
+    def _hashes_upto(self, seq: SeqBlocks, upto: int) -> list[int]:
         """Hashes of full blocks ``[len(seq.hashes), upto)``, not stored (planning must not mutate)."""
         extra: list[int] = []
         parent = seq.hashes[-1] if seq.hashes else None
@@ -323,7 +197,7 @@ class BlockManager:
             extra.append(parent)
         return extra
 
-    def _register_computed(self, seq: _Seq) -> None:
+    def _register_computed(self, seq: SeqBlocks) -> None:
         """Offer full, computed blocks to their pool's prefix index."""
         if not self.enable_prefix_caching:
             return
@@ -474,7 +348,7 @@ class BlockManager:
         for i in range(h, -(-L // bs)):
             pool = block_state(i, L, self.policy)
             table.append(BlockRef(pool, self._alloc[pool].allocate()))
-        seq = self._seqs[seq_id] = _Seq(token_ids, table, k * bs, plan.hashes[:k], self.policy.sink_blocks)
+        seq = self._seqs[seq_id] = SeqBlocks(token_ids, table, k * bs, plan.hashes[:k], self.policy.sink_blocks)
         seq.num_settled = h * bs  # the hits follow the rule at their end, as after an append
         if plan.loads:
             req = self.host_tier.pin_for_load(HostHit(k, tuple(plan.loads)), [r.block_id for r in table[k:h]])
@@ -482,136 +356,9 @@ class BlockManager:
             self._host_ops.append(op)
         return PrefixHit(h * bs, (h - k) * bs)
 
-    # -- remote fills (prefill on a peer server) ----------------------------------------------
-    def can_allocate_remote(self, num_tokens: int) -> bool:
-        """Whether :meth:`allocate_remote` of ``num_tokens`` tokens would succeed now."""
-        return self.can_allocate(num_tokens)
-
-    def allocate_remote(self, seq_id: SeqId, token_ids: Sequence[int]) -> RemoteLoadOp:
-        """Reserve a whole prompt's blocks for a fill from a peer (:class:`RemoteLoadOp`): no prefix
-        hit (the peer sends every block, laid out as this side's rule lays out ``len(token_ids)``
-        tokens), ``num_computed`` 0 until :meth:`remote_done` reports the fill complete."""
-        if seq_id in self._seqs:
-            raise ValueError(f"sequence id {seq_id!r} already has blocks")
-        token_ids = list(token_ids)
-        if not token_ids:
-            raise ValueError("a prompt needs at least one token")
-        plan = self._plan_prompt(token_ids, use_cache=False)
-        if not plan.ok:
-            raise NoFreeBlocksError(f"prompt of {len(token_ids)} tokens for {seq_id!r} does not fit: "
-                                    f"q free {self.num_free_blocks('q')}, hp free {self.num_free_blocks('hp')}")
-        n, table = len(token_ids), []
-        for i in range(-(-n // self.block_size)):
-            pool = block_state(i, n, self.policy)
-            table.append(BlockRef(pool, self._alloc[pool].allocate()))
-        self._seqs[seq_id] = _Seq(token_ids, table, 0, [], self.policy.sink_blocks)
-        op = RemoteLoadOp(seq_id, self._next_remote, tuple(table), n)
-        self._next_remote += 1
-        self._remote[op.ticket] = self._remote_of[seq_id] = op
-        return op
-
-    def remote_state(self, seq_id: SeqId) -> str | None:
-        """"loading" while the sequence waits for its remote fill, else None."""
-        self._seq(seq_id)
-        return "loading" if seq_id in self._remote_of else None
-
-    def remote_done(self, op: RemoteLoadOp, ok: bool) -> bool:
-        """A remote fill has ended (``ok``: every block holds the peer's bytes, checked; else it failed
-        or was cancelled, and nothing writes its blocks any more).  -> True when its sequence still
-        waits for it: with ``ok`` its prompt is computed now (full blocks join the prefix cache);
-        without, the caller frees or retries it.  False for a fill whose sequence was freed
-        meanwhile: its blocks are released now."""
-        if self._remote.get(op.ticket) is not op:
-            raise ValueError(f"{op!r} is not an outstanding remote fill")
-        del self._remote[op.ticket]
-        for ref in self._remote_quarantine.pop(op.ticket, ()):
-            self._alloc[ref.pool].free(ref.block_id)
-        if self._remote_of.get(op.seq_id) is not op:
-            return False
-        del self._remote_of[op.seq_id]
-        if ok:
-            seq = self._seqs[op.seq_id]
-            seq.num_computed = op.num_tokens
-            self._register_computed(seq)
-        return True
-
-    # -- the CPU prefix tier ----------------------------------------------------------------
-    def take_host_ops(self) -> list[HostOp]:
-        """Stores and loads of the CPU prefix tier decided since the last call, to issue (in any
-        order, after the step's ops) and then report with :meth:`host_copy_done`."""
-        ops, self._host_ops = self._host_ops, []
-        return ops
-
-    def load_state(self, seq_id: SeqId) -> str | None:
-        """"loading" while the sequence's host load is outstanding, "failed" once it failed (free
-        the sequence and compute it again), None when it has no load left (it may run)."""
-        self._seq(seq_id)
-        if seq_id in self._loading:
-            return "loading"
-        return "failed" if seq_id in self._failed_loads else None
-
-    def abandon_load(self, seq_id: SeqId) -> None:
-        """Give up waiting for a sequence's load (a timeout): the tier unpins its host blocks and the
-        sequence is freed, its destination blocks kept out of use until the copy reports its end."""
-        op = self._loading.get(seq_id)
-        if op is None:
-            raise ValueError(f"sequence {seq_id!r} has no outstanding load")
-        self.host_tier.load_timed_out(op.request)
-        self._unpinned.add(op.request.ticket)
-        self.free(seq_id)
-
-    def host_copy_done(self, op: HostOp, ok: bool = True) -> bool:
-        """A store or load has ended (its copy completed, or ``ok=False``: it failed or was never
-        issued; a failed copy must not still be running).  Stores: the host copies become loadable
-        (or are dropped) and the device blocks are released.  Loads: the sequence's prefix is
-        computed (or the sequence is marked failed: :meth:`load_state`).  -> False for a load whose
-        sequence no longer waits for it (timed out, freed): its bytes went unused."""
-        if isinstance(op, HostStoreOp):
-            if self._stores.get(op.requests[0].ticket) is not op:
-                raise ValueError(f"{op!r} is not an outstanding store")
-            del self._stores[op.requests[0].ticket]
-            for r in op.requests:
-                (self.host_tier.store_done if ok else self.host_tier.store_failed)(r)
-                self._alloc[r.pool].free(r.device_block)
-            return True
-        ticket = op.request.ticket
-        if self._loads.get(ticket) is not op:
-            raise ValueError(f"{op!r} is not an outstanding load")
-        del self._loads[ticket]
-        if ticket in self._unpinned:
-            self._unpinned.discard(ticket)
-        else:
-            (self.host_tier.load_done if ok else self.host_tier.load_failed)(op.request)
-        for ref in self._quarantine.pop(ticket, ()):
-            self._alloc[ref.pool].free(ref.block_id)
-        if self._loading.get(op.seq_id) is not op:
-            return False  # the sequence was freed meanwhile
-        del self._loading[op.seq_id]
-        if not ok:
-            self._failed_loads.add(op.seq_id)
-            return False
-        seq = self._seqs[op.seq_id]
-        seq.num_computed = max(seq.num_computed, op.request.hit.end * self.block_size)
-        self._register_computed(seq)
-        return True
-
-    def _offer(self, seq: _Seq, held: set[BlockRef]) -> None:
-        """Offer a freed sequence's registered full blocks to the CPU prefix tier (one store op)."""
-        reqs = []
-        for i in range(seq.num_registered):
-            ref = seq.table[i]
-            if ref in held:
-                continue
-            r = self.host_tier.offer(ref.pool, seq.hashes[i], self._block_tokens(seq.tokens, i), ref.block_id)
-            if r is not None:
-                self._alloc[ref.pool].incref(ref.block_id)  # held until the copy has read it
-                reqs.append(r)
-        if reqs:
-            op = self._stores[reqs[0].ticket] = HostStoreOp(tuple(reqs))
-            self._host_ops.append(op)
 
     # -- appends ----------------------------------------------------------------------------
-    def _seal_candidates(self, seq: _Seq, n: int) -> tuple[list[int], int]:
+    def _seal_candidates(self, seq: SeqBlocks, n: int) -> tuple[list[int], int]:
         """Logical blocks that are hp in the table but q at length ``n``; and the new seal_from."""
         p = self.policy
         if p.write_direct and p.residual_tokens == 0:
@@ -619,7 +366,7 @@ class BlockManager:
         hi = min(max(n - p.residual_tokens, 0) // p.block_size, len(seq.table))
         return [i for i in range(seq.seal_from, hi) if seq.table[i].pool == "hp"], max(seq.seal_from, hi)
 
-    def _plan_append(self, seq: _Seq, k: int):
+    def _plan_append(self, seq: SeqBlocks, k: int):
         """(seals, dedup, seal_from, feasible) for appending ``k`` tokens, without mutating anything."""
         n_old, bs = len(seq.tokens), self.block_size
         q, hp = self._alloc["q"], self._alloc["hp"]
@@ -769,74 +516,6 @@ class BlockManager:
                 self._alloc[ref.pool].free(ref.block_id)
         del self._seqs[seq_id]
 
-    # -- swap (request-level, to the host tier) ---------------------------------------------
-    @staticmethod
-    def _count(table: Sequence[BlockRef]) -> dict[str, int]:
-        need = {"q": 0, "hp": 0}
-        for ref in table:
-            need[ref.pool] += 1
-        return need
-
-    def can_swap_out(self, seq_id: SeqId) -> bool:
-        """Whether the host tier has a block for every block of the sequence (its budget)."""
-        need = self._count(self._seq(seq_id).table)
-        if seq_id in self._loading:  # its prefix is not on the device yet
-            return False
-        return all(need[p] <= self._host[p].num_free for p in POOLS)
-
-    def swap_out(self, seq_id: SeqId) -> SwapOp:
-        """Park a sequence in the host tier: host blocks are taken for each of its blocks (the
-        budget is checked first: :class:`NoFreeBlocksError` with nothing changed), the returned op
-        copies them, and only then are its device blocks released (computed full blocks stay in
-        the prefix cache).  The op must run before the step's forward, like every op (module
-        docstring): a released block may be reused by a later call of the same step.  Its tokens,
-        lazy-sealing state and hashes stay as they were."""
-        seq = self._seq(seq_id)
-        if not self.can_swap_out(seq_id):
-            need = self._count(seq.table)
-            raise NoFreeBlocksError(f"cannot swap {seq_id!r} out: needs {need['q']} q and {need['hp']} hp host "
-                                    f"blocks, {self._host['q'].num_free} and {self._host['hp'].num_free} free")
-        self._register_computed(seq)
-        del self._seqs[seq_id]
-        self._swapped[seq_id] = seq
-        return self._move(seq_id, seq, self._alloc, self._host, "out")
-
-    def _move(self, seq_id: SeqId, seq: _Seq, src: dict, dst: dict, direction: str) -> SwapOp:
-        """Give every block of ``seq`` a block of the same pool in ``dst`` (device or host allocators),
-        release the ``src`` ones (tail first) and return the copy between them."""
-        pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
-        table = []
-        for ref in seq.table:
-            b = dst[ref.pool].allocate()
-            pairs[ref.pool].append((ref.block_id, b))
-            table.append(BlockRef(ref.pool, b))
-        for ref in reversed(seq.table):
-            src[ref.pool].free(ref.block_id)
-        seq.table = table
-        return SwapOp(seq_id, direction, tuple(pairs["q"]), tuple(pairs["hp"]))
-
-    def can_swap_in(self, seq_id: SeqId) -> bool:
-        """Whether the device pools have a private block for every block of a swapped sequence
-        (prefix-cache hits are not reused: it may need more blocks than it released)."""
-        seq = self._swapped[seq_id]
-        need = self._count(seq.table)
-        return all(need[p] <= self._alloc[p].num_free for p in POOLS)
-
-    def swap_in(self, seq_id: SeqId) -> SwapOp:
-        """Bring a swapped sequence back into fresh device blocks (whole table, so a mirror
-        rebuilds it) and release its host blocks; the op copies host -> device first."""
-        if seq_id not in self._swapped:
-            raise KeyError(f"sequence {seq_id!r} is not swapped")
-        if not self.can_swap_in(seq_id):
-            need = self._count(self._swapped[seq_id].table)
-            raise NoFreeBlocksError(f"cannot swap {seq_id!r} in: needs {need['q']} q and {need['hp']} hp blocks, "
-                                    f"{self.num_free_blocks('q')} and {self.num_free_blocks('hp')} free")
-        seq = self._swapped.pop(seq_id)
-        op = self._move(seq_id, seq, self._host, self._alloc, "in")
-        seq.changed = seq.num_registered = 0
-        self._seqs[seq_id] = seq
-        self._register_computed(seq)
-        return op
 
     # -- checks -----------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -155,7 +155,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace):
     """The engine flags as one EngineConfig; every range is checked here, before a model file is
     opened (ValueError: exit code 2)."""
-    from kvq.engine.llm_engine import EngineConfig
+    from kvq.engine.config import EngineConfig
 
     kv = kv_config_from_args(args)
     try:

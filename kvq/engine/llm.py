@@ -7,7 +7,9 @@ from typing import Iterator
 
 from tqdm.auto import tqdm
 
-from kvq.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from kvq.engine.config import EngineConfig
+from kvq.engine.llm_engine import LLMEngine
+from kvq.engine.outputs import RequestOutput
 from kvq.engine.sampling_params import SamplingParams
 
 

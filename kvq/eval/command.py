@@ -140,7 +140,7 @@ def check_flags(args: argparse.Namespace) -> None:
     :func:`kvq.eval.runner.validate` then checks them against the model."""
     from kvq.attention.backends import backend_names
     from kvq.engine.args import check_range
-    from kvq.engine.llm_engine import DTYPES, check_device_name
+    from kvq.engine.config import DTYPES, check_device_name
 
     check_device_name(args.device)
     if args.dtype not in DTYPES:

@@ -285,9 +285,9 @@ def run_format(s: EvalSettings, fmt: str, ids: list[int], offsets: list[int], sp
 
 
 def _device_of(s: EvalSettings) -> torch.device:
-    from kvq.engine.llm_engine import _resolve_device
+    from kvq.engine.config import resolve_device
 
-    return _resolve_device(s.device)
+    return resolve_device(s.device)
 
 
 def rescore(run: FormatRun, raw: list[list], base_raw: list[list], offsets: list[int],

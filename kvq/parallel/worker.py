@@ -127,12 +127,13 @@ def follow(engine) -> None:
 
 def spawned_worker(config, rank: int, world: int, init_method: str, timeout_s: float) -> None:
     """Entry point of a rank that kvq spawned: join the group, build the engine, follow rank 0."""
-    from kvq.engine.llm_engine import LLMEngine, _resolve_device
+    from kvq.engine.config import resolve_device
+    from kvq.engine.llm_engine import LLMEngine
     from kvq.parallel import group as tp
 
     os.environ.pop("WORLD_SIZE", None)  # this rank's group is kvq's, whatever the parent's environment
     try:
-        device = tp.rank_device(_resolve_device(config.device), rank)
+        device = tp.rank_device(resolve_device(config.device), rank)
         tp._init(rank, world, device, init_method, timeout_s)
         tp.set_worker_group(tp.TPGroup(rank, world, rank, device, timeout_s))
         engine = LLMEngine(config)

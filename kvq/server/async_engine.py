@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvq.engine.llm_engine import LLMEngine, RequestOutput
+from kvq.engine.llm_engine import LLMEngine
+from kvq.engine.outputs import RequestOutput
 from kvq.engine.sampling_params import SamplingParams
 from kvq.server.metrics import EngineEvents
 
