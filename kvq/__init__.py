@@ -4,7 +4,12 @@
 lazy so that ``kvq formats`` / ``kvq plan`` stay light.
 """
 
+from kvq.engine.registry import register_executor
+
 __all__ = ["LLM", "SamplingParams"]
+
+# executors above the engine floor, imported only when a config asks for one (kvq.engine.executor)
+register_executor("tensor_parallel", "kvq.parallel.executor:TensorParallelExecutor")
 
 
 def __getattr__(name):

@@ -17,34 +17,24 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import math
 import operator
 import time
 from dataclasses import dataclass
 
 import torch
 
-from kvq.attention.backends import compact_layers, select_backend
-from kvq.cache.block_manager import BlockManager, BlockRef, HostStoreOp
-from kvq.cache.host_pool import HostKVPool
-from kvq.cache.plan import CachePlan
-from kvq.cache.pool import KVPool
-from kvq.cache.window import block_state, can_seal, peak_blocks
-from kvq.engine.config import (CPU_DEFAULT_KV_MEMORY, EngineConfig, check_memory_fits, resolve_device, resolve_dtype,
-                               resolve_threads)
-from kvq.engine.cuda_graphs import DecodeGraphs
+from kvq.attention.backends import compact_layers
+from kvq.cache.block_manager import BlockManager, HostStoreOp
+from kvq.engine.config import EngineConfig
 from kvq.engine.detokenizer import IncrementalDetokenizer
-from kvq.engine.model_runner import ModelRunner
+from kvq.engine.executor import make_executor
 from kvq.engine.outputs import CompletionOutput, RequestOutput
 from kvq.engine.remote_prefill import KVExporter, RemotePrefill, RemoteResult
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
-from kvq.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from kvq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvq.engine.sequence import Sequence
-from kvq.models.builder import build_model
-from kvq.models.source import model_shape, resolve_model
-from kvq.cache.partition import head_partition, rank_plan
-from kvq.units import format_bytes, parse_bytes
+from kvq.units import format_bytes
 
 logger = logging.getLogger("kvq")
 
@@ -69,118 +59,43 @@ class _Launched:
         return self.token_ids, {sid: row for row, sid in enumerate(self.sample_ids)}
 
 
-class _Zeros:
-    """Token ids of a profiling step: all 0."""
-
-    def __init__(self, n: int):
-        self.num_tokens = n
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        return [0] * (end - start)
-
-
-def dist_backend() -> str:
-    import torch.distributed as dist
-
-    return dist.get_backend() if dist.is_initialized() else "none"
-
-
-def hp_blocks_needed(plan: CachePlan, max_num_seqs: int, max_batched_tokens: int) -> int:
-    """High-precision blocks for every running sequence's sinks, recent window and tail."""
-    pol = plan.window_policy
-    if not plan.is_quantized or (pol.write_direct and pol.residual_tokens == 0 and pol.sink_blocks == 0):
-        return 0
-    per_seq = pol.sink_blocks + math.ceil(pol.residual_tokens / pol.block_size) + 2
-    return max_num_seqs * per_seq + math.ceil(max_batched_tokens / pol.block_size)
-
-
 class LLMEngine:
+    """The engine core: requests in, steps scheduled, handed to an executor, tokens out (module
+    docstring).  The executor (:mod:`kvq.engine.executor`) owns the workers that hold the model,
+    the KV pools and the runner; the engine keeps the scheduler, the block manager and the sampler."""
+
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         cfg = config or EngineConfig(**kwargs)
         self.config = cfg
-        self.tp = None
-        try:
-            self._build(cfg)
-        except BaseException:
-            if self.tp is not None:  # the other ranks stop with this one
-                self.tp.close(stop_workers=False)
-            raise
+        self._build(cfg)
 
     def _build(self, cfg: EngineConfig) -> None:
-        # Everything that can be wrong with the choices is checked before the weights load (seconds
-        # to minutes): the config's ranges (EngineConfig), the device, the model files' headers, the
-        # plan against the model's shape, the backend, the scheduler's limits, and the KV budget
-        # against the device's memory wherever it is known without profiling.
-        self.device = resolve_device(cfg.device)
+        # the worker checks every choice before the weights load (kvq.engine.worker)
+        self.executor = make_executor(cfg)
+        w = self.worker = self.executor.worker
+        self.tp = self.executor.group
+        self.device, self.dtype, self.kv_cache = w.device, w.dtype, w.kv_cache
+        self.plan, self.full_plan, self.max_model_len = w.plan, w.full_plan, w.max_model_len
+        self.static_scales, self.kv_scales_source = w.static_scales, w.kv_scales_source
+        self.backend_choice, self.kernels = w.backend_choice, w.kernels
+        self.model, self.tokenizer, self.pool, self.host_pool = w.model, w.tokenizer, w.pool, w.host_pool
+        self.runner = w.runner  # rank 0's; every step goes through the executor (all ranks)
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.device.type == "cuda" and cfg.tensor_parallel_size == 1)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
-        src = resolve_model(cfg.model)
-        shape = model_shape(src)
-        self.kv_cache = cfg.kv_cache_config
-        self.plan = self.full_plan = self.kv_cache.plan(shape)  # under TP, self.plan becomes this rank's
-        self.static_scales, self.kv_scales_source = self._static_scales(cfg, src, shape)
-        if cfg.tensor_parallel_size > 1:  # ranks start here, once every choice above is known to be valid
-            self._start_parallel(cfg, shape)
-        backend, self.backend_choice = select_backend(cfg.attention_backend, self.plan, self.device, self.dtype)
-        self.kernels = backend.kernels()
-        self.max_model_len = cfg.max_model_len or shape.max_position_embeddings
-        if self.max_model_len > shape.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"{shape.max_position_embeddings} positions (valid: 1..{shape.max_position_embeddings})")
         sched_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=self.plan.block_size,
             block_aligned_chunks=not self.plan.window_policy.write_direct,
             max_inflight=2 if self.async_scheduling else 1, preemption_mode=cfg.preemption_mode)
-        offload = int(cfg.cpu_offload_gb * (1 << 30))
-        if offload:
-            check_memory_fits(offload, torch.device("cpu"), "cpu_offload_gb")
-        memory = self._explicit_kv_memory()
-        if memory is not None:
-            check_memory_fits(memory, self.device)
-            self._pool_blocks(memory)  # too small for one block: said now, not after the load
-        threads = resolve_threads(cfg.threads, self.device)
-        if threads is not None:  # process-wide: torch has one intra-op pool
-            torch.set_num_threads(threads)
-        self.model, self.tokenizer = build_model(src, load_format=cfg.load_format, dtype=self.dtype,
-                                                 device=self.device, seed=cfg.seed,
-                                                 progress=cfg.progress and not (self.tp and self.tp.rank),
-                                                 tp=self.tp)
-        if memory is None:
-            memory = self._profiled_kv_memory()
-        num_q, num_hp = self._pool_blocks(memory)
-        if self.tp is not None:  # one scheduler hands out block ids for every rank: the fewest any can hold
-            num_q, num_hp = self.tp.min_int(num_q), self.tp.min_int(num_hp)
-        # (not yet under tensor parallelism: NCCL collectives inside captured graphs have not run here)
-        use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and self.tp is None
-                      and self.backend_choice.resolved in ("triton", "cuda"))
-        # CUDA graphs pad batches with rows that write to a null block outside the manager's range
-        self.pool = KVPool.create(self.plan, int(num_q) + int(use_graphs), num_hp, self.device, self.static_scales)
-        # host memory: the swap tier's blocks, then the CPU prefix tier's, in one pool shaped like the
-        # device's (pinned on CUDA)
-        host, tier = self._host_split(offload)
-        self.host_pool = HostKVPool.create(self.pool, host[0] + tier[0], host[1] + tier[1]) if offload else None
-        self.block_manager = BlockManager(int(num_q), num_hp, self.plan.window_policy, cfg.enable_prefix_caching,
+        num_q, num_hp, host, tier = w.num_q_blocks, w.num_hp_blocks, w.host_blocks, w.tier_blocks
+        self.block_manager = BlockManager(num_q, num_hp, self.plan.window_policy, cfg.enable_prefix_caching,
                                           host_blocks=host, host_tier_blocks=tier)
         self._host_copies: list[tuple] = []  # (op, handle, issue time) of the tier's copies in flight
         self._host_stats = dict.fromkeys(HOST_STAT_KEYS, 0)
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         self.scheduler = Scheduler(sched_config, self.block_manager, eos_token_id=eos)
-        graphs = None
-        if use_graphs:
-            graphs = DecodeGraphs(self.model, self.pool, self.kernels, self.device, cfg.max_num_seqs,
-                                  self.max_model_len, null_block=int(num_q), has_hp=num_hp > 0,
-                                  can_seal=can_seal(self.plan.window_policy))
-            graphs.capture()
-        self.runner = ModelRunner(self.model, self.pool, self.kernels, self.device, graphs, cfg.max_num_seqs,
-                                  host_pool=self.host_pool)
-        if self.tp is not None and self.tp.rank == 0:
-            from kvq.parallel.worker import BroadcastRunner
-
-            self.runner = BroadcastRunner(self.runner, self.tp)
-        if self._warmup_tokens:
-            self._start_warmup(self._warmup_tokens)
+        if w.warmup_tokens:
+            self._start_warmup(w.warmup_tokens)
         self.sampler = Sampler()
         self.seed_state = SeedState()
         self._ids = itertools.count()
@@ -197,8 +112,9 @@ class LLMEngine:
         self._exported: dict[int, object] = {}
         self._errors: dict[int, str] = {}
         self.remote_stats = {"filled": 0, "failed": 0, "discarded": 0, "bytes": 0, "seconds": 0.0}
+        graphs = w.graphs
         self.info = {
-            "model": src.name,
+            "model": w.source.name,
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_cache_dtype": {"requested": self.kv_cache.requested, **self.full_plan.describe()},
@@ -222,7 +138,7 @@ class LLMEngine:
             "threads": torch.get_num_threads(),
             "cuda_graphs": {"batch_sizes": graphs.sizes, "capture_seconds": round(graphs.capture_seconds, 2)}
             if graphs else None,
-            "tensor_parallel": self._parallel_info() if self.tp is not None else None,
+            "tensor_parallel": self.executor.info(),
         }
         # Everything built so far (model, tokenizer, graphs: ~10^5-10^6 tracked objects) lives as long
         # as the engine; frozen, the collector stops re-scanning it, which otherwise stalls a step for
@@ -232,85 +148,16 @@ class LLMEngine:
             gc.collect()
             gc.freeze()
         logger.info("%s", self.describe())
-        if self.tp is not None and self.tp.rank == 0:
-            self.tp.start_heartbeat()  # every rank is built: from here the others wait on rank 0
-        if self.tp is not None and self.tp.rank != 0 and self.tp.launched_by == "torchrun":
-            from kvq.parallel.worker import follow
-
-            follow(self)  # rank 0 drives; this process has nothing else to do
-            raise SystemExit(0)
-
-    def _static_scales(self, cfg: EngineConfig, src, shape) -> tuple[dict | None, str]:
-        """Static KV scales and where they come from: ``--kv-scales FILE``, else the checkpoint's own
-        (kvq.cache.scales_checkpoint), else none (1.0).  A checkpoint's scales with a quantized format
-        that cannot use them are an error naming both, never dropped in silence."""
-        from kvq.cache.scales_checkpoint import checkpoint_scales
-        from kvq.cache.scales_file import ScalesError, load_scales, static_layers
-
-        from kvq.cache.scales_warmup import parse_warmup
-
-        self._warmup_tokens = parse_warmup(cfg.kv_scales)
-        if self._warmup_tokens:
-            if not static_layers(self.plan):
-                raise ScalesError(f"--kv-scales {cfg.kv_scales}: the KV format {self.plan.name} takes no static "
-                                  "scales; static-scaled formats: fp8_e4m3, fp8_e5m2")
-            return None, f"warmup: observing (0/{self._warmup_tokens} tokens)"
-        if cfg.kv_scales is not None:
-            from kvq.models.identity import model_identity
-
-            return load_scales(cfg.kv_scales, self.plan, model_identity(src)), cfg.kv_scales
-        found = checkpoint_scales(src, shape.num_layers, shape.num_kv_heads)
-        if found is None:
-            return None, "none"
-        convention, scales = found
-        wanted = static_layers(self.plan)
-        if wanted:
-            return {i: scales[i] for i in wanted}, f"checkpoint ({convention})"
-        if self.plan.is_quantized:
-            raise ScalesError(f"{src.name} ships {convention} KV scales for a static FP8 cache, and the KV format "
-                              f"{self.plan.name} cannot use them: use --kv-cache-dtype fp8_e4m3 (or fp8_e5m2), "
-                              "or a high-precision format")
-        return None, f"checkpoint ({convention}): unused, the cache keeps {self.plan.name}"
-
-    def _start_parallel(self, cfg: EngineConfig, shape) -> None:
-        """Start or join the ranks (kvq.parallel.group); this rank's plan holds its KV heads only,
-        with their static scales."""
-        from kvq.parallel import group
-
-        n = cfg.tensor_parallel_size
-        head_partition(shape, n, 0)  # geometry, before any rank starts
-        self.tp = group.start(cfg, n, self.device, cfg.distributed_timeout_s)
-        if self.tp.rank == 0:
-            import atexit
-
-            atexit.register(self.tp.close)
-        self.device = self.tp.device
-        (a, b), self.plan = rank_plan(self.full_plan, n, self.tp.rank)
-        if self.static_scales:
-            H = shape.num_kv_heads
-            self.static_scales = {i: tuple(torch.as_tensor(s, dtype=torch.float32).reshape(-1).expand(H)[a:b].clone()
-                                           for s in ks) for i, ks in self.static_scales.items()}
-
-    def _parallel_info(self) -> dict:
-        """Per-rank heads and KV bytes, and the totals: what `kvq plan` and the capacity report show."""
-        parts = [head_partition(self.full_plan.model, self.tp.world, r) for r in range(self.tp.world)]
-        rank_bytes = self.tp.all_ints(self.pool.nbytes())
-        return {"size": self.tp.world, "launched_by": self.tp.launched_by, "backend": dist_backend(),
-                "kv_head_replicas": parts[0].replicas,
-                "kv_heads_per_rank": [list(p.kv_heads) for p in parts], "kv_pool_bytes_per_rank": rank_bytes,
-                "kv_pool_bytes_total": sum(rank_bytes)}
+        self.executor.ready()
 
     def rank_pools(self) -> list[list[dict]]:
         """Each rank's KV cache copied to the CPU (one rank without tensor parallelism): per layer,
-        its tensors by name (kvq.parallel.worker.pool_state)."""
-        from kvq.parallel.worker import pool_state
-
-        return self.runner.rank_pools() if self.tp is not None else [pool_state(self.pool)]
+        its tensors by name (kvq.engine.worker.pool_state)."""
+        return self.executor.rank_pools()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without them).  Called at exit too."""
-        if self.tp is not None and self.tp.rank == 0:
-            self.tp.close()
+        self.executor.shutdown()
 
     def _start_warmup(self, tokens: int) -> None:
         """``--kv-scales warmup[:N]``: observe the first N tokens, then freeze (kvq.cache.scales_warmup)."""
@@ -322,7 +169,15 @@ class LLMEngine:
             self.kv_scales_source = self.info["kv_scales"] = warmup.source
 
         warmup = WarmupScales(self.pool, static_layers(self.plan), tokens, on_freeze=report)
-        self.pool.observer = self.runner.warmup = warmup
+        self.pool.observer = self.worker.runner.warmup = warmup
+
+    def _pool_blocks(self, memory: int) -> tuple[int, int]:
+        """(resident, high-precision) blocks that ``memory`` bytes hold (kvq.engine.worker)."""
+        return self.worker._pool_blocks(memory)
+
+    def profile_step(self):
+        """The largest step through a runner on a scratch pool (kvq.engine.worker)."""
+        return self.worker.profile_step()
 
     def describe(self) -> str:
         """What the engine resolved, in one line (logged at INFO on the "kvq" logger when built)."""
@@ -344,116 +199,6 @@ class LLMEngine:
         heads = ", ".join(f"{a}..{b - 1}" for a, b in tp["kv_heads_per_rank"])
         return (f"; tensor parallel {tp['size']} ranks over {tp['backend']} (KV heads {heads}; "
                 f"{format_bytes(tp['kv_pool_bytes_total'])} of KV in all; the pool above is rank 0's)")
-
-    def _explicit_kv_memory(self) -> int | None:
-        """The KV budget where it is known before the model loads: given, or the CPU default."""
-        if self.config.kv_cache_memory is not None:
-            return parse_bytes(self.config.kv_cache_memory)
-        return None if self.device.type == "cuda" else parse_bytes(CPU_DEFAULT_KV_MEMORY)
-
-    def _host_split(self, budget: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """(q, hp) blocks of the swap tier and of the CPU prefix tier in ``budget`` bytes of host
-        memory: all of it for the one in use, half each when both are."""
-        swap = self.config.preemption_mode == "swap"
-        tier = self.config.uses_cpu_prefix_cache
-        if not budget or not (swap or tier):
-            return (0, 0), (0, 0)
-        share = budget // 2 if swap and tier else budget
-        return (self._host_blocks(share) if swap else (0, 0)), (self._tier_blocks(share) if tier else (0, 0))
-
-    def _tier_blocks(self, budget: int) -> tuple[int, int]:
-        """(q, hp) blocks of the CPU prefix tier in ``budget`` bytes.  A cached prefix is reusable
-        only with its sink and window blocks (high precision), so the tier keeps them in the
-        proportion a prefix of min(max_model_len, 1024) tokens has (shorter prefixes need more
-        high-precision blocks per token, longer ones fewer; measured on the H200, sizing for
-        256-token prefixes starved 2K-token prompts of resident blocks)."""
-        pol, plan = self.plan.window_policy, self.plan
-        bs = pol.block_size
-        length = max(min(self.max_model_len, 1024), bs)
-        hp = sum(block_state(i, length, pol) == "hp" for i in range(length // bs)) if plan.hp_bytes_per_block else 0
-        q = max(length // bs - hp, 1)
-        per = q * plan.bytes_per_block + hp * plan.hp_bytes_per_block
-        num_hp = budget * hp // per if hp else 0
-        num_q = (budget - num_hp * plan.hp_bytes_per_block) // plan.bytes_per_block
-        if num_q < 1:
-            raise ValueError(f"cpu_offload_gb {format_bytes(budget)} holds no KV block of this plan "
-                             f"({format_bytes(plan.bytes_per_block)} per block)")
-        return int(num_q), int(num_hp)
-
-    def _host_blocks(self, budget: int) -> tuple[int, int]:
-        """(q, hp) blocks of the swap tier in ``budget`` bytes.  Running and swapped requests together
-        never exceed max_num_seqs (nothing is admitted while one is swapped), and a request holds at
-        most :func:`peak_blocks` hp blocks whatever its length: the tier keeps that many hp blocks (at
-        most half the budget) and gives the rest to resident blocks, which grow with the length."""
-        pol, plan = self.plan.window_policy, self.plan
-        num_hp = 0
-        if plan.hp_bytes_per_block and not (pol.write_direct and pol.residual_tokens == 0 and pol.sink_blocks == 0):
-            per_seq = peak_blocks(self.max_model_len, pol, self.config.max_num_batched_tokens)[1]
-            num_hp = min(self.config.max_num_seqs * per_seq, budget // 2 // plan.hp_bytes_per_block)
-        num_q = (budget - num_hp * plan.hp_bytes_per_block) // plan.bytes_per_block
-        if num_q < 1:
-            raise ValueError(f"cpu_offload_gb {format_bytes(budget)} holds no KV block of this plan "
-                             f"({format_bytes(plan.bytes_per_block)} per block)")
-        return int(num_q), int(num_hp)
-
-    def _pool_blocks(self, memory: int) -> tuple[int, int]:
-        """(resident, high-precision) blocks that ``memory`` bytes hold for this plan."""
-        num_hp = hp_blocks_needed(self.plan, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        if num_hp:  # at most a quarter of the memory; admission control keeps within what exists
-            # one request alone must fit, whatever its length: sinks and two windows while a chunk is reserved
-            one_seq = peak_blocks(self.max_model_len, self.plan.window_policy, self.config.max_num_batched_tokens)[1]
-            num_hp = max(one_seq, min(num_hp, memory // 4 // self.plan.hp_bytes_per_block))
-        num_q = (memory - num_hp * self.plan.hp_bytes_per_block) // self.plan.bytes_per_block
-        if num_q < 1:
-            raise ValueError(f"KV memory {memory} bytes is too small for this plan (needs "
-                             f"{num_hp * self.plan.hp_bytes_per_block + self.plan.bytes_per_block} bytes at least)")
-        return int(num_q), int(num_hp)
-
-    def _profiled_kv_memory(self) -> int:
-        """The KV budget on CUDA without kv_cache_memory: gpu_memory_utilization of the device, less
-        what is in use and a profiled forward's activations."""
-        cfg = self.config
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        m = self.model.config
-        act = self._profile_forward_bytes()
-        act += 3 * cfg.max_num_seqs * m.vocab_size * 4  # sampler: probabilities and sorted copies
-        if self.device.type == "cuda" and not cfg.enforce_eager:  # graph outputs and one graph's activations
-            from kvq.engine.cuda_graphs import capture_sizes
-
-            act += sum(capture_sizes(cfg.max_num_seqs)) * m.vocab_size * 4 + (256 << 20)
-        budget = int(total * cfg.gpu_memory_utilization) - used - act
-        if budget <= 0:
-            raise ValueError("no GPU memory left for the KV cache at this gpu_memory_utilization")
-        self.profiled_activation_bytes = act
-        return budget
-
-    def profile_step(self):
-        """(runner, step, seqs) of the largest step: a ``max_num_batched_tokens`` prefill that
-        scores ``max_num_seqs`` rows, through a runner on a scratch pool of its own."""
-        cfg, bs = self.config, self.plan.block_size
-        T = min(cfg.max_num_batched_tokens, self.max_model_len)
-        nb = math.ceil(T / bs)
-        scratch = KVPool.create(self.plan, 1, nb, self.device)
-        runner = ModelRunner(self.model, scratch, self.kernels, self.device, max_num_seqs=1)
-        item = ScheduledSeq(0, T, 0, is_prefill=True, sample=False,
-                            slots=tuple(("hp", p // bs, p % bs) for p in range(T)), table_start=0,
-                            table_refs=tuple(BlockRef("hp", j) for j in range(nb)), table_len=nb,
-                            logit_rows=tuple(range(T - min(T, cfg.max_num_seqs), T)))
-        return runner, SchedulerOutput((item,), num_batched_tokens=T), {0: _Zeros(T)}
-
-    def _profile_forward_bytes(self) -> int:
-        """Peak memory of :meth:`profile_step`'s forward, measured by running it."""
-        runner, step, seqs = self.profile_step()
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        runner.execute(step, seqs)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del runner
-        torch.cuda.empty_cache()
-        return int(peak * 1.1)
 
     # -- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -571,12 +316,12 @@ class LLMEngine:
             self.kv_connector.start(op, seq.prompt_ids, seq.params)
         if not sched.scheduled:
             if sched.ops:  # a swap-out can come with no work; it must still happen before the next step
-                self.runner.apply_ops(sched.ops)
+                self.executor.apply_ops(sched.ops)
             self._issue_host_ops(sched.host_ops)
             return None
         seqs = {s.seq_id: self.scheduler.get(s.seq_id) for s in sched.scheduled}
         prev = self._inflight  # its samples feed the tokens this step schedules before they are known
-        logits, sample_ids = self.runner.execute(sched, seqs, prev.feed() if prev is not None else None)
+        logits, sample_ids = self.executor.execute(sched, seqs, prev.feed() if prev is not None else None)
         self._issue_host_ops(sched.host_ops)  # on the copy stream, after this step's forward
         if not sample_ids:
             return _Launched(sched, seqs, [], None, None, None)

@@ -2,8 +2,8 @@
 
 :class:`CacheSession` takes the place of an :class:`~kvq.engine.llm_engine.LLMEngine`'s
 scheduler (which stays idle, its block manager empty): it reserves slots with
-the engine's block manager and hands each chunk to the engine's own
-:class:`~kvq.engine.model_runner.ModelRunner` as a one-sequence step, so the
+the engine's block manager and hands each chunk to the engine's executor
+(its :class:`~kvq.engine.model_runner.ModelRunner`, on every rank) as a step, so the
 evaluation can keep logits at any position it chooses while using exactly the
 engine's cache path::
 
@@ -94,7 +94,7 @@ class CacheSession:
         step = SchedulerOutput(tuple(items), tuple(ops), (), sum(len(p[1]) for p in planned),
                                tuple(self._released))
         self._released.clear()
-        logits, _ = self.engine.runner.execute(step, chunks)
+        logits, _ = self.engine.executor.execute(step, chunks)  # every rank under tensor parallelism
         for seq_id, tokens, start, _, _ in planned:
             self.bm.mark_computed(seq_id, start + len(tokens))
         if logits is None:

@@ -170,16 +170,10 @@ def _init(rank: int, world: int, device: torch.device, init_method: str, timeout
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-#: The group of a spawned worker (set before it builds its engine), read by :func:`start`.
-_WORKER_GROUP: TPGroup | None = None
-
-
-def start(config, world: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
-    """This process's rank of a ``world``-rank engine built from ``config`` (an EngineConfig):
-    the worker's own group in a spawned worker, the environment's under torchrun, else rank 0 of
-    a new group whose other ranks it spawns now."""
-    if _WORKER_GROUP is not None:
-        return _WORKER_GROUP
+def start(config, world: int, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, target=None) -> TPGroup:
+    """This process's rank of a ``world``-rank engine built from ``config`` (an EngineConfig): the
+    environment's under torchrun, else rank 0 of a new group whose other ranks it spawns now, each
+    running ``target(config, rank, world, init_method, timeout_s)`` (kvq.parallel.worker.spawned_worker)."""
     env = torchrun_env()
     if env is not None:
         rank, env_world, local_rank = env
@@ -192,14 +186,12 @@ def start(config, world: int, device: torch.device, timeout_s: float = DEFAULT_T
         return TPGroup(rank, world, local_rank, dev, timeout_s, launched_by="torchrun")
     import multiprocessing as mp
 
-    from kvq.parallel.worker import spawned_worker
-
     dev = rank_device(device, 0)
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     workers = []
     for r in range(1, world):
-        p = ctx.Process(target=spawned_worker, args=(config, r, world, init, timeout_s), daemon=True,
+        p = ctx.Process(target=target, args=(config, r, world, init, timeout_s), daemon=True,
                         name=f"kvq-tp-rank{r}")
         p.start()
         workers.append(p)
@@ -213,7 +205,3 @@ def start(config, world: int, device: torch.device, timeout_s: float = DEFAULT_T
                            f"{[p.exitcode for p in workers]}") from None
     return group
 
-
-def set_worker_group(group: TPGroup) -> None:
-    global _WORKER_GROUP
-    _WORKER_GROUP = group

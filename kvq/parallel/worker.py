@@ -1,5 +1,6 @@
-"""Ranks 1..N-1 of a tensor-parallel engine: build the same engine as rank 0, then run what rank 0
-tells them, step by step, until it says stop.
+"""Ranks 1..N-1 of a tensor-parallel engine: build this rank's Worker (kvq.engine.worker: its model
+shard, cache shard and runner; never an engine), then run what rank 0 tells them, step by step, until
+it says stop.
 
 Rank 0 keeps the scheduler, the block manager and the sampler; its :class:`BroadcastRunner` sends
 each step's data object (the scheduler's output, with the tokens it feeds) to the others before
@@ -15,11 +16,9 @@ import sys
 
 import torch
 
+from kvq.engine.worker import Worker, pool_state
+
 logger = logging.getLogger("kvq")
-
-FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-          if hasattr(torch, n)}
-
 
 class StepTokens:
     """The tokens a step feeds, per sequence, standing in for the engine's sequences on ranks > 0."""
@@ -36,18 +35,6 @@ class StepTokens:
 
         def token_ids(self, a: int, b: int) -> list[int]:
             return self.ids[a - self.start: b - self.start]
-
-
-def pool_state(pool) -> list[dict]:
-    """Per layer, the pool's tensors by name on the CPU (float8 ones as uint8 views)."""
-    out = []
-    for layer in pool.layers:
-        d = {f"k.{n}": t for n, t in layer.k.items()} | {f"v.{n}": t for n, t in layer.v.items()}
-        d |= {"k_hp": layer.k_hp, "v_hp": layer.v_hp, "k_scale": layer.k_scale, "v_scale": layer.v_scale}
-        # float8 tensors travel as their bytes (uint8): torch's pickling does not carry float8 storages
-        out.append({n: (t.view(torch.uint8) if t.dtype in FLOAT8 else t).detach().cpu().clone()
-                    for n, t in d.items()})
-    return out
 
 
 def step_tokens(sched, seqs) -> StepTokens:
@@ -103,9 +90,8 @@ class BroadcastRunner:
             raise self.failed(e) from e
 
 
-def follow(engine) -> None:
-    """Run rank 0's messages on this rank's engine until it says stop (or its socket closes)."""
-    group, runner = engine.tp, engine.runner
+def follow(group, runner) -> None:
+    """Run rank 0's messages on this rank's runner until it says stop (or its socket closes)."""
     while True:
         message = group.receive()
         kind = message[0]
@@ -126,18 +112,18 @@ def follow(engine) -> None:
 
 
 def spawned_worker(config, rank: int, world: int, init_method: str, timeout_s: float) -> None:
-    """Entry point of a rank that kvq spawned: join the group, build the engine, follow rank 0."""
+    """Entry point of a rank that kvq spawned: join the group, build this rank's Worker (model shard,
+    cache shard, runner), follow rank 0."""
     from kvq.engine.config import resolve_device
-    from kvq.engine.llm_engine import LLMEngine
     from kvq.parallel import group as tp
 
     os.environ.pop("WORLD_SIZE", None)  # this rank's group is kvq's, whatever the parent's environment
     try:
         device = tp.rank_device(resolve_device(config.device), rank)
         tp._init(rank, world, device, init_method, timeout_s)
-        tp.set_worker_group(tp.TPGroup(rank, world, rank, device, timeout_s))
-        engine = LLMEngine(config)
-        follow(engine)
+        group = tp.TPGroup(rank, world, rank, device, timeout_s)
+        worker = Worker(config, group)
+        follow(group, worker.runner)
     except Exception as e:  # noqa: BLE001 - reported by rank 0 from the exit code and its own error
         print(f"[kvq] tensor parallel rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
