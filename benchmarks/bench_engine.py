@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import gc
 import json
 import platform
@@ -149,6 +150,15 @@ def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]
     }, outs
 
 
+def _recorded(run, **fields) -> dict:
+    """``run()``, or its exception recorded as the result (with ``fields``), not hidden."""
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        return {**fields, "error": f"{type(e).__name__}: {e}"}
+
+
 def _ms(v: float | None) -> str:
     return f"{1e3 * v:.1f}" if v is not None else "-"
 
@@ -259,11 +269,7 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
 
             floor = StepFloor(plan, weight_bytes, gemm_flops_per_token, bw) if bw else None
             t = time.perf_counter()
-            try:
-                r = run_scenario(engine, vocab, sc, seed=17, floor=floor)
-            except Exception as e:  # recorded, not hidden
-                traceback.print_exc()
-                r = {"scenario": sc.name, "error": f"{type(e).__name__}: {e}"}
+            r = _recorded(functools.partial(run_scenario, engine, vocab, sc, seed=17, floor=floor), scenario=sc.name)
             res.add_scenario({"system": system, "kv_cache_dtype": fmt, **r})
             if "error" in r:
                 print(f"[{system} {fmt}] {sc.name}: {r['error']}", flush=True)
@@ -278,11 +284,7 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
             if (inp, c) in args.skip:
                 continue
             t = time.perf_counter()
-            try:
-                r = run_kvq_wave(engine, vocab, c, inp, out, seed=c * 7 + inp)
-            except Exception as e:  # recorded, not hidden
-                traceback.print_exc()
-                r = {"error": f"{type(e).__name__}: {e}"}
+            r = _recorded(functools.partial(run_kvq_wave, engine, vocab, c, inp, out, seed=c * 7 + inp))
             ctx = inp + out // 2
             r["roofline_step_s"] = roofline_step_s(weight_bytes, plan.bytes_per_token, c, ctx, bw)
             run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c, **r}
