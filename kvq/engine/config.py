@@ -14,7 +14,7 @@ import torch
 
 from kvq.attention.backends import backend_names
 from kvq.cache.plan import KVCacheConfig
-from kvq.engine.scheduler import PREEMPTION_MODES
+from kvq.engine.scheduling import PREEMPTION_MODES
 from kvq.models.builder import LOAD_FORMATS
 from kvq.units import format_bytes, parse_bytes
 

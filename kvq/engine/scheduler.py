@@ -65,112 +65,16 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
-from kvq.cache.block_manager import (PENDING_TOKEN, BlockManager, BlockRef, HostOp, NoFreeBlocksError, Op,
-                                     RemoteLoadOp)
+from kvq.cache.block_manager import PENDING_TOKEN, BlockManager, NoFreeBlocksError, Op, RemoteLoadOp
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
+from kvq.engine.scheduler_loads import LoadsMixin
+from kvq.engine.scheduling import (PREEMPTION_MODES, ScheduledSeq, SchedulerConfig,  # noqa: F401 (re-exported)
+                                   SchedulerOutput)
 from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
 
-PREEMPTION_MODES = ("recompute", "swap")
 
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """Budgets and shapes the scheduler obeys (keyword-only).
-
-    max_num_seqs            running sequences at most (and sequences per step)
-    max_num_batched_tokens  tokens computed per step, prefill chunks and decodes together
-    max_model_len           prompt + output tokens per request at most
-    block_size              tokens per KV block; must equal the block manager's
-    chunked_prefill         split prompts over steps; without it a prompt runs in one step
-    block_aligned_chunks    every prefill chunk but a prompt's last ends on a block boundary
-                            (needed when the KV format writes whole blocks: write_direct=False)
-    max_inflight            scheduled outputs not yet update()d: 1 (schedule after each update),
-                            or 2: asynchronous scheduling, step N+1 decided while step N runs
-    preemption_mode         "recompute" (drop the KV, prefill again) or "swap" (park it in the
-                            block manager's host tier; recompute when the tier is full)
-    load_timeout_s          how long a LOADING sequence waits for its prefix to load from the CPU
-                            prefix tier before it is computed instead
-    """
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int
-    block_size: int
-    chunked_prefill: bool = True
-    block_aligned_chunks: bool = False
-    max_inflight: int = 1
-    preemption_mode: str = "recompute"
-    load_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.load_timeout_s, int | float) or not self.load_timeout_s > 0:
-            raise ValueError(f"SchedulerConfig.load_timeout_s must be a number > 0, got {self.load_timeout_s!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}; valid: {', '.join(PREEMPTION_MODES)}")
-        if self.max_inflight not in (1, 2):
-            raise ValueError(f"SchedulerConfig.max_inflight must be 1 (synchronous) or 2 (asynchronous scheduling), "
-                             f"got {self.max_inflight!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {v!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_num_seqs="
-                             f"{self.max_num_seqs}, so that every running sequence can decode each step")
-        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"without chunked_prefill a prompt runs in one step: max_num_batched_tokens="
-                             f"{self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len}")
-        if self.chunked_prefill and self.block_aligned_chunks and self.max_num_batched_tokens < self.block_size:
-            raise ValueError(f"block-aligned chunks need max_num_batched_tokens >= block_size={self.block_size}, "
-                             f"got {self.max_num_batched_tokens}")
-
-    @classmethod
-    def from_policy(cls, policy: WindowPolicy, **kw) -> SchedulerConfig:
-        """A config whose block size and chunk alignment come from the cache's window policy."""
-        return cls(block_size=policy.block_size, block_aligned_chunks=not policy.write_direct, **kw)
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's work in a step: compute KV of positions ``[start, start + num_new_tokens)``.
-
-    It carries what the runner needs from the block manager, so nobody else reads
-    the manager: the cache slot of each new token, and the block-table entries
-    ``[table_start, table_len)`` that changed since the sequence was last
-    scheduled (its whole table the first time, and after a preemption).
-    """
-
-    seq_id: int
-    num_new_tokens: int
-    start: int
-    is_prefill: bool
-    sample: bool  # this step yields its next token (decodes; the prefill chunk that ends the prompt)
-    slots: tuple[tuple[str, int, int], ...] = ()  # (pool, block, offset) of each new token
-    table_start: int = 0
-    table_refs: tuple[BlockRef, ...] = ()  # the table's entries [table_start, table_len)
-    table_len: int = 0
-    logit_rows: tuple[int, ...] = ()  # offsets among the new tokens whose logits the step returns
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """A step's decisions. Run ``ops`` in order before the forward writes any KV (block manager contract)."""
-
-    scheduled: tuple[ScheduledSeq, ...] = ()
-    ops: tuple[Op, ...] = ()
-    preempted: tuple[int, ...] = ()
-    num_batched_tokens: int = 0
-    released: tuple[int, ...] = ()  # sequences whose blocks were freed since the previous output
-    # stores and loads of the CPU prefix tier: issue them after the step's forward is enqueued (they
-    # touch no block the step reads or writes) and report each end with Scheduler.host_copy_done
-    host_ops: tuple[HostOp, ...] = ()
-    # prompts admitted to be filled by a prefill peer: start each fill, report its end with
-    # Scheduler.remote_done
-    remote_ops: tuple[RemoteLoadOp, ...] = ()
-
-
-class Scheduler:
+class Scheduler(LoadsMixin):
     """Continuous batching with chunked prefill and preemption by recompute (policy: module docstring).
 
     ``eos_token_id``: one id or several; a sampled EOS finishes a request with
@@ -291,53 +195,6 @@ class Scheduler:
         """Finish with reason "abort" (see :meth:`finish`)."""
         return self.finish(seq_id, "abort")
 
-    def host_copy_done(self, op: HostOp, ok: bool = True) -> bool:
-        """A store or load of :attr:`SchedulerOutput.host_ops` has ended (``ok=False``: it failed, and
-        is not running); a sequence it loaded for may run from the next :meth:`schedule`.  -> False
-        for a load nobody waited for any more (:meth:`BlockManager.host_copy_done`)."""
-        return self.block_manager.host_copy_done(op, ok)
-
-    def remote_done(self, op: RemoteLoadOp, first_token: int | None, fallback: bool = True,
-                    now: float | None = None) -> Sequence | None:
-        """A fill of :attr:`SchedulerOutput.remote_ops` has ended; nothing writes its blocks any more.
-
-        ``first_token``: the token the peer sampled after the prompt (the fill succeeded and was
-        checked): the prompt counts as computed, the token is the first output and the sequence
-        decodes from the next step (or finishes now, by EOS, a stop token or max_tokens).  ``None``:
-        the fill failed; with ``fallback`` the sequence is requeued to be prefilled here, without
-        the peer; without, it finishes with "abort".  -> the sequence, or None when it no longer
-        waited for this fill (finished or preempted meanwhile; its blocks are released now)."""
-        if not self.block_manager.remote_done(op, first_token is not None):
-            return None
-        seq = self._seqs[op.seq_id]
-        assert seq.status is SeqStatus.LOADING and self._remote_loading[seq.seq_id] is op, seq
-        del self._remote_loading[seq.seq_id], self._load_since[seq.seq_id]
-        now = self._clock() if now is None else now
-        if first_token is None:
-            self.num_remote_failures += 1
-            self._remote_wanted.discard(seq.seq_id)
-            if fallback:
-                self._requeue(seq)
-            else:
-                self._finish(seq, "abort", None)
-            return seq
-        n = op.num_tokens
-        assert seq.num_tokens == n and seq.num_pending == 0 and not seq.output_token_ids, seq
-        self._remote_wanted.discard(seq.seq_id)  # preempted later, it is recomputed here (it has outputs)
-        seq.num_computed_tokens = seq.num_scheduled_tokens = n
-        seq.status = SeqStatus.DECODE
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = now
-        seq.append_token(int(first_token), now)
-        stop = self._stop_condition(seq)
-        if stop is not None:
-            self._finish(seq, *stop)
-        return seq
-
-    def take_host_ops(self) -> list[HostOp]:
-        """Tier stores decided outside :meth:`schedule` (requests freed by :meth:`update` or
-        :meth:`finish`), to issue now rather than with the next step."""
-        return self.block_manager.take_host_ops()
 
     def discard_inflight(self) -> None:
         """Forget the steps :meth:`schedule` started when their forward failed and :meth:`update`
@@ -615,20 +472,6 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_scheduled_tokens = 0
         self._insort(self._waiting, seq)
 
-    def _check_load(self, seq: Sequence, now: float) -> None:
-        """A LOADING sequence whose load has completed becomes PREFILL; one whose load failed or
-        timed out goes back to WAITING, to be computed without the CPU prefix tier."""
-        state = self.block_manager.load_state(seq.seq_id)
-        if state is None:
-            seq.status = SeqStatus.PREFILL
-            del self._load_since[seq.seq_id]
-        elif state == "failed" or now - self._load_since[seq.seq_id] > self.config.load_timeout_s:
-            if state == "failed":
-                self.num_load_failures += 1
-            else:
-                self.num_load_timeouts += 1
-            self._no_host.add(seq.seq_id)
-            self._requeue(seq, abandon_load=state == "loading")
 
     def _stop_condition(self, seq: Sequence) -> tuple[str, int | None] | None:
         """(finish_reason, stop_reason) after a new token, or None to continue; stop tokens win over length."""

@@ -26,7 +26,7 @@ from kvq.engine.config import (CPU_DEFAULT_KV_MEMORY, EngineConfig, check_memory
                                resolve_threads)
 from kvq.engine.cuda_graphs import DecodeGraphs
 from kvq.engine.model_runner import ModelRunner
-from kvq.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kvq.engine.scheduling import ScheduledSeq, SchedulerOutput
 from kvq.models.builder import build_model
 from kvq.models.source import model_shape, resolve_model
 from kvq.units import format_bytes, parse_bytes

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvq.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kvq.engine.scheduling import ScheduledSeq, SchedulerOutput
 
 
 class _Chunk:
