@@ -55,3 +55,10 @@ def test_the_check_catches_planted_upward_imports_and_circles(tmp_path):
 
 def test_docs_architecture_shows_the_declared_floors():
     assert layering.markdown() in (ROOT / "docs/architecture.md").read_text()
+
+
+def test_no_file_of_kvq_over_600_lines():
+    """Small files named after their concept (issue 31): a file past 600 lines holds more than one."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "kvq").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert long == {}, long
