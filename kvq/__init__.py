@@ -4,12 +4,14 @@
 lazy so that ``kvq formats`` / ``kvq plan`` stay light.
 """
 
-from kvq.engine.registry import register_executor
+from kvq.engine.registry import register_connector, register_executor
 
 __all__ = ["LLM", "SamplingParams"]
 
 # executors above the engine floor, imported only when a config asks for one (kvq.engine.executor)
 register_executor("tensor_parallel", "kvq.parallel.executor:TensorParallelExecutor")
+# KV connectors above the engine floor, built when a config asks for one (kvq.engine.connector)
+register_connector("cpu_prefix_tier", "kvq.connectors.cpu_prefix_tier:CPUPrefixTierConnector")
 
 
 def __getattr__(name):

@@ -24,13 +24,13 @@ TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=2
 @pytest.fixture
 def no_load(monkeypatch):
     """The weight loaders fail the test if anything reaches them."""
-    from kvq.engine import llm_engine
+    from kvq.engine import worker
     from kvq.models import builder, loader
 
     def forbidden(*a, **k):
         raise AssertionError("the model was loaded before the bad input was reported")
 
-    monkeypatch.setattr(llm_engine, "build_model", forbidden)
+    monkeypatch.setattr(worker, "build_model", forbidden)
     monkeypatch.setattr(builder, "_load_checkpoint", forbidden)
     monkeypatch.setattr(loader, "load_hf_model", forbidden)
 
@@ -234,13 +234,13 @@ def test_engine_config_is_checked_when_built():
 
 
 def test_memory_budget_checked_against_the_device(monkeypatch):
-    from kvq.engine import llm_engine
+    from kvq.engine import config
 
-    avail = llm_engine.available_host_memory()
+    avail = config.available_host_memory()
     assert avail is None or avail > 0
-    monkeypatch.setattr(llm_engine, "available_host_memory", lambda: 3 << 30)
+    monkeypatch.setattr(config, "available_host_memory", lambda: 3 << 30)
     import torch
 
-    llm_engine.check_memory_fits(2 << 30, torch.device("cpu"))
+    config.check_memory_fits(2 << 30, torch.device("cpu"))
     with pytest.raises(ValueError, match="exceeds the 3.00 GiB of RAM available"):
-        llm_engine.check_memory_fits(4 << 30, torch.device("cpu"))
+        config.check_memory_fits(4 << 30, torch.device("cpu"))

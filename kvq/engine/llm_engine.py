@@ -18,14 +18,14 @@ import gc
 import itertools
 import logging
 import operator
-import time
 from dataclasses import dataclass
 
 import torch
 
 from kvq.attention.backends import compact_layers
-from kvq.cache.block_manager import BlockManager, HostStoreOp
+from kvq.cache.block_manager import BlockManager
 from kvq.engine.config import EngineConfig
+from kvq.engine.connector import make_connector
 from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.executor import make_executor
 from kvq.engine.outputs import CompletionOutput, RequestOutput
@@ -37,11 +37,6 @@ from kvq.engine.sequence import Sequence
 from kvq.units import format_bytes
 
 logger = logging.getLogger("kvq")
-
-#: Counters of :meth:`LLMEngine.host_offload_stats` kept by the engine (the tier keeps its own).
-HOST_STAT_KEYS = ("stored_blocks", "stored_bytes", "store_seconds", "reloaded_blocks", "reloaded_bytes",
-                  "reload_seconds", "store_failed", "load_failed", "reloads_discarded")
-
 
 @dataclass
 class _Launched:
@@ -90,10 +85,12 @@ class LLMEngine:
         num_q, num_hp, host, tier = w.num_q_blocks, w.num_hp_blocks, w.host_blocks, w.tier_blocks
         self.block_manager = BlockManager(num_q, num_hp, self.plan.window_policy, cfg.enable_prefix_caching,
                                           host_blocks=host, host_tier_blocks=tier)
-        self._host_copies: list[tuple] = []  # (op, handle, issue time) of the tier's copies in flight
-        self._host_stats = dict.fromkeys(HOST_STAT_KEYS, 0)
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         self.scheduler = Scheduler(sched_config, self.block_manager, eos_token_id=eos)
+        # the CPU prefix tier's copies (idle without a host pool: the block manager then decides none)
+        self.host_connector = make_connector("cpu_prefix_tier", scheduler=self.scheduler,
+                                             block_manager=self.block_manager, pool=self.pool,
+                                             host_pool=self.host_pool)
         if w.warmup_tokens:
             self._start_warmup(w.warmup_tokens)
         self.sampler = Sampler()
@@ -302,14 +299,13 @@ class LLMEngine:
             outputs = remote + outputs
         elif launched is None and not outputs and self.kv_connector is not None and self.kv_connector.num_pending():
             outputs = self._poll_remote(timeout=0.005)  # only fills to wait for: wait for them, not spin
-        self._issue_host_ops(self.scheduler.take_host_ops())  # the finished requests' blocks, stored now
-        if self._host_copies:
-            self.poll_host_copies()  # (on the CPU they are done: their device blocks are free again now)
+        self.host_connector.issue(self.scheduler.take_host_ops())  # the finished requests' blocks, stored now
+        self.host_connector.poll()  # (on the CPU they are done: their device blocks are free again now)
         return outputs
 
     def _launch(self) -> _Launched | None:
         """Schedule a step and enqueue its forward and sampling; nothing here waits for the device."""
-        self.poll_host_copies()
+        self.host_connector.poll()
         sched = self.scheduler.schedule()
         for op in sched.remote_ops:
             seq = self.scheduler.get(op.seq_id)
@@ -317,12 +313,12 @@ class LLMEngine:
         if not sched.scheduled:
             if sched.ops:  # a swap-out can come with no work; it must still happen before the next step
                 self.executor.apply_ops(sched.ops)
-            self._issue_host_ops(sched.host_ops)
+            self.host_connector.issue(sched.host_ops)
             return None
         seqs = {s.seq_id: self.scheduler.get(s.seq_id) for s in sched.scheduled}
         prev = self._inflight  # its samples feed the tokens this step schedules before they are known
         logits, sample_ids = self.executor.execute(sched, seqs, prev.feed() if prev is not None else None)
-        self._issue_host_ops(sched.host_ops)  # on the copy stream, after this step's forward
+        self.host_connector.issue(sched.host_ops)  # on the copy stream, after this step's forward
         if not sample_ids:
             return _Launched(sched, seqs, [], None, None, None)
         params = [seqs[i].params for i in sample_ids]
@@ -419,59 +415,15 @@ class LLMEngine:
         return [out]
 
     # -- the CPU prefix tier's copies ---------------------------------------------------------
-    def _issue_host_ops(self, ops) -> None:
-        """Start the tier's stores and loads on the host pool's copy stream; their ends are polled."""
-        for op in ops:
-            store = isinstance(op, HostStoreOp)
-            copy = self.host_pool.store if store else self.host_pool.load
-            try:
-                handle = copy(self.pool, op.pairs("q"), op.pairs("hp"))
-            except Exception:  # nothing lost: a store's blocks stay on the device, a load's prompt is computed
-                logger.exception("kvq: a CPU prefix tier %s of %d blocks failed", "store" if store else "load",
-                                 op.num_blocks)
-                self.host_pool.synchronize()  # whatever it queued has finished before its blocks are reused
-                self._host_stats["store_failed" if store else "load_failed"] += 1
-                self.scheduler.host_copy_done(op, ok=False)
-                continue
-            self._host_copies.append((op, handle, time.perf_counter()))
-
     def poll_host_copies(self, wait: bool = False) -> int:
-        """Report the tier's copies that have completed (all of them, waiting, with ``wait``) to the
-        scheduler; -> how many are still in flight.  Every step polls first (no host sync)."""
-        left = []
-        now = time.perf_counter()
-        for op, handle, t0 in self._host_copies:
-            if wait:
-                handle.synchronize()
-            elif not handle.done():
-                left.append((op, handle, t0))
-                continue
-            n = self._host_stats
-            if not self.scheduler.host_copy_done(op):  # a load that ended after its request gave up on it
-                n["reloads_discarded"] += 1
-                continue
-            kind = "stored" if isinstance(op, HostStoreOp) else "reloaded"
-            n[f"{kind}_blocks"] += op.num_blocks
-            q, hp = len(op.pairs("q")), len(op.pairs("hp"))
-            n[f"{kind}_bytes"] += q * self.host_pool.bytes_per_q_block + hp * self.host_pool.bytes_per_hp_block
-            n["store_seconds" if kind == "stored" else "reload_seconds"] += now - t0
-        self._host_copies = left
-        return len(left)
+        """Report the CPU prefix tier's copies that have ended (all, waiting, with ``wait``); -> how many
+        are still in flight (kvq.connectors.cpu_prefix_tier)."""
+        return self.host_connector.poll(wait)
 
     def host_offload_stats(self) -> dict:
-        """Counters of the CPU prefix tier: blocks and bytes stored and reloaded, seconds from issue
-        to observed completion, failures, timeouts, and the tier's own counters (hits, evictions,
-        offers rejected because every host block was busy), summed over its two pools."""
-        out = dict(self._host_stats)
-        s = self.scheduler
-        out.update(load_timeouts=s.num_load_timeouts, loads_abandoned_for_failure=s.num_load_failures,
-                   requests_loaded=s.num_host_loads)
-        tier = self.block_manager.host_tier
-        for key in ("hits", "misses", "evictions", "rejected", "stores", "store_failures"):
-            out[f"tier_{key}"] = sum(getattr(tier.stats(p), key) for p in ("q", "hp")) if tier else 0
-        for key in ("num_loadable", "num_used"):
-            out[f"tier_{key}_blocks"] = sum(getattr(tier.stats(p), key) for p in ("q", "hp")) if tier else 0
-        return out
+        """Counters of the CPU prefix tier: blocks and bytes stored and reloaded, seconds, failures,
+        timeouts, and the tier's own counters (kvq.connectors.cpu_prefix_tier)."""
+        return self.host_connector.stats()
 
     def discard_inflight(self) -> None:
         """Drop the launched step(s) after a failed step (every live request aborted first)."""
