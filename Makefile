@@ -79,6 +79,7 @@ CAPACITY_FORMATS ?= bfloat16 fp8_e4m3 int8_per_token_head int4_kivi int2_kivi
 bench-capacity:
 	for f in $(CAPACITY_FORMATS); do bash scripts/gpu.sh bench-engine --scenarios decode_heavy,prefill_heavy,mixed \
 	  --formats $$f --out docs/results/bench_capacity.json || exit 1; done
+	python3 scripts/capacity_report.py
 
 bench-server:
 	bash scripts/gpu.sh bench-server --spawn --num-requests 256 --concurrency 64 --input-len 512 --output-len 128 \

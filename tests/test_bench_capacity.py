@@ -80,3 +80,26 @@ def test_bench_engine_serves_every_request_of_each_load(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_engine.py"), "--smoke", "--scenarios", "chat"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and "decode_heavy, prefill_heavy, mixed" in bad.stderr
+
+
+def test_capacity_report_tables_and_plot_from_a_results_file(tmp_path):
+    """scripts/capacity_report.py reads what bench_engine --scenarios writes (the smoke run's file):
+    a table per load with each format's multiple of bf16, and a picture; a file without runs is an error."""
+    out = tmp_path / "cap.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_engine.py"), "--smoke", "--formats",
+                        "bfloat16,int4_kivi", "--scenarios", "decode_heavy", "--scenario-scale", "0.02",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = subprocess.run([sys.executable, str(ROOT / "scripts/capacity_report.py"), "--json", str(out),
+                          "--png", str(tmp_path / "cap.png")], capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    runs = {r["kv_cache_dtype"]: r for r in json.loads(out.read_text())["scenarios"]}
+    ratio = runs["int4_kivi"]["output_tok_per_s"] / runs["bfloat16"]["output_tok_per_s"]
+    assert "**decode_heavy**" in rep.stdout and "| `bfloat16` | kvq | " in rep.stdout
+    assert f"| {ratio:.2f}x |" in rep.stdout and "| 1.00x |" in rep.stdout
+    assert (tmp_path / "cap.png").stat().st_size > 1000
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"meta": {}, "runs": [], "scenarios": []}))
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts/capacity_report.py"), "--json", str(empty)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no scenario runs" in bad.stderr

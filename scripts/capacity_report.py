@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""The capacity-bound serving table and plot, read from bench_engine --scenarios results only.
+
+    python scripts/capacity_report.py                      # docs/results/bench_capacity.json
+    python scripts/capacity_report.py --json F --png P     # another results file / picture
+
+Prints a Markdown table per load (benchmarks/scenarios.py): each format's output tokens/s and its
+multiple of bf16's, TTFT and TPOT p50/p99, preemptions, peak running sequences, and the mean decode
+step against its floor; writes a bar chart of tokens/s per load and format.  Nothing here measures
+anything: every number is a field of the results file, which names its device and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_JSON = ROOT / "docs" / "results" / "bench_capacity.json"
+LOADS = ("decode_heavy", "prefill_heavy", "mixed")
+BASELINE = "bfloat16"
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{1e3 * v:.1f}"
+
+
+def _s(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def tables(data: dict) -> str:
+    """Markdown: one table per load present in ``data["scenarios"]`` (runs with an error are named)."""
+    runs = data.get("scenarios", [])
+    out = []
+    for load in [x for x in LOADS if any(r["scenario"] == x for r in runs)] + sorted(
+            {r["scenario"] for r in runs} - set(LOADS)):
+        mine = [r for r in runs if r["scenario"] == load]
+        base = next((r for r in mine if r["kv_cache_dtype"] == BASELINE and "error" not in r), None)
+        desc = next((r.get("description") for r in mine if r.get("description")), "")
+        out += [f"**{load}** ({desc})", "",
+                "| format | system | tok/s | x bf16 | TTFT p50 / p99 s | TPOT p50 / p99 ms | preemptions "
+                "| peak running | decode step ms (floor) |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in mine:
+            if "error" in r:
+                out.append(f"| `{r['kv_cache_dtype']}` | {r['system']} | error: {r['error']} | | | | | | |")
+                continue
+            ratio = f"{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}x" if base else "-"
+            step = f"{_ms(r['decode_step_mean_s'])} ({_ms(r.get('decode_step_floor_s'))})"
+            out.append(f"| `{r['kv_cache_dtype']}` | {r['system']} | {r['output_tok_per_s']:.0f} | {ratio} | "
+                       f"{_s(r['ttft_p50_s'])} / {_s(r['ttft_p99_s'])} | {_ms(r['tpot_p50_s'])} / "
+                       f"{_ms(r['tpot_p99_s'])} | {r['preemptions']} | {r['peak_running']} | {step} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(data: dict, path: Path) -> None:
+    """Output tokens/s per load, one bar per format."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in data.get("scenarios", []) if "error" not in r]
+    loads = [x for x in LOADS if any(r["scenario"] == x for r in runs)]
+    fmts = list(dict.fromkeys(r["kv_cache_dtype"] for r in runs))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / max(1, len(fmts))
+    for j, f in enumerate(fmts):
+        ys = [next((r["output_tok_per_s"] for r in runs if r["scenario"] == x and r["kv_cache_dtype"] == f), 0)
+              for x in loads]
+        ax.bar([i + j * width for i in range(len(loads))], ys, width, label=f)
+    ax.set_xticks([i + width * (len(fmts) - 1) / 2 for i in range(len(loads))], loads)
+    ax.set_ylabel("output tokens/s")
+    meta = data.get("meta", {})
+    ax.set_title(f"Capacity-bound serving, {meta.get('model', '?')} on {meta.get('device', '?')}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", default=str(DEFAULT_JSON), help="bench_engine --scenarios output")
+    p.add_argument("--png", default=None, help="the plot (default: beside the JSON, .png)")
+    args = p.parse_args(argv)
+    src = Path(args.json)
+    if not src.is_file():
+        p.error(f"{src}: no such file (run `make bench-capacity` on the GPU machine first)")
+    data = json.loads(src.read_text())
+    if not data.get("scenarios"):
+        p.error(f"{src}: no scenario runs in it (bench_engine.py --scenarios writes them)")
+    print(tables(data))
+    png = Path(args.png) if args.png else src.with_suffix(".png")
+    plot(data, png)
+    print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
