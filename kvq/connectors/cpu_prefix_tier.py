@@ -62,6 +62,8 @@ class CPUPrefixTierConnector(KVConnector):
     def poll(self, wait: bool = False) -> int:
         """Report the tier's copies that have completed (all of them, waiting, with ``wait``) to the
         scheduler; -> how many are still in flight.  Every step polls first (no host sync)."""
+        if not self.inflight:  # the common case, twice a step: nothing to look at
+            return 0
         left = []
         now = time.perf_counter()
         for op, handle, t0 in self.inflight:

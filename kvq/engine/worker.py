@@ -201,6 +201,11 @@ class Worker:
         q = max(length // bs - hp, 1)
         per = q * plan.bytes_per_block + hp * plan.hp_bytes_per_block
         num_hp = budget * hp // per if hp else 0
+        return self._with_resident(budget, num_hp)
+
+    def _with_resident(self, budget: int, num_hp: int) -> tuple[int, int]:
+        """(q, hp) host blocks: ``num_hp`` high-precision ones and resident ones in the rest of ``budget``."""
+        plan = self.plan
         num_q = (budget - num_hp * plan.hp_bytes_per_block) // plan.bytes_per_block
         if num_q < 1:
             raise ValueError(f"cpu_offload_gb {format_bytes(budget)} holds no KV block of this plan "
@@ -217,11 +222,7 @@ class Worker:
         if plan.hp_bytes_per_block and not (pol.write_direct and pol.residual_tokens == 0 and pol.sink_blocks == 0):
             per_seq = peak_blocks(self.max_model_len, pol, self.config.max_num_batched_tokens)[1]
             num_hp = min(self.config.max_num_seqs * per_seq, budget // 2 // plan.hp_bytes_per_block)
-        num_q = (budget - num_hp * plan.hp_bytes_per_block) // plan.bytes_per_block
-        if num_q < 1:
-            raise ValueError(f"cpu_offload_gb {format_bytes(budget)} holds no KV block of this plan "
-                             f"({format_bytes(plan.bytes_per_block)} per block)")
-        return int(num_q), int(num_hp)
+        return self._with_resident(budget, num_hp)
 
     def _pool_blocks(self, memory: int) -> tuple[int, int]:
         """(resident, high-precision) blocks that ``memory`` bytes hold for this plan."""
