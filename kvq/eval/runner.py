@@ -63,7 +63,7 @@ class EvalSettings:
     kv_scales: str | None = None  # static KV scales file for the formats that take them
     text_tokens: int | None = None  # score only the first N tokens of the text (kvq tune holds out the rest)
     tensor_parallel_size: int = 1  # ranks each format's engine is split over (kvq.parallel)
-    workers: int | None = None  # processes running formats side by side (None: one per CPU core, 1 on a GPU)
+    workers: int | None = None  # processes running formats side by side (None: one per CPU core, up to 4 on a GPU)
     # sequences side by side in each forward: passages of the text, haystacks of a bin (None: every one
     # on a GPU, where a step costs little more for more sequences; 1 on a CPU, where the haystacks of a
     # bin then reuse each other's prefix)
