@@ -12,6 +12,8 @@ __all__ = ["LLM", "SamplingParams"]
 register_executor("tensor_parallel", "kvq.parallel.executor:TensorParallelExecutor")
 # KV connectors above the engine floor, built when a config asks for one (kvq.engine.connector)
 register_connector("cpu_prefix_tier", "kvq.connectors.cpu_prefix_tier:CPUPrefixTierConnector")
+register_connector("remote_prefill", "kvq.connectors.remote_prefill:RemotePrefillConnector")
+register_connector("kv_export", "kvq.connectors.kv_export:KVExportConnector")
 
 
 def __getattr__(name):

@@ -202,7 +202,7 @@ def _export_engine(model: str, fmt: str, **kw):
     from kvq.attention import reference
     from kvq.cache.pool import encode_table
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
-    from kvq.engine.remote_prefill import KVExporter
+    from kvq.connectors.kv_export import KVExporter
 
     class Keep(KVExporter):
         def __init__(self):
@@ -218,17 +218,17 @@ def _export_engine(model: str, fmt: str, **kw):
                                enable_prefix_caching=False, **kw))
     for layer in e.model.model.layers:
         layer.self_attn.qkv_proj.weight.data[64:] *= 4000.0  # K and V rows (after the 4 x 16 query rows)
-    e.kv_exporter = Keep()
+    e.add_connector("kv_export", exporter=Keep())
     return e
 
 
 def _prefill(engine, prompt, tag):
     from kvq.engine.sampling_params import SamplingParams
 
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), export_to=tag)
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), kv_transfer=tag)
     while engine.has_unfinished():
         engine.step()
-    return engine.kv_exporter.kv[tag]
+    return engine.connector("kv_export").exporter.kv[tag]
 
 
 def test_warmup_scales_freeze_after_n_tokens_and_reencode_the_cache(tmp_path):

@@ -160,7 +160,7 @@ def _failures(url: str, reason: str) -> float:
 
 def test_unreachable_peer_falls_back_to_local_prefill(pair, expected, monkeypatch):
     durl, deng, _ = pair
-    client = deng.engine.kv_connector
+    client = deng.engine.connector("remote_prefill").peer
     before = _failures(durl, "peer_unreachable")
     monkeypatch.setattr(client, "url", "http://127.0.0.1:9")  # discard port: connection refused
     assert _text(durl, PROMPTS[0]) == expected[PROMPTS[0]]
@@ -170,7 +170,7 @@ def test_unreachable_peer_falls_back_to_local_prefill(pair, expected, monkeypatc
 
 def test_unreachable_peer_without_fallback_fails_the_request(pair, monkeypatch):
     durl, deng, _ = pair
-    client = deng.engine.kv_connector
+    client = deng.engine.connector("remote_prefill").peer
     monkeypatch.setattr(client, "url", "http://127.0.0.1:9")
     monkeypatch.setattr(client, "fallback", False)
     r = _complete(durl, PROMPTS[0])
@@ -182,7 +182,7 @@ def test_unreachable_peer_without_fallback_fails_the_request(pair, monkeypatch):
 
 def test_corrupted_payload_is_caught_by_the_checksum(prefill, pair, expected, monkeypatch):
     durl, _, _ = pair
-    exporter = prefill[1].engine.kv_exporter
+    exporter = prefill[1].engine.connector("kv_export").exporter
     real = exporter.export
 
     def corrupt(request_id, pool, table, n, tag):
@@ -204,10 +204,10 @@ def test_corrupted_payload_is_caught_by_the_checksum(prefill, pair, expected, mo
 
 def test_stale_generation_is_refused_before_any_read(prefill, pair, expected, monkeypatch):
     durl, deng, _ = pair
-    exporter = prefill[1].engine.kv_exporter
+    exporter = prefill[1].engine.connector("kv_export").exporter
     real = exporter.export
     reads = []
-    client = deng.engine.kv_connector
+    client = deng.engine.connector("remote_prefill").peer
     real_read = client.transport.read_blocks
     monkeypatch.setattr(client.transport, "read_blocks", lambda *a, **k: reads.append(a) or real_read(*a, **k))
     monkeypatch.setattr(exporter, "export", lambda rid, pool, table, n, tag: real(rid, pool, table, n,
@@ -234,7 +234,7 @@ class _Hung(TransferHandle):
 
 def test_a_read_that_never_ends_times_out_and_is_cancelled(prefill, pair, expected, monkeypatch):
     durl, deng, _ = pair
-    client = deng.engine.kv_connector
+    client = deng.engine.connector("remote_prefill").peer
     hung = _Hung()
     monkeypatch.setattr(client.transport, "read_blocks", lambda *a, **k: hung)
     monkeypatch.setattr(client, "timeout_s", 1.5)
@@ -373,8 +373,8 @@ def test_static_scales_of_the_decode_server_reach_the_sender(bf16_prefill, tmp_p
     try:
         first = _complete(purl, PROMPTS[0], max_tokens=1).json()["choices"][0]["text"]
         assert _text(durl, PROMPTS[0]).startswith(first)
-        client = deng.engine.kv_connector
-        rec = peng.engine.kv_exporter.receiver(client.receiver_id)
+        client = deng.engine.connector("remote_prefill").peer
+        rec = peng.engine.connector("kv_export").exporter.receiver(client.receiver_id)
         assert client.receiver_id != client.negotiated.digest().hex()  # the scales are part of the id
         for i in (0, 29):
             assert torch.equal(rec.staging.layers[i].static_scale("k").cpu(), scales[i][0])

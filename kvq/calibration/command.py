@@ -61,7 +61,7 @@ def calibrate(model: str, fmt: str, text: str, num_tokens: int, window: int, obs
     from kvq.cache.scales_file import KVScales
     from kvq.calibration.scales import scales_from_stats
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
-    from kvq.engine.remote_prefill import KVExporter
+    from kvq.connectors.kv_export import KVExporter
     from kvq.engine.sampling_params import SamplingParams
     from kvq.formats import fp8
     from kvq.formats.registry import resolve_format
@@ -88,10 +88,11 @@ def calibrate(model: str, fmt: str, text: str, num_tokens: int, window: int, obs
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"][:num_tokens]
     if len(ids) < 16:
         raise ValueError(f"the text has {len(ids)} tokens; calibration needs at least 16")
-    collector = engine.kv_exporter = Collector()
+    collector = Collector()
+    engine.add_connector("kv_export", exporter=collector)
     windows = [ids[i:i + window] for i in range(0, len(ids), window)]
     for w, chunk in enumerate(windows):
-        engine.add_request(chunk, SamplingParams(max_tokens=1, temperature=0), export_to="calibrate")
+        engine.add_request(chunk, SamplingParams(max_tokens=1, temperature=0), kv_transfer="calibrate")
         while engine.has_unfinished():
             engine.step()
         if progress:

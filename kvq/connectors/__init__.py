@@ -1,2 +1,3 @@
 """KV connectors (kvq.engine.connector): the CPU prefix tier's copies between the device pools and host
-memory (:mod:`~kvq.connectors.cpu_prefix_tier`)."""
+memory (:mod:`~kvq.connectors.cpu_prefix_tier`), and prefill/decode disaggregation: a decode engine's prefill peer
+(:mod:`~kvq.connectors.remote_prefill`) and a prefill engine's export (:mod:`~kvq.connectors.kv_export`)."""

@@ -10,7 +10,7 @@ import logging
 import time
 
 from kvq.cache.block_manager import HostStoreOp
-from kvq.engine.connector import KVConnector
+from kvq.engine.connector import ConnectorContext, KVConnector
 
 logger = logging.getLogger("kvq")
 
@@ -36,12 +36,23 @@ def offload_stats(counters: dict, scheduler, block_manager) -> dict:
 
 
 class CPUPrefixTierConnector(KVConnector):
-    """The worker side of the CPU prefix tier (module docstring) over ``pool`` and ``host_pool``."""
+    """The CPU prefix tier (module docstring) over ``ctx``'s pool and host pool: idle without a host
+    pool (the block manager then decides no copies)."""
 
-    def __init__(self, scheduler, block_manager, pool, host_pool):
-        self.scheduler, self.block_manager, self.pool, self.host_pool = scheduler, block_manager, pool, host_pool
+    name = "cpu_prefix_tier"
+
+    def __init__(self, ctx: ConnectorContext):
+        self.scheduler, self.block_manager = ctx.scheduler, ctx.block_manager
+        self.pool, self.host_pool = ctx.pool, ctx.host_pool
         self.inflight: list[tuple] = []  # (op, handle, issue time) of the copies in flight
         self.counters = dict.fromkeys(HOST_STAT_KEYS, 0)
+
+    def after_forward(self, sched) -> None:
+        self.issue(sched.host_ops)  # on the copy stream, after this step's forward
+
+    def end_step(self) -> None:
+        self.issue(self.scheduler.take_host_ops())  # the finished requests' blocks, stored now
+        self.poll_copies()  # (on the CPU they are done: their device blocks are free again now)
 
     def issue(self, ops) -> None:
         """Start the tier's stores and loads on the host pool's copy stream; their ends are polled."""
@@ -59,7 +70,11 @@ class CPUPrefixTierConnector(KVConnector):
                 continue
             self.inflight.append((op, handle, time.perf_counter()))
 
-    def poll(self, wait: bool = False) -> int:
+    def poll(self, wait: bool = False) -> list:
+        self.poll_copies(wait)
+        return []  # a loaded prefix is computed by a later step like any other
+
+    def poll_copies(self, wait: bool = False) -> int:
         """Report the tier's copies that have completed (all of them, waiting, with ``wait``) to the
         scheduler; -> how many are still in flight.  Every step polls first (no host sync)."""
         if not self.inflight:  # the common case, twice a step: nothing to look at

@@ -2,10 +2,14 @@
 
 One :meth:`LLMEngine.step` is::
 
-    sched = scheduler.schedule()                       # tensor-free decisions (+ seal/copy ops)
-    runner.execute(sched)                              # ops, K/V writes, attention, logits
+    connectors.poll()                                  # copies and fills that ended, to the scheduler
+    sched = scheduler.schedule()                       # tensor-free decisions (+ seal/copy/swap ops)
+    executor.execute(sched)                            # ops, K/V writes, attention, logits
     tokens = sampler(logits).token_ids.tolist()        # the step's one host sync
     scheduler.update(sched, tokens)                    # append, stop checks, free blocks
+
+with the KV connectors (kvq.engine.connector: the CPU prefix tier, a prefill peer, an export) called
+at fixed points around the forward and the update.
 
 Everything the user chose (KV format, backend, memory) is resolved once at
 start and reported in :attr:`LLMEngine.info` (seed 004: the effective KV dtype,
@@ -25,11 +29,10 @@ import torch
 from kvq.attention.backends import compact_layers
 from kvq.cache.block_manager import BlockManager
 from kvq.engine.config import EngineConfig
-from kvq.engine.connector import make_connector
+from kvq.engine.connector import ConnectorContext, ConnectorOutput, KVConnector, make_connector
 from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.executor import make_executor
 from kvq.engine.outputs import CompletionOutput, RequestOutput
-from kvq.engine.remote_prefill import KVExporter, RemotePrefill, RemoteResult
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
 from kvq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -87,10 +90,9 @@ class LLMEngine:
                                           host_blocks=host, host_tier_blocks=tier)
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         self.scheduler = Scheduler(sched_config, self.block_manager, eos_token_id=eos)
+        self.connectors: list[KVConnector] = []  # called in this order at each point of the step
         # the CPU prefix tier's copies (idle without a host pool: the block manager then decides none)
-        self.host_connector = make_connector("cpu_prefix_tier", scheduler=self.scheduler,
-                                             block_manager=self.block_manager, pool=self.pool,
-                                             host_pool=self.host_pool)
+        self.add_connector("cpu_prefix_tier")
         if w.warmup_tokens:
             self._start_warmup(w.warmup_tokens)
         self.sampler = Sampler()
@@ -101,14 +103,8 @@ class LLMEngine:
         self._logprobs: dict[int, list[dict]] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._inflight: _Launched | None = None  # launched, results not read (async_scheduling)
-        # prefill/decode disaggregation (kvq.engine.remote_prefill): a decode engine's peer, a prefill
-        # engine's exporter and the requests it exports (request id -> receiver tag)
-        self.kv_connector: RemotePrefill | None = None
-        self.kv_exporter: KVExporter | None = None
-        self._export: dict[int, object] = {}
-        self._exported: dict[int, object] = {}
+        self._kv_transfer: dict[int, object] = {}  # what a connector carries on a request's output
         self._errors: dict[int, str] = {}
-        self.remote_stats = {"filled": 0, "failed": 0, "discarded": 0, "bytes": 0, "seconds": 0.0}
         graphs = w.graphs
         self.info = {
             "model": w.source.name,
@@ -220,21 +216,18 @@ class LLMEngine:
         return None, ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    export_to=None) -> int:
-        return self.add_requests([prompt], [params], export_to=export_to)[0]
+                    kv_transfer=None) -> int:
+        return self.add_requests([prompt], [params], kv_transfer=kv_transfer)[0]
 
-    def add_requests(self, prompts: list, params: list[SamplingParams | None], *, export_to=None) -> list[int]:
+    def add_requests(self, prompts: list, params: list[SamplingParams | None], *, kv_transfer=None) -> list[int]:
         """Queue several requests, all or none: a bad one raises ValueError (naming its index when
         there are several) and leaves nothing queued.
 
-        With a :attr:`kv_connector` (a decode engine) every request is prefilled by the peer.
-        ``export_to`` (a prefill engine with a :attr:`kv_exporter`): each request's KV is exported
-        to that receiver when its first token is sampled (its ``max_tokens`` must be 1)."""
-        if export_to is not None:
-            if self.kv_exporter is None:
-                raise ValueError("export_to needs a kv_exporter (a prefill engine)")
-            if any(sp is None or sp.max_tokens != 1 for sp in params):
-                raise ValueError("an exported request is prefill only: max_tokens must be 1")
+        Each request is handed to the KV connectors with ``kv_transfer`` (:meth:`KVConnector.add_request`:
+        a prefill engine's ``kv_export`` connector exports its KV to that receiver when its first token
+        is sampled, and its ``max_tokens`` must be 1); one that no connector takes is refused.  With a
+        connector that ``loads_prompts`` (a decode engine's prefill peer) every prompt is filled from
+        outside."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         where = (lambda i: f"prompt {i}: ") if len(prompts) > 1 else (lambda i: "")
@@ -247,19 +240,22 @@ class LLMEngine:
                 encoded.append((*self.encode(prompt), sp))
             except ValueError as e:
                 raise ValueError(f"{where(i)}{e}") from None
+        remote = any(c.loads_prompts for c in self.connectors)
         added: list[int] = []
         try:
             for i, (text, ids, sp) in enumerate(encoded):
-                rid = next(self._ids)
+                seq = Sequence(next(self._ids), ids, sp)
                 try:  # the scheduler is the judge of length and capacity
-                    self.scheduler.add(Sequence(rid, ids, sp), remote=self.kv_connector is not None)
+                    self.scheduler.add(seq, remote=remote)
+                    added.append(seq.seq_id)
+                    self._prompts[seq.seq_id] = text
+                    self._texts[seq.seq_id] = ""
+                    taken = [c.add_request(seq, kv_transfer) for c in self.connectors]
+                    if kv_transfer is not None and not any(taken):
+                        raise ValueError("kv_transfer: no KV connector of this engine takes it (a prefill "
+                                         "engine's kv_export does)")
                 except ValueError as e:
                     raise ValueError(f"{where(i)}{e}") from None
-                added.append(rid)
-                self._prompts[rid] = text
-                self._texts[rid] = ""
-                if export_to is not None:
-                    self._export[rid] = export_to
         except BaseException:
             for rid in added:  # nothing has run: a waiting sequence holds no blocks
                 self.abort(rid)
@@ -272,13 +268,14 @@ class LLMEngine:
 
     def _forget(self, request_id: int) -> None:
         """Drop a finished request's text and logprobs (a long-running server must not keep them)."""
-        for d in (self._prompts, self._texts, self._logprobs, self._detok, self._export, self._exported,
-                  self._errors):
+        for d in (self._prompts, self._texts, self._logprobs, self._detok, self._kv_transfer, self._errors):
             d.pop(request_id, None)
+        for c in self.connectors:
+            c.request_finished(request_id)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or self._inflight is not None
-                or (self.kv_connector is not None and self.kv_connector.num_pending() > 0))
+                or any(c.has_pending() for c in self.connectors))
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -288,37 +285,37 @@ class LLMEngine:
         first, then reads the results of the one launched by the previous call (the
         device runs one while the host prepares the other), so outputs trail the
         forward by one call; :meth:`has_unfinished` stays true until the last is read."""
-        remote = self._poll_remote() if self.kv_connector is not None else []
+        moved = self._poll_connectors()  # before the scheduler decides
         launched = self._launch()
         if not self.async_scheduling:
             outputs = self._complete(launched) if launched is not None else []
         else:
             done, self._inflight = self._inflight, launched
             outputs = self._complete(done) if done is not None else []
-        if remote:
-            outputs = remote + outputs
-        elif launched is None and not outputs and self.kv_connector is not None and self.kv_connector.num_pending():
-            outputs = self._poll_remote(timeout=0.005)  # only fills to wait for: wait for them, not spin
-        self.host_connector.issue(self.scheduler.take_host_ops())  # the finished requests' blocks, stored now
-        self.host_connector.poll()  # (on the CPU they are done: their device blocks are free again now)
+        if moved:
+            outputs = moved + outputs
+        elif launched is None and not outputs and any(c.has_pending() for c in self.connectors):
+            outputs = self._poll_connectors(wait=True)  # only a connector's work left: wait for it, not spin
+        for c in self.connectors:
+            c.end_step()
         return outputs
 
     def _launch(self) -> _Launched | None:
         """Schedule a step and enqueue its forward and sampling; nothing here waits for the device."""
-        self.host_connector.poll()
         sched = self.scheduler.schedule()
-        for op in sched.remote_ops:
-            seq = self.scheduler.get(op.seq_id)
-            self.kv_connector.start(op, seq.prompt_ids, seq.params)
+        for c in self.connectors:
+            c.before_forward(sched)
         if not sched.scheduled:
             if sched.ops:  # a swap-out can come with no work; it must still happen before the next step
                 self.executor.apply_ops(sched.ops)
-            self.host_connector.issue(sched.host_ops)
+            for c in self.connectors:
+                c.after_forward(sched)
             return None
         seqs = {s.seq_id: self.scheduler.get(s.seq_id) for s in sched.scheduled}
         prev = self._inflight  # its samples feed the tokens this step schedules before they are known
         logits, sample_ids = self.executor.execute(sched, seqs, prev.feed() if prev is not None else None)
-        self.host_connector.issue(sched.host_ops)  # on the copy stream, after this step's forward
+        for c in self.connectors:
+            c.after_forward(sched)
         if not sample_ids:
             return _Launched(sched, seqs, [], None, None, None)
         params = [seqs[i].params for i in sample_ids]
@@ -355,9 +352,9 @@ class LLMEngine:
                         lp_rows[sid] = {"token_id": tokens[row], "logprob": chosen[row],
                                         "top": list(zip(ids[row][:k], tops[row][:k]))}
         gone = {sid for sid in sample_ids if seqs[sid].is_finished}  # finished while the step ran: no output
-        for sid in sample_ids:  # a prompt to export: its KV is written and its blocks not yet freed
-            if sid in self._export and sid not in gone:
-                self._exported[sid] = self._export_kv(sid, seqs[sid])
+        live = [seqs[sid] for sid in sample_ids if sid not in gone]
+        for c in self.connectors:  # their KV is written and the blocks of those that finish not yet freed
+            self._kv_transfer.update(c.sampled(live))
         self.scheduler.update(sched, sampled)
         outputs = []
         for sid in sample_ids:
@@ -372,58 +369,47 @@ class LLMEngine:
                 self._forget(sid)
         return outputs
 
-    # -- prefill/decode disaggregation -------------------------------------------------------
-    def _export_kv(self, sid: int, seq: Sequence) -> object:
-        try:
-            return self.kv_exporter.export(sid, self.pool, self.block_manager.block_table(sid), seq.num_tokens,
-                                           self._export[sid])
-        except Exception as e:  # noqa: BLE001 - the request reports it; the engine goes on
-            logger.warning("kvq: exporting the KV of request %d failed: %s: %s", sid, type(e).__name__, e)
-            return e
+    # -- KV connectors (kvq.engine.connector) ---------------------------------------------------
+    def add_connector(self, name: str, **options) -> KVConnector:
+        """Build the KV connector registered as ``name`` over this engine's pools, scheduler and block
+        manager (``options``: its own, e.g. a prefill peer's transport) and call it at every step from
+        now on, before any request is added; -> the connector."""
+        ctx = ConnectorContext(self.pool, self.host_pool, self.scheduler, self.block_manager)
+        connector = make_connector(name, ctx, **options)
+        self.connectors.append(connector)
+        return connector
 
-    def _poll_remote(self, timeout: float = 0.0) -> list[RequestOutput]:
-        """Hand ended fills to the scheduler; -> the outputs of requests whose first token arrived
-        (or that failed without fallback)."""
-        outputs = []
-        for r in self.kv_connector.poll(timeout):
-            outputs.extend(self._remote_result(r))
-        return outputs
+    def connector(self, name: str) -> KVConnector | None:
+        """The connector registered as ``name`` that this engine holds, or None."""
+        return next((c for c in self.connectors if c.name == name), None)
 
-    def _remote_result(self, r: RemoteResult) -> list[RequestOutput]:
-        st = self.remote_stats
-        seq = self.scheduler.remote_done(r.op, r.first_token, fallback=self.kv_connector.fallback)
-        if seq is None:  # the request was aborted or preempted while the fill ran
-            st["discarded"] += 1
-            return []
-        if r.first_token is None:
-            st["failed"] += 1
-            logger.warning("kvq: KV transfer for request %d failed (%s): %s; %s", seq.seq_id, r.reason, r.error,
-                           "prefilling it here" if not seq.is_finished else "the request fails")
-            if not seq.is_finished:
-                return []
-            self._errors[seq.seq_id] = f"KV transfer from the prefill peer failed ({r.reason}): {r.error}"
+    def _poll_connectors(self, wait: bool = False) -> list[RequestOutput]:
+        """Every connector reports what ended to the scheduler (``wait``: those with pending work wait
+        for some first); -> the outputs of the requests they moved on."""
+        return [self._moved(m) for c in self.connectors for m in c.poll(wait and c.has_pending())]
+
+    def _moved(self, m: ConnectorOutput) -> RequestOutput:
+        seq = m.seq
+        if m.error is not None:
+            self._errors[seq.seq_id] = m.error
         else:
-            st["filled"] += 1
-            st["bytes"] += r.nbytes
-            st["seconds"] += r.seconds
-            if r.logprobs is not None:
-                self._logprobs[seq.seq_id] = [r.logprobs]
+            if m.logprobs is not None:
+                self._logprobs[seq.seq_id] = [m.logprobs]
             self._check_stop_strings(seq)
         out = self._output(seq)
         if seq.is_finished:
             self._forget(seq.seq_id)
-        return [out]
+        return out
 
-    # -- the CPU prefix tier's copies ---------------------------------------------------------
     def poll_host_copies(self, wait: bool = False) -> int:
         """Report the CPU prefix tier's copies that have ended (all, waiting, with ``wait``); -> how many
         are still in flight (kvq.connectors.cpu_prefix_tier)."""
-        return self.host_connector.poll(wait)
+        return self.connector("cpu_prefix_tier").poll_copies(wait)
 
     def host_offload_stats(self) -> dict:
         """Counters of the CPU prefix tier: blocks and bytes stored and reloaded, seconds, failures,
         timeouts, and the tier's own counters (kvq.connectors.cpu_prefix_tier)."""
-        return self.host_connector.stats()
+        return self.connector("cpu_prefix_tier").stats()
 
     def discard_inflight(self) -> None:
         """Drop the launched step(s) after a failed step (every live request aborted first)."""
@@ -454,5 +440,5 @@ class LLMEngine:
             finished=seq.is_finished,
             metrics=m,
             error=self._errors.get(seq.seq_id),
-            kv_export=self._exported.get(seq.seq_id),
+            kv_transfer=self._kv_transfer.get(seq.seq_id),
         )

@@ -24,4 +24,4 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # the request failed (a KV transfer without fallback): finish_reason "abort"
-    kv_export: object | None = None  # a prefill server's export of this request's KV (KVExporter.export)
+    kv_transfer: object | None = None  # what a KV connector carries for the request (a prefill engine's export)

@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from kvq.connectors.remote_prefill import FILL_STATS
 from kvq.server.admission import Admission
 from kvq.server.async_engine import AsyncEngine, EngineDeadError, EngineError, OverloadedError
 from kvq.server.auth import ApiKeyAuth
@@ -74,6 +75,12 @@ class SSEResponse(StreamingResponse):
         finally:
             await self.body_iterator.aclose()
             self.on_close()
+
+
+def _fill_stats(engine) -> dict:
+    """A decode engine's fills from its prefill peer (kvq.connectors.remote_prefill); zeros elsewhere."""
+    connector = engine.connector("remote_prefill")
+    return connector.stats() if connector is not None else dict(FILL_STATS)
 
 
 def _sse(obj: dict | str) -> str:
@@ -199,7 +206,7 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             "kv_blocks": snap["kv_blocks"], "steps": snap["steps"], "recoveries": snap["recoveries"],
             "preemption_mode": info["preemption_mode"],
             "cpu_offload": {**info["cpu_offload"], "swap": snap["swap"], "prefix_tier_stats": snap["cpu_offload"]},
-            "kv_transfer": {**kv_peer.status(), "fills": dict(engine.engine.remote_stats)} if kv_peer is not None
+            "kv_transfer": {**kv_peer.status(), "fills": _fill_stats(engine.engine)} if kv_peer is not None
             else {"role": "both"},
         }
         if check:

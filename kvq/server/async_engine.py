@@ -64,7 +64,7 @@ class PromptSpec:
 
     sampling: dict
     token_ids: list[int]
-    export_to: object = None  # a prefill server's export of the KV (LLMEngine.add_requests)
+    export_to: object = None  # a prefill server's export of the KV (LLMEngine.add_requests' kv_transfer)
 
 
 @dataclass
@@ -266,7 +266,7 @@ class AsyncEngine:
         try:
             for index, spec in enumerate(group.specs):
                 rid = self.engine.add_request(spec.token_ids, SamplingParams(**spec.sampling),
-                                              export_to=spec.export_to)
+                                              kv_transfer=spec.export_to)
                 added.append(rid)
                 group.prompt_token_ids.append(spec.token_ids)
                 self._live[rid] = _Live(group, index, time.monotonic())

@@ -115,7 +115,7 @@ def add_kv_routes(app: FastAPI, engine: AsyncEngine, metrics, *, exporter=None, 
             return error_response(500, str(e), "server_error")
         finally:
             engine.release(group)
-        exp = final.kv_export
+        exp = final.kv_transfer
         if isinstance(exp, BaseException) or exp is None:
             from kvq.transfer.peer import StagingFull
 

@@ -36,9 +36,10 @@ def build_server(config: EngineConfig, served_model_names: list[str] | None = No
         client = PrefillClient(engine, kv.peer, fallback=kv.fallback, timeout_s=kv.timeout_s, verify=kv.verify,
                                api_key=peer_api_key(options.api_key if options else None),
                                connect_timeout_s=kv.connect_timeout_s, on_result=metrics.kv_result)
-        engine.kv_connector = client
-    if exporter is not None:
-        engine.kv_exporter = exporter
+        # the engine reaches its peer through a KV connector (kvq.connectors.remote_prefill)
+        engine.add_connector("remote_prefill", peer=client)
+    if exporter is not None:  # (kvq.connectors.kv_export)
+        engine.add_connector("kv_export", exporter=exporter)
     app = build_app(async_engine, metrics, served_model_names or [config.model], options,
                     kv_peer=exporter or client)
     return app, async_engine

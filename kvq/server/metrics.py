@@ -16,7 +16,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from kvq.engine.remote_prefill import FAILURE_REASONS as KV_FAILURE_REASONS
+from kvq.connectors.remote_prefill import FAILURE_REASONS as KV_FAILURE_REASONS
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -208,7 +208,7 @@ class ServerMetrics:
             self.kv_failed.labels(r)
 
     def kv_result(self, result) -> None:
-        """A decode server's ended fill (:class:`kvq.engine.remote_prefill.RemoteResult`)."""
+        """A decode server's ended fill (:class:`kvq.connectors.remote_prefill.RemoteResult`)."""
         if result.first_token is None:
             self.kv_failed.labels(result.reason).inc()
             return

@@ -21,7 +21,7 @@ decode side drives every transfer (pull, as vLLM's NixlConnector)::
 
 Faults (P unreachable or failing, a reply that does not fit, incompatible
 descriptions, a transfer error, a timeout, a checksum mismatch) end the fill
-with a reason (:data:`~kvq.engine.remote_prefill.FAILURE_REASONS`); the
+with a reason (:data:`~kvq.connectors.remote_prefill.FAILURE_REASONS`); the
 scheduler then requeues the request to be prefilled locally (``fallback``) or
 fails it.  A fill is reported only after its NIXL read has settled (done,
 failed or cancelled), so blocks a failed read may have half written are freed,
@@ -57,7 +57,8 @@ import torch
 from kvq.cache.plan import CachePlan
 from kvq.cache.pool import KVPool
 from kvq.cache.window import POOLS
-from kvq.engine.remote_prefill import KVExporter, RemotePrefill, RemoteResult
+from kvq.connectors.kv_export import KVExporter
+from kvq.connectors.remote_prefill import RemotePrefill, RemoteResult
 from kvq.transfer.convert import SenderCast, receiver_table
 from kvq.models.identity import model_identity, tokenizer_hash
 from kvq.transfer.describe import KVDescription, Negotiated, TransferIncompatible, check_compatible, describe_plan
