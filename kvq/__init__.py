@@ -14,6 +14,7 @@ register_executor("tensor_parallel", "kvq.parallel.executor:TensorParallelExecut
 register_connector("cpu_prefix_tier", "kvq.connectors.cpu_prefix_tier:CPUPrefixTierConnector")
 register_connector("remote_prefill", "kvq.connectors.remote_prefill:RemotePrefillConnector")
 register_connector("kv_export", "kvq.connectors.kv_export:KVExportConnector")
+register_connector("swap", "kvq.connectors.swap:SwapConnector")
 
 
 def __getattr__(name):

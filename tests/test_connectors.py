@@ -1,8 +1,8 @@
 """The KV connector seam (kvq.engine.connector): the engine builds every connector by its registered
 name, calls each at the fixed points of its step and knows nothing else of any; prefill/decode
 disaggregation goes through its two connectors (here with an in-process prefill engine in place of
-the HTTP + NIXL peer: tests/test_transfer_serve.py runs the real one).  A tiny dummy-weight model
-on the CPU."""
+the HTTP + NIXL peer: tests/test_transfer_serve.py runs the real one), and swap's copies through the
+worker's swap connector.  A tiny dummy-weight model on the CPU."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from kvq.connectors.cpu_prefix_tier import CPUPrefixTierConnector
 from kvq.connectors.kv_export import KVExporter
 from kvq.connectors.remote_prefill import RemotePrefill, RemoteResult
+from kvq.connectors.swap import SwapConnector
 from kvq.engine.connector import ConnectorContext, ConnectorOutput, KVConnector, make_connector
 from kvq.engine.llm_engine import EngineConfig, LLMEngine
 from kvq.engine.registry import CONNECTORS
@@ -61,7 +62,7 @@ class CountingTier(CPUPrefixTierConnector):
 
 
 def test_the_engine_builds_its_connectors_by_registered_name(model, monkeypatch):
-    assert {"cpu_prefix_tier", "remote_prefill", "kv_export"} <= CONNECTORS.keys()  # kvq/__init__.py
+    assert {"cpu_prefix_tier", "remote_prefill", "kv_export", "swap"} <= CONNECTORS.keys()  # kvq/__init__.py
     _register(monkeypatch, "cpu_prefix_tier", CountingTier)
     CountingTier.built = 0
     eng = _engine(model)
@@ -308,3 +309,36 @@ def test_an_aborted_requests_fill_is_discarded_when_it_ends(model):
     assert _run(decode) == [] and rp.stats()["discarded"] == 1
     decode.block_manager.check_integrity()
     assert decode.block_manager.allocator("q").num_used == 0
+
+
+# -- swap's copies through the worker's connector ---------------------------------------------------------
+class CountingSwap(SwapConnector):
+    ops: list = []
+
+    def issue(self, ops):
+        CountingSwap.ops += list(ops)
+        super().issue(ops)
+
+
+def test_swap_copies_go_through_the_workers_swap_connector(model, monkeypatch):
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    roomy = _engine(model)
+    roomy.add_requests(PROMPTS, [sp] * 3)
+    want = _tokens(_run(roomy))
+    plan = roomy.plan
+    small = dict(kv_cache_memory=5 * plan.bytes_per_block + 2 * plan.hp_bytes_per_block, preemption_mode="swap",
+                 cpu_offload_gb=0.01)
+    _register(monkeypatch, "swap", CountingSwap)
+    CountingSwap.ops = []
+    eng = _engine(model, **small)
+    assert isinstance(eng.worker.swap, CountingSwap) and eng.worker.runner.swap is eng.worker.swap
+    eng.add_requests(PROMPTS, [sp] * 3)
+    assert list(_tokens(_run(eng)).values()) == list(want.values())
+    s, st = eng.scheduler, eng.worker.swap.stats()
+    assert s.num_swapped_out > 0 and s.num_swapped_in == s.num_swapped_out
+    assert {op.direction for op in CountingSwap.ops} == {"out", "in"}
+    assert st["swapped_out_blocks"] == st["swapped_in_blocks"] == sum(
+        len(op.q) + len(op.hp) for op in CountingSwap.ops if op.direction == "out")
+    monkeypatch.delitem(CONNECTORS, "swap")
+    with pytest.raises(RuntimeError, match="no KV connector 'swap'"):
+        _engine(model, **small)

@@ -39,6 +39,8 @@ def test_swapped_requests_give_the_tokens_of_an_unpressed_run(fmt, kw):
     assert s.num_swapped_out > 0 and s.num_swapped_in == s.num_swapped_out and s.num_swap_fallbacks == 0, \
         (s.num_swapped_out, s.num_swapped_in, s.num_swap_fallbacks)
     assert sum(o.metrics["num_preemptions"] for o in outs) == s.num_swapped_out
+    st = eng.worker.swap.stats()  # the copies went through the worker's swap connector (kvq.connectors.swap)
+    assert st["swapped_out_blocks"] == st["swapped_in_blocks"] > 0, st
     bm = eng.block_manager
     assert bm.num_swapped == 0 and all(bm.host_allocator(p).num_used == 0 for p in ("q", "hp"))
     assert bm.num_free_blocks("q") == eng.pool.num_q_blocks

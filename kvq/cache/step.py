@@ -240,16 +240,16 @@ def layer_seals(ops: Sequence) -> list[tuple[int, int]] | None:
     return [(op.src_hp_block, op.dst_q_block) for op in ops]
 
 
-def apply_ops(pool: KVPool, kernels, ops: Sequence, host=None) -> None:
+def apply_ops(pool: KVPool, kernels, ops: Sequence, swap=None) -> None:
     """Run seal, copy-on-write and swap ops in the order the manager returned them.
 
     Order matters: a seal's hp source or a swapped-out block is already free in the
     manager, and a later op of the same step may reuse it.  Consecutive ops of one
-    kind are batched into one launch per layer.  A swap (``host``: the
-    :class:`~kvq.cache.host_pool.HostKVPool`) runs on the host pool's copy stream, and
-    the current stream waits for it before anything after it (no host sync): a block
-    swapped out is copied before a later write reuses it, one swapped in is there
-    before it is read.
+    kind are batched into one launch per layer.  Each run of swaps goes to ``swap``
+    (the worker's swap connector, ``swap.issue(ops)``: kvq.connectors.swap), which
+    copies on the host pool's copy stream and has the current stream wait for it
+    before anything after it (no host sync): a block swapped out is copied before a
+    later write reuses it, one swapped in is there before it is read.
     """
     i = 0
     while i < len(ops):
@@ -268,11 +268,9 @@ def apply_ops(pool: KVPool, kernels, ops: Sequence, host=None) -> None:
                 dst = torch.tensor([op.dst.block_id], dtype=torch.int64, device=pool.device)
                 pool.copy_blocks(op.src.pool, src, dst)
         elif isinstance(run[0], SwapOp):
-            if host is None:
+            if swap is None:
                 raise RuntimeError("a swap op without a host tier (preemption_mode='swap' needs cpu_offload_gb)")
-            for op in run:
-                copy = host.store if op.direction == "out" else host.load
-                copy(pool, op.q, op.hp).wait()
+            swap.issue(run)
         else:
             raise TypeError(f"unknown cache op {run[0]!r}")
         i = j

@@ -36,7 +36,13 @@ what it uses: the CPU prefix tier (:mod:`kvq.connectors.cpu_prefix_tier`) ``afte
 CPU prefix tier; a second transfer backend implements the transport those two connectors drive
 (``RemotePrefill``, ``KVExporter``), or these hooks itself.
 
-Swap's copies still run as cache ops of the step (``SchedulerOutput.ops``), in the runner.
+Swap (``preemption_mode="swap"``) attaches through the same seam on the worker side only: its
+scheduler side is the scheduler's preemption and the block manager's ``swap_out``/``swap_in``,
+whose copies are cache ops of the step (``SchedulerOutput.ops``): they must run in order with the
+step's seals and copy-on-writes (a block swapped out may be reused by a later op of the same step),
+on every worker, before the forward reads, and end before it (the compute stream waits; nothing to
+poll or report).  So every worker's runner hands the step's swap ops to a ``"swap"`` connector
+(:mod:`kvq.connectors.swap`) in that order, and the engine loop does not call it.
 
 Implementations live above the engine floor and are registered by name (:mod:`kvq.engine.registry`,
 filled in kvq/__init__.py); they are built only through :func:`make_connector`.

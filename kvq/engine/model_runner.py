@@ -25,9 +25,9 @@ from kvq.engine.staging import Staging
 
 class ModelRunner:
     def __init__(self, model, pool, kernels, device: torch.device, graphs=None, max_num_seqs: int = 64,
-                 host_pool=None):
+                 swap=None):
         self.model, self.pool, self.kernels, self.device = model, pool, kernels, device
-        self.host_pool = host_pool  # HostKVPool of request-level swap, or None
+        self.swap = swap  # the "swap" KV connector that copies swap ops (kvq.connectors.swap), or None
         self.block_size = pool.plan.block_size
         self.graphs = graphs  # DecodeGraphs or None (eager)
         self.graph_steps = 0
@@ -37,7 +37,7 @@ class ModelRunner:
 
     def apply_ops(self, ops) -> None:
         """Run a step's cache ops (seals, copies, swaps) in order, before anything writes KV."""
-        apply_ops(self.pool, self.kernels, ops, self.host_pool)
+        apply_ops(self.pool, self.kernels, ops, self.swap)
 
     def execute(self, sched, seqs: dict, feed: tuple[torch.Tensor, dict] | None = None
                 ) -> tuple[torch.Tensor | None, list[int]]:

@@ -24,6 +24,7 @@ from kvq.cache.pool import KVPool
 from kvq.cache.window import block_state, can_seal, peak_blocks
 from kvq.engine.config import (CPU_DEFAULT_KV_MEMORY, EngineConfig, check_memory_fits, resolve_device, resolve_dtype,
                                resolve_threads)
+from kvq.engine.connector import ConnectorContext, make_connector
 from kvq.engine.cuda_graphs import DecodeGraphs
 from kvq.engine.model_runner import ModelRunner
 from kvq.engine.scheduling import ScheduledSeq, SchedulerOutput
@@ -126,8 +127,11 @@ class Worker:
                                        self.max_model_len, null_block=self.num_q_blocks, has_hp=num_hp > 0,
                                        can_seal=can_seal(self.plan.window_policy))
             self.graphs.capture()
+        # request-level swap's copies: the worker side of a KV connector (kvq.engine.connector)
+        self.swap = (make_connector("swap", ConnectorContext(self.pool, self.host_pool))
+                     if cfg.preemption_mode == "swap" and self.host_pool is not None else None)
         self.runner = ModelRunner(self.model, self.pool, self.kernels, self.device, self.graphs, cfg.max_num_seqs,
-                                  host_pool=self.host_pool)
+                                  swap=self.swap)
 
     def _static_scales(self, cfg: EngineConfig, src, shape) -> tuple[dict | None, str]:
         """Static KV scales and where they come from: ``--kv-scales FILE``, else the checkpoint's own

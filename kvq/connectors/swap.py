@@ -1,0 +1,36 @@
+"""Request-level swap's copies as a KV connector (kvq.engine.connector): the worker side only.
+
+The scheduler preempts a sequence into the block manager's host tier (``swap_out``) and brings it
+back (``swap_in``); each returns a :class:`~kvq.cache.block_types.SwapOp` among the step's cache ops,
+which every worker's runner runs in order before the forward (:func:`kvq.cache.step.apply_ops`),
+handing each run of swap ops to this connector.  It copies them on the host pool's copy stream and
+makes the compute stream wait for them (no host sync): a block swapped out is copied before a later
+op or write of the step reuses it, one swapped in is there before it is read.  Nothing stays in
+flight, so there is nothing to poll.
+"""
+
+from __future__ import annotations
+
+from kvq.engine.connector import ConnectorContext, KVConnector
+
+
+class SwapConnector(KVConnector):
+    """Swap's copies between ``ctx``'s device pool and host pool (module docstring)."""
+
+    name = "swap"
+
+    def __init__(self, ctx: ConnectorContext):
+        if ctx.host_pool is None:
+            raise ValueError("the swap connector needs a host pool (preemption_mode='swap' needs cpu_offload_gb)")
+        self.pool, self.host_pool = ctx.pool, ctx.host_pool
+        self.counters = {"swapped_out_blocks": 0, "swapped_in_blocks": 0}
+
+    def issue(self, ops) -> None:
+        for op in ops:
+            copy = self.host_pool.store if op.direction == "out" else self.host_pool.load
+            copy(self.pool, op.q, op.hp).wait()
+            self.counters[f"swapped_{op.direction}_blocks"] += len(op.q) + len(op.hp)
+
+    def stats(self) -> dict:
+        """Blocks copied out to the host and back in."""
+        return dict(self.counters)
