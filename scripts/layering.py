@@ -27,7 +27,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("attention, models", ("attention", "models"), "kernels and their backends; model code, loading, identity"),
     ("engine", ("engine",), "config and its flags, scheduler, runner, CUDA graphs, the step loop"),
     ("executors, connectors", ("parallel", "connectors"),
-     "tensor parallelism (the executor, the process group, the ranks above 0); KV connectors (the CPU prefix tier)"),
+     "tensor parallelism (the executor, the process group, the ranks above 0); KV connectors (the CPU prefix tier, "
+     "swap's copies, a decode engine's prefill peer, a prefill engine's export)"),
     ("applications", ("eval", "calibration", "transfer", "server", "environment"),
      "kvq eval, calibrate and tune, P->D transfer, the OpenAI server, kvq env"),
     ("entry points", ("cli", "__main__", "__init__"), "the command line and the package's public names"),
