@@ -52,6 +52,9 @@ def main():
     ap.add_argument("--cuda-stages", default="3", help="CUDA kernel: pipeline stages per warp")
     ap.add_argument("--cuda-min-blocks", default="3", help="CUDA kernel: CTAs per SM the registers allow")
     ap.add_argument("--triton", default="1", help="0: skip the Triton sweep")
+    ap.add_argument("--cuda-source", default="",
+                    help="comma-separated decode8.cu variants to time side by side (default: the package's); "
+                         "NAME=PATH labels one")
 
     args = ap.parse_args()
     B, L, H, Hq, D = args.B, args.L, 8, 32, 128
@@ -107,7 +110,9 @@ def main():
             why = decode8.unsupported_reason(layer, Hq // H, q.dtype)
             if why:
                 print(f"{fmt:20s} cuda: {why}", flush=True)
-            else:
+            for label, src in ([] if why else _sources(args.cuda_source, decode8)):
+                decode8._SOURCE = src
+                decode8._kernel.cache_clear()
                 for nw, ns, mb, sp in itertools.product(*(map(int, a.split(",")) for a in (
                         args.cuda_warps, args.cuda_stages, args.cuda_min_blocks, args.splits))):
                     kw = dict(max_seq_len=L, has_hp=args.has_hp, nwarps=nw, nstages=ns, min_blocks=mb,
@@ -117,13 +122,26 @@ def main():
                         cerr = ((oc.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
                         t = bench(lambda: decode8.paged_decode(q, layer, tables, lens, D ** -0.5, **kw))
                     except Exception as e:
-                        print(f"{fmt:20s} CUDA w={nw} s={ns} mb={mb} splits={sp}: failed {e}", flush=True)
+                        print(f"{fmt:20s} CUDA{label} w={nw} s={ns} mb={mb} splits={sp}: failed {e}", flush=True)
                         continue
-                    print(f"{fmt:20s} CUDA w={nw} s={ns} mb={mb} splits={sp or 'auto':>4}: {t:7.1f} us  "
+                    print(f"{fmt:20s} CUDA{label} w={nw} s={ns} mb={mb} splits={sp or 'auto':>4}: {t:7.1f} us  "
                           f"{total / t / 1e3:6.0f} GB/s  err {cerr:.1e}", flush=True)
         del pool
         layer = None  # the timed closures refer to it
         torch.cuda.empty_cache()
+
+
+def _sources(spec: str, decode8):
+    """(label, path) of each kernel source to time: the package's when ``spec`` is empty."""
+    from pathlib import Path
+
+    if not spec:
+        return [("", decode8._SOURCE)]
+    out = []
+    for item in spec.split(","):
+        label, _, path = item.rpartition("=")
+        out.append((f"[{label or Path(path).stem}]", Path(path)))
+    return out
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
 //   K_SCALE, V_SCALE   0 = static per head f32 [H], 1 = per token f32 [NB, H, PAGE],
 //                      2 = per token f16 [NB, H, PAGE], 3 = per block f32 [NB, H]
 //   HAS_HP       1: tables may hold high-precision blocks (sinks, recent window)
+//   KIVI_EXACT   1: KIVI codes enter the MMAs as exact f16 integers, 0 (default) as subnormals
+//   LAZY_RESCALE 1 (default): the accumulators are rescaled only in chunks where a running max moved
 //   MODEL_BF16   1: queries, outputs and hp blocks are bf16; 0: f16
 //   NWARPS, NSTAGES, MIN_BLOCKS   launch shape
 //
@@ -22,8 +24,9 @@
 //
 // Memory path: each warp streams its chunks through a private ring of NSTAGES
 // shared-memory stages with cp.async (16-byte copies, no registers held by loads
-// in flight); rows are padded to D + 16 bytes so that the fragment reads below
-// are free of bank conflicts.
+// in flight); rows are padded so that the fragment reads below are free of bank
+// conflicts.  A high-precision chunk takes two stages in a row (its K rows, then
+// its V rows), so a stage is no larger than a quantized chunk needs, or half an hp one.
 //
 // Tensor-core layout (mma m16n8k16, f16 in, f32 accumulate), lane l: i = l / 4,
 // c = l % 4.  Both products are transposed so that the 16-row A operand is the
@@ -44,17 +47,30 @@
 // Per-token K scales multiply S rows, per-token V scales multiply P rows: both
 // are the lane's own tokens i and i + 8.
 //
-// KIVI: the codes of a fragment register are dequantized in place (code + 1024
-// assembled in an f16 mantissa by one lop3, minus 1024, times scale plus zero:
-// hsub2 + hfma2 per two values).  Planar packing puts channels j, j + DP, ...
-// (DP = D / (8 / bits)) in one byte, so the channel maps differ (KB = DP / 4):
+// KIVI: the codes enter the MMAs as they are and the scales and zero points move to
+// the other operand.  A plane's codes are masked in place (one lop3 per register of two
+// codes, `plane`): left where they sit in their byte they are the integers
+// code * 2^(BITS m) read as f16 subnormals (times 2^-24; or, with KIVI_EXACT or for an
+// f16 model with hp blocks, made exact f16 integers by one more sub).  The 2^(BITS m) of
+// plane m goes into the other operand, the 2^-24 into the result:
+//   K (per channel c over a 32-token group): S = sum_c code * (q_c s_c) + sum_c z_c q_c.  A warp
+//      takes both 16-token chunks of a group in a row; at the group's first chunk it builds the
+//      scaled query fragments q_c s_c 2^-(BITS m) (one hmul2 per register) and the zero points'
+//      term with KS MMAs of the zero row against the query (exact f32 products), a constant per
+//      query that is added to the group's scores.
+//   V (per token t over a group of 32 channels): O = sum_t code * (P_t s_tg) + sum_t P_t z_tg.
+//      One P^T fragment per channel group (P times the tokens' scale of the group and its plane's
+//      2^-(BITS m)), and one MMA of the zero points (rows = groups) against the plain P^T into a
+//      small accumulator that the final merge adds to each group's channels.
+// Planar packing puts channels j, j + DP, ... (DP = D / (8 / bits)) in one byte, so the channel
+// maps differ (KB = DP / 4):
 //   QK, k-step s = w * PER + m, A columns {2c, 2c+1} / {2c+8, 2c+9}  <->  channels
 //      (x, x + 2) / (x + 1, x + 3) with x = m * DP + KB*c + 4w: bytes 0 and 2, then
 //      1 and 3, of the lane's word w, bit plane m;
 //   PV, m-tile (u * PER + m) * 2 + e, rows i / i + 8  <->  channels
 //      m * DP + 32u + 4i + 2e (+1): byte 2e (2e + 1) of word u of the lane's tokens,
-//      so every m-tile lies in one group of 32 channels (one V scale per token).
-// High-precision chunks use the same maps.
+//      so every m-tile lies in one group of 32 channels (group m * NU + u, one plane).
+// High-precision chunks use the same maps (their P scaled by 2^-24 when V's codes are subnormal).
 
 #ifndef HAS_HP
 #define HAS_HP 0
@@ -70,6 +86,12 @@
 #endif
 #ifndef MODEL_BF16
 #define MODEL_BF16 1
+#endif
+#ifndef KIVI_EXACT
+#define KIVI_EXACT 0
+#endif
+#ifndef LAZY_RESCALE
+#define LAZY_RESCALE 1
 #endif
 #ifndef NWARPS
 #define NWARPS 4
@@ -108,18 +130,25 @@ constexpr int KSC_OFF = VR_OFF + 16 * RSV;            // K scale row, K zero row
 constexpr int VSC_OFF = KSC_OFF + 4 * D;              // V scales, V zeros (f16 [16][NG] each)
 constexpr int Q_STAGE = VSC_OFF + 64 * NG;
 static_assert(DP >= 32, "KIVI: at least 32 packed bytes per row (int2 needs head_dim >= 128)");
+constexpr bool K_SUB = KIVI_EXACT;                              // K codes as exact integers
+constexpr bool V_SUB = KIVI_EXACT || (HAS_HP && !MODEL_BF16);   // (f16 P of hp chunks cannot take 2^-24)
+constexpr float UNIT = 16777216.f;                              // 2^24: a subnormal code's unit, inverted
+constexpr int PAIR = 2;                  // a warp's chunks come in pairs: both halves of a 32-token group
+constexpr int ZG = NG;                   // V zero-point sums per (warp, query) in the merge
 #else
+constexpr int PAIR = 1;
+constexpr int ZG = 0;
 constexpr int SC_OFF = 32 * RS;          // K scales (64 bytes), V scales (64 bytes)
 constexpr int Q_STAGE = SC_OFF + 128;
 #endif
-constexpr int KV_BYTES = (HAS_HP && 32 * RSH > Q_STAGE) ? 32 * RSH : Q_STAGE;
+constexpr int KV_BYTES = (HAS_HP && 16 * RSH > Q_STAGE) ? 16 * RSH : Q_STAGE;  // hp: K or V rows
 constexpr int BLK_OFF = KV_BYTES;        // the chunk's signed block id
 constexpr int STAGE = KV_BYTES + 16;
 static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
 static_assert(PAGE % (KIVI_BITS ? 32 : 16) == 0, "pages hold whole 16-token chunks (KIVI: 32-token groups)");
 static_assert(GROUP >= 1 && GROUP <= 8, "at most 8 query heads per KV head");
 static_assert(NSTAGES >= 2, "at least one chunk in flight while one is computed");
-static_assert(NWARPS * NSTAGES * STAGE >= NWARPS * 8 * (D + 2) * 4, "the merge reuses the rings");
+static_assert(NWARPS * NSTAGES * STAGE >= NWARPS * 8 * (D + 2 + ZG) * 4, "the merge reuses the rings");
 
 // ---- small PTX wrappers -----------------------------------------------------------------------
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -127,11 +156,11 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     asm("{ .reg .u64 t;\n cvta.to.shared.u64 t, %1;\n cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+__device__ __forceinline__ void cp16(u32 dst, const void* src) {  // dst: a shared-window address
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
 }
-__device__ __forceinline__ void cp4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src));
+__device__ __forceinline__ void cp4(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -214,15 +243,20 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     return r;
 }
 
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
 #if KIVI_BITS
-// Bit plane m of a word: codes of bytes 0 and 2 -> e, of bytes 1 and 3 -> o, each
-// dequantized (code * scale + zero, f16x2) with the scale/zero pairs given.
-__device__ __forceinline__ void kivi_pair(u32 x, int m, u32 se, u32 so, u32 ze, u32 zo, u32& e, u32& o) {
+// Bit plane m of bytes 0 and 2 of x as f16x2, left in place: code * 2^(BITS m) as a subnormal
+// (times 2^-24), or with SUB as that exact integer.
+template <bool SUB>
+__device__ __forceinline__ u32 plane(u32 x, int m) {
     constexpr u32 MASK = ((1u << KIVI_BITS) - 1u) * 0x00010001u;
-    const u32 y = x >> (KIVI_BITS * m);
-    const u32 te = (y & MASK) | 0x64006400u, to = ((y >> 8) & MASK) | 0x64006400u;  // 1024 + code
-    e = hfma2(hsub2(te, 0x64006400u), se, ze);
-    o = hfma2(hsub2(to, 0x64006400u), so, zo);
+    const u32 y = x & (MASK << (KIVI_BITS * m));
+    return SUB ? hsub2(y | 0x64006400u, 0x64006400u) : y;
 }
 #endif
 
@@ -257,13 +291,12 @@ __device__ __forceinline__ void pair_words(u32 w0, u32 w1, u32& p0, u32& p1) {
 #endif
 }
 
-// cp.async of 16 rows of `row_bytes` (a multiple of 16) to rows `dst_stride` apart.
+// cp.async of 16 consecutive rows of ROW_BYTES (a multiple of 16) to shared rows DST_STRIDE apart.
 template <int ROW_BYTES, int DST_STRIDE>
-__device__ __forceinline__ void copy_rows(u8* dst, const u8* src, i64 src_stride, int lane) {
+__device__ __forceinline__ void copy_rows(u32 dst, const u8* src, int lane) {
     constexpr int PPR = ROW_BYTES / 16;
 #pragma unroll
-    for (int p = lane; p < 16 * PPR; p += 32) cp16(dst + (p / PPR) * DST_STRIDE + (p % PPR) * 16,
-                                                   src + (p / PPR) * src_stride + (p % PPR) * 16);
+    for (int p = lane; p < 16 * PPR; p += 32) cp16(dst + (p / PPR) * DST_STRIDE + (p % PPR) * 16, src + 16 * p);
 }
 
 template <int NW>
@@ -296,17 +329,17 @@ __device__ __forceinline__ float scale_at(const u8* sc, int tok, float stat) {
 }
 
 // cp.async of a chunk's scales: `lane0` is the first lane used, `src` the chunk's first scale.
+// `row0`: the chunk's first token row (block * H + head) * PAGE + poff; `bh`: block * H + head.
 template <int MODE>
-__device__ __forceinline__ void copy_scales(u8* dst, const u8* base, i64 blk, int h, int H, int poff, int lane,
-                                            int lane0) {
+__device__ __forceinline__ void copy_scales(u32 dst, const u8* base, i64 row0, i64 bh, int lane, int lane0) {
     if (MODE == 1) {  // 16 f32 = 4 x 16 bytes
         const int k = lane - lane0;
-        if (k >= 0 && k < 4) cp16(dst + 16 * k, base + ((blk * H + h) * PAGE + poff) * 4 + 16 * k);
+        if (k >= 0 && k < 4) cp16(dst + 16 * k, base + row0 * 4 + 16 * k);
     } else if (MODE == 2) {  // 16 f16 = 2 x 16 bytes
         const int k = lane - lane0;
-        if (k >= 0 && k < 2) cp16(dst + 16 * k, base + ((blk * H + h) * PAGE + poff) * 2 + 16 * k);
+        if (k >= 0 && k < 2) cp16(dst + 16 * k, base + row0 * 2 + 16 * k);
     } else if (MODE == 3) {
-        if (lane == lane0) cp4(dst, base + (blk * H + h) * 4);
+        if (lane == lane0) cp4(dst, base + bh * 4);
     }
 }
 
@@ -326,11 +359,23 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, c = lane & 3;
     const int n = seq_lens[b];
     const int nch = (n + 15) >> 4;
-    const int cps = (nch + S - 1) / S;  // chunks per split: each sequence splits its own length
+    // chunks per split (each sequence splits its own length; KIVI: whole groups)
+    const int cps = ((nch + S - 1) / S + PAIR - 1) / PAIR * PAIR;
     const int c0 = sp * cps, c1 = min(c0 + cps, nch);
-    const int nw = c1 - c0 - warp > 0 ? (c1 - c0 - warp + NWARPS - 1) / NWARPS : 0;
+    // this warp's chunks: units (chunks, KIVI: pairs) warp, warp + NWARPS, ... of the split
+    int nw = 0;
+    {
+        const int len = c1 - c0, units = (len + PAIR - 1) / PAIR;
+        if (len > 0 && units > warp) {
+            nw = PAIR * ((units - warp + NWARPS - 1) / NWARPS);
+            if (PAIR == 2 && (len & 1) && (units - 1) % NWARPS == warp) nw -= 1;  // a half group last
+        }
+    }
+    const u32 cw = c0 + PAIR * warp;  // this warp's first chunk
+    auto chunk_of = [&](int k) -> u32 { return cw + PAIR * NWARPS * (u32(k) / PAIR) + u32(k) % PAIR; };
     const int* table = tables + (i64)b * s_tb;
     u8* ring = smem + warp * (NSTAGES * STAGE);
+    const u32 ring_s = smem_addr(ring);
 #if !KIVI_BITS
     const float ks_static = K_SCALE == 0 ? reinterpret_cast<const float*>(ks)[h] : 1.f;
     const float vs_static = V_SCALE == 0 ? reinterpret_cast<const float*>(vs)[h] : 1.f;
@@ -365,49 +410,58 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         }
     }
 
-    // ---- producer: chunk k of this warp -> stage k % NSTAGES (an empty group past the end)
-    int tb = 0;  // signed block ids of this warp's chunks k0 + lane, k0 = k & ~31
-    auto issue = [&](int k) {
-        if (k < nw) {
-            if ((k & 31) == 0) {
-                const int kk = k + lane;
-                tb = kk < nw ? table[((c0 + warp + NWARPS * kk) * 16) / PAGE] : 0;
+    // ---- producer: the warp's chunks as items of the ring, in order: a quantized chunk is one item, a
+    // high-precision chunk two (its K rows, then its V rows); item i -> stage i % NSTAGES (an empty group
+    // past the end)
+    int tb = 0, tb_k = -1;       // signed block ids of this warp's chunks 32 * tb_k + lane
+    int ik = 0, ih = 0, is = 0;  // next item: chunk ik (hp: half ih) into stage is
+    auto issue = [&]() {
+        if (ik < nw) {
+            if ((ik >> 5) != tb_k) {
+                tb_k = ik >> 5;
+                const int kk = (ik & ~31) + lane;
+                tb = kk < nw ? table[chunk_of(kk) * 16u / PAGE] : 0;
             }
-            const int blk = __shfl_sync(0xffffffffu, tb, k & 31);
-            const int t0 = (c0 + warp + NWARPS * k) * 16;
-            const int poff = t0 % PAGE;
-            u8* st = ring + (k % NSTAGES) * STAGE;
-            if (lane == 0) *reinterpret_cast<int*>(st + BLK_OFF) = blk;
+            const int blk = __shfl_sync(0xffffffffu, tb, ik & 31);
+            const int poff = chunk_of(ik) * 16u % PAGE;
+            const u32 st = ring_s + is * STAGE;
+            if (lane == 0) *reinterpret_cast<int*>(ring + is * STAGE + BLK_OFF) = blk;
             if (!HAS_HP || blk >= 0) {
-                const i64 bh = (i64)blk * H + h;
+                const int k = ik++;
+                const int bh = blk * H + h;
+                const i64 row0 = (i64)bh * PAGE + poff;
 #if KIVI_BITS
-                copy_rows<DP, RSK>(st, kd + (bh * PAGE + poff) * DP, DP, lane);
-                copy_rows<DP, RSV>(st + VR_OFF, vd + (bh * PAGE + poff) * DP, DP, lane);
-                // K: the scale and zero rows of the chunk's 32-token group; V: 16 tokens' scales and zeros
-                const i64 krow = (bh * (PAGE / 32) + poff / 32) * (2 * D);
-                for (int p = lane; p < D / 4; p += 32) {
-                    const int half = p / (D / 8), col = (p % (D / 8)) * 16;
-                    cp16(st + KSC_OFF + half * 2 * D + col, (half ? kz : ks) + krow + col);
+                copy_rows<DP, RSK>(st, kd + row0 * DP, lane);
+                copy_rows<DP, RSV>(st + VR_OFF, vd + row0 * DP, lane);
+                // K: the scale and zero rows of the 32-token group (at its first chunk); V: 16 tokens'
+                if ((k & 1) == 0) {
+                    const i64 krow = ((i64)bh * (PAGE / 32) + poff / 32) * (2 * D);
+#pragma unroll
+                    for (int p = lane; p < D / 4; p += 32) {
+                        const int half = p / (D / 8), col = (p % (D / 8)) * 16;
+                        cp16(st + KSC_OFF + half * 2 * D + col, (half ? kz : ks) + krow + col);
+                    }
                 }
-                const i64 vrow = (bh * PAGE + poff) * (2 * NG);
                 if (lane < 4 * NG) {
                     const int half = lane / (2 * NG), col = (lane % (2 * NG)) * 16;
-                    cp16(st + VSC_OFF + half * 32 * NG + col, (half ? vz : vs) + vrow + col);
+                    cp16(st + VSC_OFF + half * 32 * NG + col, (half ? vz : vs) + row0 * (2 * NG) + col);
                 }
 #else
-                copy_rows<D, RS>(st, kd + (bh * PAGE + poff) * D, D, lane);
-                copy_rows<D, RS>(st + 16 * RS, vd + (bh * PAGE + poff) * D, D, lane);
-                copy_scales<K_SCALE>(st + SC_OFF, ks, blk, h, H, poff, lane, 0);
-                copy_scales<V_SCALE>(st + SC_OFF + 64, vs, blk, h, H, poff, lane, 4);
+                copy_rows<D, RS>(st, kd + row0 * D, lane);
+                copy_rows<D, RS>(st + 16 * RS, vd + row0 * D, lane);
+                copy_scales<K_SCALE>(st + SC_OFF, ks, row0, bh, lane, 0);
+                copy_scales<V_SCALE>(st + SC_OFF + 64, vs, row0, bh, lane, 4);
 #endif
             } else {
 #if HAS_HP
-                const i64 base = (((i64)(-blk - 1) * H + h) * PAGE + poff) * (2 * D);
-                copy_rows<2 * D, RSH>(st, khp + base, 2 * D, lane);
-                copy_rows<2 * D, RSH>(st + 16 * RSH, vhp + base, 2 * D, lane);
+                const i64 base = ((i64)((-blk - 1) * H + h) * PAGE + poff) * (2 * D);
+                copy_rows<2 * D, RSH>(st, (ih ? vhp : khp) + base, lane);
 #endif
+                ik += ih;
+                ih ^= 1;
             }
         }
+        is = is + 1 == NSTAGES ? 0 : is + 1;
         cp_commit();
     };
 
@@ -416,42 +470,74 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     float acc[KS][4];
 #pragma unroll
     for (int j = 0; j < KS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#if KIVI_BITS
+    u32 qs[KS][2];                              // the group's K scales (and planes' 2^-(BITS m)) in the queries
+    float zq0 = 0.f, zq1 = 0.f;                 // the group's K zero-point term, queries 2c, 2c+1
+    float zacc[4] = {0.f, 0.f, 0.f, 0.f};       // V zero points: group gi (< NG), queries 2c, 2c+1
+#endif
 
 #pragma unroll
-    for (int k = 0; k < NSTAGES - 1; ++k) issue(k);
+    for (int k = 0; k < NSTAGES - 1; ++k) issue();
 
-    for (int k = 0; k < nw; ++k) {
+    int cs = 0;  // stage of the next item to read
+    auto next_item = [&]() {  // wait for it; refill the stage read before it
         cp_wait<NSTAGES - 2>();
         __syncwarp();
-        issue(k + NSTAGES - 1);  // into the stage read during chunk k - 1
-        const u8* st = ring + (k % NSTAGES) * STAGE;
-        const int t0 = (c0 + warp + NWARPS * k) * 16;
+        issue();
+        const u8* st = ring + cs * STAGE;
+        cs = cs + 1 == NSTAGES ? 0 : cs + 1;
+        return st;
+    };
+    for (int k = 0; k < nw; ++k) {
+        const u8* st = next_item();
+        const int t0 = chunk_of(k) * 16;
         const bool ok0 = t0 + gi < n, ok1 = t0 + gi + 8 < n;
         const bool hp = HAS_HP && *reinterpret_cast<const int*>(st + BLK_OFF) < 0;
 
         // S^T = K . Q^T: s[0..1] token gi, queries 2c, 2c+1; s[2..3] token gi + 8
         float s[4] = {0.f, 0.f, 0.f, 0.f};
         float fk0 = qk_scale, fk1 = qk_scale, fv0 = 1.f, fv1 = 1.f;
+#if KIVI_BITS
+        float zk0 = 0.f, zk1 = 0.f;  // K zero-point term of queries 2c, 2c+1
+#endif
         if (!hp) {
 #if KIVI_BITS
+            if ((k & 1) == 0) {  // a group's first chunk: its K scales into the queries, its zero points' term
+                float zt[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int j = 0; j < KS; ++j) {
+                    const int x = k_channel(j, c), m = j % PER;
+                    u32 sw[2], zw[2], s0, s1, z0, z1;
+                    lds<2>(sw, st + KSC_OFF + 2 * x);
+                    lds<2>(zw, st + KSC_OFF + 2 * D + 2 * x);
+                    pair_words(sw[0], sw[1], s0, s1);
+                    pair_words(zw[0], zw[1], z0, z1);
+                    if (m) {  // 2^-(BITS m), exact
+                        const u32 cm = ((15u - KIVI_BITS * m) << 10) * 0x00010001u;
+                        s0 = hmul2(s0, cm);
+                        s1 = hmul2(s1, cm);
+                    }
+                    qs[j][0] = hmul2(qf[j][0], s0);
+                    qs[j][1] = hmul2(qf[j][1], s1);
+                    mma_f16(zt, z0, z0, z1, z1, qf[j][0], qf[j][1]);  // every row the zero row
+                }
+                zq0 = zt[0] * qk_scale;
+                zq1 = zt[1] * qk_scale;
+            }
             u32 r0[KW], r1[KW];
             lds<KW>(r0, st + gi * RSK + KB * c);
             lds<KW>(r1, st + (gi + 8) * RSK + KB * c);
 #pragma unroll
-            for (int m = 0; m < PER; ++m) {
-                u32 sw[KB / 2], zw[KB / 2];  // scales / zeros of channels m * DP + KB*c + [0, KB)
-                lds<KB / 2>(sw, st + KSC_OFF + 2 * (m * DP + KB * c));
-                lds<KB / 2>(zw, st + KSC_OFF + 2 * D + 2 * (m * DP + KB * c));
+            for (int w = 0; w < KW; ++w) {
+                const u32 o0 = r0[w] >> 8, o1 = r1[w] >> 8;
 #pragma unroll
-                for (int w = 0; w < KW; ++w) {
-                    u32 se, so, ze, zo, a0, a1, a2, a3;
-                    pair_words(sw[2 * w], sw[2 * w + 1], se, so);
-                    pair_words(zw[2 * w], zw[2 * w + 1], ze, zo);
-                    kivi_pair(r0[w], m, se, so, ze, zo, a0, a2);
-                    kivi_pair(r1[w], m, se, so, ze, zo, a1, a3);
-                    mma_f16(s, a0, a1, a2, a3, qf[w * PER + m][0], qf[w * PER + m][1]);
-                }
+                for (int m = 0; m < PER; ++m)
+                    mma_f16(s, plane<K_SUB>(r0[w], m), plane<K_SUB>(r1[w], m), plane<K_SUB>(o0, m),
+                            plane<K_SUB>(o1, m), qs[w * PER + m][0], qs[w * PER + m][1]);
             }
+            if (!K_SUB) fk0 = fk1 = qk_scale * UNIT;
+            zk0 = zq0;
+            zk1 = zq1;
 #else
             u32 r0[KS], r1[KS];
             lds<KS>(r0, st + gi * RS + QB * c);
@@ -484,8 +570,13 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         }
 
         // online softmax over this chunk's 16 tokens
+#if KIVI_BITS
+        const float x0 = ok0 ? fmaf(s[0], fk0, zk0) : NEG_INF, x1 = ok0 ? fmaf(s[1], fk0, zk1) : NEG_INF;
+        const float x2 = ok1 ? fmaf(s[2], fk1, zk0) : NEG_INF, x3 = ok1 ? fmaf(s[3], fk1, zk1) : NEG_INF;
+#else
         const float x0 = ok0 ? s[0] * fk0 : NEG_INF, x1 = ok0 ? s[1] * fk0 : NEG_INF;
         const float x2 = ok1 ? s[2] * fk1 : NEG_INF, x3 = ok1 ? s[3] * fk1 : NEG_INF;
+#endif
         float mx0 = fmaxf(x0, x2), mx1 = fmaxf(x1, x3);
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) {
@@ -494,17 +585,24 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         }
         const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
         const float al0 = ex2(m0 - mn0), al1 = ex2(m1 - mn1);
+        const bool grew = mn0 != m0 || mn1 != m1;  // else al0 = al1 = 1 exactly
         m0 = mn0;
         m1 = mn1;
         const float p0 = ex2(x0 - mn0), p1 = ex2(x1 - mn1), p2 = ex2(x2 - mn0), p3 = ex2(x3 - mn1);
         l0 = l0 * al0 + p0 + p2;
         l1 = l1 * al1 + p1 + p3;
+        if (!LAZY_RESCALE || __any_sync(0xffffffffu, grew)) {  // the running max moved for some query
 #pragma unroll
-        for (int j = 0; j < KS; ++j) {
-            acc[j][0] *= al0;
-            acc[j][1] *= al1;
-            acc[j][2] *= al0;
-            acc[j][3] *= al1;
+            for (int j = 0; j < KS; ++j) {
+                acc[j][0] *= al0;
+                acc[j][1] *= al1;
+                acc[j][2] *= al0;
+                acc[j][3] *= al1;
+            }
+#if KIVI_BITS
+            zacc[0] *= al0;
+            zacc[1] *= al1;
+#endif
         }
 
         // O^T += V^T . P^T, P^T from the S^T fragment (8-bit: V's scales folded into P)
@@ -512,6 +610,37 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const u32 pb0 = trans8x8(pack_f16(p0 * fv0, p1 * fv0));
             const u32 pb1 = trans8x8(pack_f16(p2 * fv1, p3 * fv1));
 #if KIVI_BITS
+            // per channel group g: P^T times the tokens' V scale of g and its plane's 2^-(BITS m), as f16x2
+            // products in the transposed fragment (lane: query gi, tokens 2c, 2c+1 | 2c+8, 2c+9)
+            const u8* vsc = st + VSC_OFF;
+            constexpr int NGW = (NG + 1) / 2;
+            u32 s0[NGW], s1[NGW], s8[NGW], s9[NGW];  // the V scales of tokens 2c, 2c+1, 2c+8, 2c+9
+            lds<NGW>(s0, vsc + (2 * c) * 2 * NG);
+            lds<NGW>(s1, vsc + (2 * c + 1) * 2 * NG);
+            lds<NGW>(s8, vsc + (2 * c + 8) * 2 * NG);
+            lds<NGW>(s9, vsc + (2 * c + 9) * 2 * NG);
+            u32 pb[NG][2];
+#pragma unroll
+            for (int g = 0; g < NG; ++g) {
+                const u32 hs = (g & 1) ? 0x7632 : 0x5410;
+                u32 sA = __byte_perm(s0[g / 2], s1[g / 2], hs), sB = __byte_perm(s8[g / 2], s9[g / 2], hs);
+                if (g / NU) {  // 2^-(BITS m), exact
+                    const u32 cm = ((15u - KIVI_BITS * (g / NU)) << 10) * 0x00010001u;
+                    sA = hmul2(sA, cm);
+                    sB = hmul2(sB, cm);
+                }
+                pb[g][0] = hmul2(pb0, sA);
+                pb[g][1] = hmul2(pb1, sB);
+            }
+            {  // zero points: A rows = groups (row gi: group gi's zeros of tokens 2c, 2c+1 | 2c+8, 2c+9)
+                const u16* vz16 = reinterpret_cast<const u16*>(vsc + 32 * NG);
+                u32 za = 0u, zb = 0u;
+                if (gi < NG) {
+                    za = vz16[(2 * c) * NG + gi] | (u32(vz16[(2 * c + 1) * NG + gi]) << 16);
+                    zb = vz16[(2 * c + 8) * NG + gi] | (u32(vz16[(2 * c + 9) * NG + gi]) << 16);
+                }
+                mma_f16(zacc, za, 0u, zb, 0u, pb0, pb1);
+            }
             u32 v0[NU], v1[NU], v8[NU], v9[NU];
 #pragma unroll
             for (int u = 0; u < NU; ++u) {
@@ -521,19 +650,6 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 v8[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c + 8) * RSV + x);
                 v9[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c + 9) * RSV + x);
             }
-            // scales / zeros of tokens 2c, 2c+1, 2c+8, 2c+9: NG f16 each
-            constexpr int NGW = (NG + 1) / 2;
-            u32 s0[NGW], s1[NGW], s8[NGW], s9[NGW], z0[NGW], z1[NGW], z8[NGW], z9[NGW];
-            const u8* vsc = st + VSC_OFF;
-            const u8* vzr = vsc + 32 * NG;
-            lds<NGW>(s0, vsc + (2 * c) * 2 * NG);
-            lds<NGW>(s1, vsc + (2 * c + 1) * 2 * NG);
-            lds<NGW>(s8, vsc + (2 * c + 8) * 2 * NG);
-            lds<NGW>(s9, vsc + (2 * c + 9) * 2 * NG);
-            lds<NGW>(z0, vzr + (2 * c) * 2 * NG);
-            lds<NGW>(z1, vzr + (2 * c + 1) * 2 * NG);
-            lds<NGW>(z8, vzr + (2 * c + 8) * 2 * NG);
-            lds<NGW>(z9, vzr + (2 * c + 9) * 2 * NG);
 #pragma unroll
             for (int u = 0; u < NU; ++u) {
 #pragma unroll
@@ -541,16 +657,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                     // bytes 2e, 2e+1 of the two tokens of each pair: [A.2e, A.2e+1, B.2e, B.2e+1]
                     const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
                     const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
+                    const u32 oA = tA >> 8, oB = tB >> 8;
 #pragma unroll
                     for (int m = 0; m < PER; ++m) {
                         const int g = m * NU + u;  // channel group of this m-tile
-                        const u32 hs = (g & 1) ? 0x7632 : 0x5410;
-                        const u32 sA = __byte_perm(s0[g / 2], s1[g / 2], hs), sB = __byte_perm(s8[g / 2], s9[g / 2], hs);
-                        const u32 zA = __byte_perm(z0[g / 2], z1[g / 2], hs), zB = __byte_perm(z8[g / 2], z9[g / 2], hs);
-                        u32 a0, a1, a2, a3;
-                        kivi_pair(tA, m, sA, sA, zA, zA, a0, a1);
-                        kivi_pair(tB, m, sB, sB, zB, zB, a2, a3);
-                        mma_f16(acc[(u * PER + m) * 2 + e], a0, a1, a2, a3, pb0, pb1);
+                        mma_f16(acc[(u * PER + m) * 2 + e], plane<V_SUB>(tA, m), plane<V_SUB>(oA, m),
+                                plane<V_SUB>(tB, m), plane<V_SUB>(oB, m), pb[g][0], pb[g][1]);
                     }
                 }
             }
@@ -572,12 +684,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #endif
         } else {
 #if HAS_HP
-#if MODEL_BF16
+#if MODEL_BF16 && KIVI_BITS
+            // in the unit of the quantized chunks' sums (2^-24 with subnormal V codes; exact in bf16)
+            constexpr float PU = V_SUB ? 1.f : 1.f / UNIT;
+            const u32 pb0 = trans8x8(pack_bf16(p0 * PU, p1 * PU)), pb1 = trans8x8(pack_bf16(p2 * PU, p3 * PU));
+#elif MODEL_BF16
             const u32 pb0 = trans8x8(pack_bf16(p0, p1)), pb1 = trans8x8(pack_bf16(p2, p3));
 #else
             const u32 pb0 = trans8x8(pack_f16(p0, p1)), pb1 = trans8x8(pack_f16(p2, p3));
 #endif
-            const u8* vr = st + 16 * RSH;
+            const u8* vr = next_item();  // the chunk's V rows
 #pragma unroll
             for (int j = 0; j < KS; ++j) {  // channels (x, x+1) of tokens 2c, 2c+1, 2c+8, 2c+9
                 const int x = 2 * v_channel(j, gi);
@@ -599,21 +715,28 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         l1 += __shfl_xor_sync(0xffffffffu, l1, o);
     }
 
-    // ---- merge the warps: ms/ls [NWARPS][8], os [NWARPS][8][D] over the (now idle) rings
+    // ---- merge the warps: ms/ls [NWARPS][8], os [NWARPS][8][D] (KIVI: zs [NWARPS][8][NG]) over the idle rings
     __syncthreads();
     float* ms = reinterpret_cast<float*>(smem);
     float* ls = ms + NWARPS * 8;
     float* os = ls + NWARPS * 8;
+    float* zs = os + NWARPS * 8 * D;  // KIVI: V zero-point sums [NWARPS][8][NG]
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
         const int qq = 2 * c + e;
         if (qq < GROUP) {
             float* dst = os + (warp * 8 + qq) * D;
+#if KIVI_BITS
+            constexpr float VU = V_SUB ? 1.f : UNIT;
+            if (gi < NG) zs[(warp * 8 + qq) * NG + gi] = zacc[e];
+#else
+            constexpr float VU = 1.f;
+#endif
 #pragma unroll
             for (int j = 0; j < KS; ++j) {
                 const int ch = v_channel(j, gi);
-                dst[ch] = acc[j][e];
-                dst[ch + 1] = acc[j][2 + e];
+                dst[ch] = acc[j][e] * VU;
+                dst[ch + 1] = acc[j][2 + e] * VU;
             }
             if (gi == 0) {
                 ms[warp * 8 + qq] = e ? m1 : m0;
@@ -634,7 +757,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             for (int w = 0; w < NWARPS; ++w) {
                 const float f = ex2(ms[w * 8 + qq] - M);
                 L += ls[w * 8 + qq] * f;
+#if KIVI_BITS
+                O += (os[(w * 8 + qq) * D + ch] + zs[(w * 8 + qq) * NG + ch / 32]) * f;
+#else
                 O += os[(w * 8 + qq) * D + ch] * f;
+#endif
             }
         }
         const float o = L > 0.f ? O / L : 0.f;

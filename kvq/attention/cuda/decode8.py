@@ -133,7 +133,7 @@ def stage_bytes(head_dim: int, has_hp: bool, kivi: int = 0) -> int:
         q_stage = 16 * rsk + 16 * rsv + 4 * head_dim + 64 * (head_dim // 32)
     else:
         q_stage = 32 * (head_dim + 16) + 128
-    hp_stage = 32 * (2 * head_dim + 16)
+    hp_stage = 16 * (2 * head_dim + 16)  # an hp chunk's K rows, or its V rows (two stages in a row)
     return (max(q_stage, hp_stage) if has_hp else q_stage) + 16
 
 
@@ -230,8 +230,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     if has_hp is None:
         has_hp = layer.k_hp.shape[0] > 0
     min_blocks = min_blocks or min_blocks_for(D)
-    # stages of hp-sized rows: 2 keep 3 CTAs per SM within the shared memory
-    nstages = nstages or (2 if has_hp else NSTAGES)
+    nstages = nstages or NSTAGES
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
     if num_splits is None:
