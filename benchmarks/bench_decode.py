@@ -429,7 +429,8 @@ def pct(gbps, copy_gbps):
 
 
 def measure_write(fmt_name: str, cfg: Config, device: torch.device, timer: Timer, copy_gbps) -> dict:
-    """Triton write_kv of a prefill-sized chunk (T tokens filling T/bs whole, scattered blocks)."""
+    """write_kv of a prefill-sized chunk (T tokens filling T/bs whole, scattered blocks): Triton's, and
+    the cuda backend's where its block seal (seal.cu) serves the layer."""
     bs = block_size_for(fmt_name, cfg)
     T = cfg.write_tokens - cfg.write_tokens % bs
     nb = T // bs
@@ -448,16 +449,44 @@ def measure_write(fmt_name: str, cfg: Config, device: torch.device, timer: Timer
     written = nb * fmt.block_bytes(cfg.hkv, cfg.d, bs)
     row["bytes"] = {"read": read, "written": written, "total": read + written}
 
-    def fn():
-        tri_store.write_kv(layer, k, v, slots, full_blocks)
+    writers = {"triton": tri_store.write_kv}
+    cuda_write = cuda_write_kv(layer, device)
+    if cuda_write is not None:  # the cuda backend seals KIVI and per-block layers with seal.cu
+        writers["cuda"] = cuda_write
+    for impl, write in writers.items():
+        out = row if impl == "triton" else row.setdefault("cuda", {})
 
-    fn()  # compile
-    t = timer(fn, cfg.iters, cfg.warmup)
-    row.update(t)
-    row["GBps"] = bw(read + written, t["us"])
-    row["pct_copy"] = pct(row["GBps"], copy_gbps)
-    # check: the first few blocks against the reference write (bit patterns of every plane)
+        def fn():
+            write(layer, k, v, slots, full_blocks)
+
+        fn()  # compile
+        t = timer(fn, cfg.iters, cfg.warmup)
+        out.update(t)
+        out["GBps"] = bw(read + written, t["us"])
+        out["pct_copy"] = pct(out["GBps"], copy_gbps)
+        out["check"] = check_write(fmt_name, cfg, nb, bs, layer, k, v, slots, perm, device)
+    del pool
+    layer = k = v = None  # free before the next format (the timed closure refers to them)
+    free(device)
+    return row
+
+
+def cuda_write_kv(layer, device):
+    """The cuda backend's write_kv where it differs from the Triton one (a CUDA block seal), else None."""
+    if device.type != "cuda":
+        return None
+    from kvq.attention.cuda import decode8, seal
+    from kvq.attention.cuda import kernels as cuda_kernels
+
+    if decode8.unavailable_reason() or seal.layer_reason(layer):
+        return None
+    return cuda_kernels.write_kv
+
+
+def check_write(fmt_name, cfg, nb, bs, layer, k, v, slots, perm, device) -> dict:
+    """The first few written blocks against the reference write (bit patterns of every plane)."""
     try:
+        T = k.shape[0]
         tc = min(T, 4 * bs)
         _, rpool, rlayer, _ = make_layer(fmt_name, cfg, nb, 1, device)
         ref_attn.write_kv(rlayer, k[:tc], v[:tc], slots[:tc])
@@ -469,15 +498,9 @@ def measure_write(fmt_name: str, cfg: Config, device: torch.device, timer: Timer
                 b = fp8_util.index_select(rlayer.planes(role)[name], 0, blocks).contiguous().view(torch.uint8)
                 total += a.numel()
                 diff += int((a != b).sum().item())
-        row["check"] = {"blocks": int(blocks.numel()), "bytes_compared": total, "bytes_differ": diff,
-                        "ok": diff == 0}
-        del rpool, rlayer
+        return {"blocks": int(blocks.numel()), "bytes_compared": total, "bytes_differ": diff, "ok": diff == 0}
     except Exception as e:
-        row["check"] = {"error": err_str(e), "ok": False}
-    del pool
-    layer = k = v = None  # free before the next format (the timed closure refers to them)
-    free(device)
-    return row
+        return {"error": err_str(e), "ok": False}
 
 
 def decode_row(impl: str, fmt_name: str, B: int, L: int, cfg: Config, bs: int, q_bytes: int, kv_bytes: int,
@@ -787,6 +810,11 @@ def print_table(doc: dict) -> None:
             status = "ERROR " + r["error"][:60] if r.get("error") else ("ok" if chk.get("ok") else f"! {chk}")
             print(f"{r['format']:22s} {r.get('block_size', 0):3d} {r.get('T', 0):6d} {_fmt(r.get('us'), '9.1f')} "
                   f"{_fmt(r.get('GBps'), '7.0f')} {_fmt(r.get('pct_copy'), '6.1f')}  {status}")
+            c = r.get("cuda")
+            if c:  # the same write with the CUDA block seal (seal.cu)
+                ok = "ok" if c.get("check", {}).get("ok") else f"! {c.get('check')}"
+                print(f"{'  + CUDA seal':22s} {'':3s} {'':6s} {_fmt(c.get('us'), '9.1f')} "
+                      f"{_fmt(c.get('GBps'), '7.0f')} {_fmt(c.get('pct_copy'), '6.1f')}  {ok}")
     rows = doc.get("decode", [])
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     for s in shapes:

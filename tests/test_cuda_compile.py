@@ -42,3 +42,43 @@ def test_decode8_compiles(tmp_path, v):
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "0 bytes spill stores" in r.stderr, r.stderr[-2000:]
+
+
+SEAL = Path(__file__).resolve().parent.parent / "kvq" / "attention" / "cuda" / "seal.cu"
+# (head_dim, page, bf16 model, K (fmt, bits, kind, qmax), V (fmt, bits, kind, qmax))
+SEAL_VARIANTS = [
+    (128, 32, 1, (4, 4, 0, 15), (5, 4, 0, 15)),    # int4_kivi
+    (256, 64, 0, (4, 2, 0, 3), (5, 2, 0, 3)),      # int2_kivi, f16 model
+    (64, 32, 1, (4, 4, 0, 15), (3, 8, 0, 448)),    # int4_kivi K, fp8_per_block V
+    (128, 16, 1, (3, 8, 1, 57344), (3, 8, 2, 127)),  # per-block e5m2 K, per-block int8 V
+]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("v", SEAL_VARIANTS, ids=lambda v: "D{}p{}bf{}".format(*v[:3]) + "k{}v{}".format(v[3][0], v[4][0]))
+def test_seal_compiles(tmp_path, v):
+    d, page, bf, k, vv = v
+    macros = dict(HEAD_DIM=d, PAGE=page, MODEL_BF16=bf, NT=128)
+    for name, (fmt, bits, kind, qmax) in (("K", k), ("V", vv)):
+        macros.update({f"{name}_FMT": fmt, f"{name}_BITS": bits, f"{name}_KIND": kind, f"{name}_QMAX": qmax})
+    cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-Xptxas", "-v",
+           *(f"-D{k}={v}" for k, v in macros.items()), "-o", str(tmp_path / "s.cubin"), str(SEAL)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "0 bytes spill stores" in r.stderr, r.stderr[-2000:]
+
+
+def test_seal_serves_block_sealed_layers_only():
+    """The CUDA seal takes KIVI (groups of 32) and per-block roles; other layers name why not."""
+    from kvq.attention.cuda import seal
+    from kvq.cache.plan import bare_model, make_plan
+    from kvq.cache.pool import KVPool
+
+    def layer(fmt, **kw):
+        plan = make_plan(bare_model(1, 2, 128, num_attention_heads=8), fmt, **kw)
+        return KVPool.create(plan, 4, 2, "cpu").layers[0]
+
+    assert seal.layer_reason(layer("int4_kivi")) is None
+    assert seal.layer_reason(layer("fp8_per_block", block_size=32)) is None
+    assert "fp8_e4m3" in seal.layer_reason(layer("fp8_e4m3", block_size=32))
+    assert "groups of 64" in seal.layer_reason(layer("int4_kivi", group_size=64))

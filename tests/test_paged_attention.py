@@ -25,9 +25,13 @@ ALL_FORMATS = [e.name for e in entries() if e.name != "auto"]
 
 
 def _kernels(name):
-    from kvq.attention.triton import kernels
-
-    return reference if name == "torch" else kernels
+    if name == "torch":
+        return reference
+    if name == "cuda":
+        from kvq.attention.cuda import kernels
+    else:
+        from kvq.attention.triton import kernels
+    return kernels
 
 
 def _run_schedule(h, gen, schedule, q_dtype=torch.float32):
@@ -122,6 +126,30 @@ SCHED_KERNEL = (
 def test_triton_matches_reference(fmt, cfg):
     """Same schedule through both backends: identical cache bytes after every step
     (write and seal), attention outputs within bf16 rounding."""
+    _backend_matches_reference(fmt, cfg, "triton")
+
+
+def _cuda_reason():
+    from kvq.attention.cuda.decode8 import unavailable_reason
+
+    return unavailable_reason()
+
+
+CUDA_SEAL_FORMATS = ["int4_kivi", "int2_kivi", "fp8_per_block", "int4_kivi/int2_kivi", "int2_kivi/fp8_per_block"]
+
+
+@pytest.mark.skipif(not GPU, reason="the CUDA backend needs a GPU")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "H{H}D{D}g{group}bs{block_size}".format(**c))
+@pytest.mark.parametrize("fmt", CUDA_SEAL_FORMATS)
+def test_cuda_seal_matches_reference(fmt, cfg):
+    """The cuda backend's block seals (seal.cu: window seals and a prefill's whole blocks, KIVI
+    and per-block FP8) write the reference's bytes, step after step."""
+    if _cuda_reason():
+        pytest.skip(_cuda_reason())
+    _backend_matches_reference(fmt, cfg, "cuda")
+
+
+def _backend_matches_reference(fmt, cfg, backend):
     if "kivi" in fmt and cfg["block_size"] == 16:
         cfg = dict(cfg, block_size=32)
     if fmt.split("/")[0].endswith(":g64") and cfg["block_size"]:  # K groups of 64 tokens: pages of 64
@@ -129,7 +157,7 @@ def test_triton_matches_reference(fmt, cfg):
     windows = dict(sink=16, residual=48) if "kivi" not in fmt else {}
     big = dict(num_q=256, num_hp=64) if GPU else {}
     hr = make_harness(fmt, _kernels("torch"), device=DEV, **cfg, **windows, **big)
-    ht = make_harness(fmt, _kernels("triton"), device=DEV, **cfg, **windows, **big)
+    ht = make_harness(fmt, _kernels(backend), device=DEV, **cfg, **windows, **big)
     gr, gt = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     for new in SCHED_KERNEL:
         qr, mr, outr = step(hr, new, gr, torch.bfloat16)

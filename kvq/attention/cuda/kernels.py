@@ -2,17 +2,19 @@
 
 Decode over layers stored in 8 bits or as KIVI runs the CUDA kernel of
 decode8.cu; decode over any other layer (bf16 skip layers, per-token 4/2-bit
-baselines), prefill, write and seal run the Triton kernels.  Which kernel
-serves a layer depends only on its format, so a
+baselines) and prefill run the Triton kernels.  Block seals of KIVI and
+per-block-scaled layers (window seals in the decode step, a prefill chunk's whole
+blocks) run the CUDA kernel of seal.cu; token writes and every other seal run the
+Triton kernels.  Which kernel serves a layer depends only on its format, so a
 plan's choice is fixed when the backend is selected (backends.py reports it).
 """
 
 from __future__ import annotations
 
-from kvq.attention.cuda import decode8
+from kvq.attention.cuda import decode8, seal
 from kvq.attention.triton import decode as triton_decode
+from kvq.attention.triton import store
 from kvq.attention.triton.prefill import paged_attention
-from kvq.attention.triton.store import seal_blocks, seal_pairs, write_kv
 
 __all__ = ["paged_attention", "paged_decode", "seal_blocks", "seal_pairs", "write_kv"]
 
@@ -24,3 +26,20 @@ def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, h
                                     has_hp=has_hp)
     return triton_decode.paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len,
                                       has_hp=has_hp)
+
+
+def seal_pairs(layer, pairs):
+    if seal.layer_reason(layer) is None:
+        return seal.seal_pairs(layer, pairs)
+    return store.seal_pairs(layer, pairs)
+
+
+def seal_blocks(layer, src_hp, dst_q):
+    if seal.layer_reason(layer) is None:
+        return seal.seal_blocks(layer, src_hp, dst_q)
+    return store.seal_blocks(layer, src_hp, dst_q)
+
+
+def write_kv(layer, k, v, slots, full_blocks=None):
+    sealer = seal.seal_from if seal.layer_reason(layer) is None else None
+    return store.write_kv(layer, k, v, slots, full_blocks, sealer=sealer)

@@ -261,12 +261,14 @@ def seal_blocks(layer: LayerKV, src_hp: torch.Tensor, dst_q: torch.Tensor) -> No
 
 def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
              full_blocks: torch.Tensor | None = None, tokens_per_program: int = 16, num_warps: int | None = None,
-             seal_warps: int | None = None) -> None:
+             seal_warps: int | None = None, sealer=None) -> None:
     """Triton twin of :func:`kvq.attention.reference.write_kv`.
 
     ``full_blocks`` [NB, 2] (q block, first token index) lists the q blocks that
     this write fills whole; it is needed only for block-sealed formats and is
-    derived from ``slots`` (with a device sync) when not given.
+    derived from ``slots`` (with a device sync) when not given.  ``sealer`` (same
+    arguments as :func:`seal_from` without the warps) seals those blocks instead of
+    the Triton seal kernel (the CUDA backend's, kvq.attention.cuda.seal).
     """
     T, H, D = k.shape
     assert k.stride() == v.stride() and k.stride(2) == 1, "k and v must share a layout with contiguous channels"
@@ -294,5 +296,8 @@ def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
         return
     for role, x, meta in (("k", k, km), ("v", v, vm)):
         if not meta["direct"]:
-            seal_from(layer, role, x, full_blocks[:, 1], x.stride(0), x.stride(1), x.stride(0), full_blocks[:, 0],
-                      seal_warps)
+            args = (layer, role, x, full_blocks[:, 1], x.stride(0), x.stride(1), x.stride(0), full_blocks[:, 0])
+            if sealer is not None:
+                sealer(*args)
+            else:
+                seal_from(*args, seal_warps)
