@@ -158,3 +158,37 @@ def test_resolved_configuration_is_logged_in_one_info_line(model_dir, caplog):
                  f"{info['kv_pool']['hp_blocks']} high-precision blocks", "attention torch", "threads 1",
                  "async scheduling off"):
         assert part in msg, (part, msg)
+
+
+@pytest.mark.parametrize("bad, exc, words", [
+    (None, TypeError, "prompts must be a str, a list of token ids, or a list of those, got NoneType"),
+    (5, TypeError, "got int"),
+    ({"a": 1}, TypeError, "got dict"),
+    ([1.5], TypeError, r"prompts\[0\] is float"),
+    ([[5, 6], None], TypeError, r"prompts\[1\] is NoneType"),
+])
+def test_generate_names_the_prompts_argument(llm, bad, exc, words):
+    """Bad prompts raise TypeError naming the argument and what it accepts; nothing is queued."""
+    with pytest.raises(exc, match=words):
+        llm.generate(bad, LONG, use_tqdm=False)
+    assert _idle(llm)
+
+
+def test_generate_names_sampling_params_and_fields(llm):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, a list of them"):
+        llm.generate(["a b"], {"max_tokens": 3}, use_tqdm=False)
+    with pytest.raises(TypeError, match="messages must be a conversation"):
+        llm.chat(None, use_tqdm=False)
+    from kvq.engine.errors import RequestError
+
+    with pytest.raises(RequestError) as e:
+        SamplingParams(temperature=-1)
+    assert e.value.param == "temperature"
+    # the engine's refusals carry the field and no internal id, with the prompt's index in a batch
+    with pytest.raises(RequestError) as e:
+        llm.generate([[5, 6], [5, 6, 7]], SamplingParams(max_tokens=10_000), use_tqdm=False)
+    assert e.value.param == "max_tokens" and str(e.value).startswith("prompt 0: the prompt (2 tokens) + max_tokens")
+    with pytest.raises(RequestError) as e:
+        llm.generate([[]], LONG, use_tqdm=False)
+    assert e.value.param == "prompt" and str(e.value) == "the prompt is empty"
+    assert _idle(llm)

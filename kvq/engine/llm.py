@@ -45,11 +45,14 @@ class LLM:
         All or nothing: a bad prompt or parameter raises ValueError before any request is
         queued; an exception while generating (Ctrl-C included) aborts the call's requests,
         so none of them runs during a later call."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) \
-            else [sampling_params] * len(prompts)
+        prompts = _prompt_list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+        elif sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
+                            f"got {type(sampling_params).__name__}")
         ids = self.engine.add_requests(prompts, params)
         done: dict[int, RequestOutput] = {}
         try:
@@ -74,7 +77,11 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (list of {"role", "content"}) or several -> outputs."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        convs = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) else messages
+        if not isinstance(convs, list) or not all(
+                isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in convs):
+            raise TypeError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
+                            f"dicts) or a list of conversations, got {_describe(messages)}")
         return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
@@ -98,3 +105,24 @@ class LLM:
         finally:
             if not finished:
                 self.engine.abort(rid)
+
+
+PROMPTS = "a str, a list of token ids, or a list of those"
+
+
+def _describe(x) -> str:
+    return "an empty list" if isinstance(x, (list, tuple)) and not x else type(x).__name__
+
+
+def _prompt_list(prompts) -> list:
+    """``generate``'s prompts as a list of prompts; TypeError naming the argument for anything else."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt of token ids
+        for i, p in enumerate(prompts):
+            if not isinstance(p, (str, list, tuple)):
+                raise TypeError(f"prompts must be {PROMPTS}; prompts[{i}] is {type(p).__name__}")
+        return list(prompts)
+    raise TypeError(f"prompts must be {PROMPTS}, got {type(prompts).__name__}")

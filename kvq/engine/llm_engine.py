@@ -31,6 +31,7 @@ from kvq.cache.block_manager import BlockManager
 from kvq.engine.config import EngineConfig
 from kvq.engine.connector import ConnectorContext, ConnectorOutput, KVConnector, make_connector
 from kvq.engine.detokenizer import IncrementalDetokenizer
+from kvq.engine.errors import RequestError, request_error
 from kvq.engine.executor import make_executor
 from kvq.engine.outputs import CompletionOutput, RequestOutput
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
@@ -198,30 +199,32 @@ class LLMEngine:
         """A prompt (text, or token ids) -> (text or None, token ids); ValueError for anything else."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty")
+                raise RequestError("the prompt is empty", "prompt")
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (dummy weights): pass token ids")
+                raise RequestError("this model has no tokenizer (dummy weights): pass token ids", "prompt")
             return prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__iter__"):
-            raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+            raise RequestError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}", "prompt")
         try:  # ints, numpy ints, 0-d integer tensors; not floats or bools
             if any(isinstance(t, bool) for t in prompt):
                 raise TypeError
             ids = [operator.index(t) for t in prompt]
         except TypeError:
-            raise ValueError("token ids must be ints") from None
+            raise RequestError("token ids must be ints", "prompt") from None
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"token ids must be in [0, {vocab})")
+            raise RequestError(f"token ids must be in [0, {vocab})", "prompt")
         return None, ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     kv_transfer=None) -> int:
         return self.add_requests([prompt], [params], kv_transfer=kv_transfer)[0]
 
-    def add_requests(self, prompts: list, params: list[SamplingParams | None], *, kv_transfer=None) -> list[int]:
-        """Queue several requests, all or none: a bad one raises ValueError (naming its index when
-        there are several) and leaves nothing queued.
+    def add_requests(self, prompts: list, params: list[SamplingParams | None], *, kv_transfer=None,
+                     labels: list[str | None] | None = None) -> list[int]:
+        """Queue several requests, all or none: a bad one raises RequestError (a ValueError whose
+        ``param`` names the field; prefixed "prompt i: " when there are several, or with the caller's
+        ``labels[i]``, e.g. the server's index of the prompt in its request) and leaves nothing queued.
 
         Each request is handed to the KV connectors with ``kv_transfer`` (:meth:`KVConnector.add_request`:
         a prefill engine's ``kv_export`` connector exports its KV to that receiver when its first token
@@ -230,16 +233,18 @@ class LLMEngine:
         outside."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        where = (lambda i: f"prompt {i}: ") if len(prompts) > 1 else (lambda i: "")
+        if labels is None:
+            labels = [f"prompt {i}" for i in range(len(prompts))] if len(prompts) > 1 else [None] * len(prompts)
         encoded = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             sp = SamplingParams() if sp is None else sp
             if not isinstance(sp, SamplingParams):
-                raise ValueError(f"{where(i)}sampling params must be a SamplingParams, got {type(sp).__name__}")
+                raise request_error(TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}"),
+                                    labels[i])
             try:
                 encoded.append((*self.encode(prompt), sp))
             except ValueError as e:
-                raise ValueError(f"{where(i)}{e}") from None
+                raise request_error(e, labels[i]) from None
         remote = any(c.loads_prompts for c in self.connectors)
         added: list[int] = []
         try:
@@ -255,7 +260,7 @@ class LLMEngine:
                         raise ValueError("kv_transfer: no KV connector of this engine takes it (a prefill "
                                          "engine's kv_export does)")
                 except ValueError as e:
-                    raise ValueError(f"{where(i)}{e}") from None
+                    raise request_error(e, labels[i]) from None
         except BaseException:
             for rid in added:  # nothing has run: a waiting sequence holds no blocks
                 self.abort(rid)

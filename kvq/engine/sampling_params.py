@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvq.engine.errors import RequestError
+
 GREEDY_EPS = 1e-5  # temperature below this samples greedily (vLLM's _SAMPLING_EPS; kvq.engine.sampler agrees)
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for
 
@@ -59,7 +61,7 @@ class SamplingParams:
         elif isinstance(stop, Iterable):
             stop = tuple(stop)
         else:
-            raise ValueError(f"stop must be a str or a list of str, got {type(stop).__name__}")
+            raise RequestError(f"stop must be a str or a list of str, got {type(stop).__name__}", "stop")
         object.__setattr__(self, "stop", stop)
         ids = self.stop_token_ids
         if ids is None:
@@ -69,34 +71,34 @@ class SamplingParams:
         elif isinstance(ids, Iterable) and not isinstance(ids, (str, bytes)):
             ids = tuple(ids)
         else:
-            raise ValueError(f"stop_token_ids must be a list of ints, got {type(ids).__name__}")
+            raise RequestError(f"stop_token_ids must be a list of ints, got {type(ids).__name__}", "stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
         self._validate()
 
     def _validate(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}", "max_tokens")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not 0 <= self.temperature < math.inf:  # rejects NaN and infinity too
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= -1 (0 or -1 disable it), got {self.top_k!r}")
+            raise RequestError(f"top_k must be an int >= -1 (0 or -1 disable it), got {self.top_k!r}", "top_k")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise RequestError(f"seed must be an int or None, got {self.seed!r}", "seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+                raise RequestError(f"stop strings must be non-empty str, got {s!r}", "stop")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r}")
+                raise RequestError(f"stop_token_ids must be ints >= 0, got {t!r}", "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise RequestError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
         if self.n != 1:
-            raise ValueError(f"n={self.n!r} is not supported; valid values: 1")
+            raise RequestError(f"n={self.n!r} is not supported; valid values: 1", "n")
 
     @property
     def greedy(self) -> bool:

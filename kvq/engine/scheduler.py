@@ -68,6 +68,7 @@ from collections.abc import Callable, Iterable
 
 from kvq.cache.block_manager import PENDING_TOKEN, BlockManager, NoFreeBlocksError, Op, RemoteLoadOp
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
+from kvq.engine.errors import RequestError
 from kvq.engine.scheduler_loads import LoadsMixin
 from kvq.engine.scheduling import (PREEMPTION_MODES, ScheduledSeq, SchedulerConfig,  # noqa: F401 (re-exported)
                                    SchedulerOutput)
@@ -152,20 +153,21 @@ class Scheduler(LoadsMixin):
             raise ValueError(f"sequence id {seq.seq_id!r} is already queued or running")
         if seq.status is not SeqStatus.WAITING or seq.output_token_ids or seq.num_computed_tokens:
             raise ValueError(f"add() takes a fresh sequence (WAITING, no outputs), got {seq!r}")
-        p, cfg = seq.num_prompt_tokens, self.config
+        p, cfg, m = seq.num_prompt_tokens, self.config, seq.params.max_tokens
+        # the caller's terms only (RequestError.param names the field): no sequence ids or counters
         if p == 0:
-            raise ValueError(f"sequence {seq.seq_id!r}: the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         if p > cfg.max_model_len:
-            raise ValueError(f"sequence {seq.seq_id!r}: prompt of {p} tokens exceeds max_model_len={cfg.max_model_len}")
-        if p + seq.params.max_tokens > cfg.max_model_len:
-            raise ValueError(f"sequence {seq.seq_id!r}: prompt ({p}) + max_tokens ({seq.params.max_tokens}) "
-                             f"exceeds max_model_len={cfg.max_model_len}")
+            raise RequestError(f"a prompt of {p} tokens exceeds max_model_len={cfg.max_model_len}", "prompt")
+        if p + m > cfg.max_model_len:
+            raise RequestError(f"the prompt ({p} tokens) + max_tokens ({m}) exceeds max_model_len="
+                               f"{cfg.max_model_len}", "max_tokens")
         # The last output token is sampled but never cached: at most p + max_tokens - 1 tokens hold KV.
-        q, hp = peak_blocks(p + seq.params.max_tokens - 1, self.block_manager.policy, cfg.max_num_batched_tokens)
+        q, hp = peak_blocks(p + m - 1, self.block_manager.policy, cfg.max_num_batched_tokens)
         nq, nhp = (self.block_manager.allocator(pool).num_blocks for pool in ("q", "hp"))
         if q > nq or hp > nhp:
-            raise ValueError(f"sequence {seq.seq_id!r} needs up to {q} q and {hp} hp blocks; "
-                             f"the cache has {nq} q and {nhp} hp blocks")
+            raise RequestError(f"the prompt ({p} tokens) + max_tokens ({m}) needs up to {q} q and {hp} hp KV "
+                               f"blocks; the cache has {nq} q and {nhp} hp blocks", "max_tokens")
         self._seqs[seq.seq_id] = seq
         self._rank[seq.seq_id] = self._next_rank
         self._next_rank += 1
