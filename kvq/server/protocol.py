@@ -125,10 +125,15 @@ class CompletionRequest(_GenerationRequest):
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
+        if isinstance(p, str) and not p:
+            raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
             raise ApiError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        for i, one in enumerate(p):
+            if not one:
+                raise ApiError(400, f"prompt[{i}] is empty", param="prompt", code="invalid_value")
         return list(p)
 
 
