@@ -33,6 +33,8 @@ _LOG2E = 1.4426950408889634
 
 #: Launch shape (warps per CTA, pipeline stages per warp, CTAs per SM the registers must allow).
 NWARPS, NSTAGES, MIN_BLOCKS = 4, 3, 3
+#: KIVI: one 32-token group per ring item and step (a variant under measurement; off).
+KIVI_STEP32 = False
 
 
 def min_blocks_for(head_dim: int) -> int:
@@ -124,13 +126,15 @@ def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str 
     return why
 
 
-def stage_bytes(head_dim: int, has_hp: bool, kivi: int = 0) -> int:
-    """Shared memory of one pipeline stage (mirrors STAGE in decode8.cu)."""
+def stage_bytes(head_dim: int, has_hp: bool, kivi: int = 0, kivi_step32: bool = False) -> int:
+    """Shared memory of one pipeline stage (mirrors STAGE in decode8.cu; ``kivi_step32``: a KIVI
+    item holds a whole 32-token group, the KIVI_STEP32 variant under measurement)."""
     if kivi:
         dp = head_dim * kivi // 8
         rsk = dp if dp <= 64 else dp + 16
         rsv = (dp + 47) // 64 * 64 + 16
-        q_stage = 16 * rsk + 16 * rsv + 4 * head_dim + 64 * (head_dim // 32)
+        qr = 32 if kivi_step32 else 16
+        q_stage = qr * rsk + qr * rsv + 4 * head_dim + 4 * (head_dim // 32) * qr
     else:
         q_stage = 32 * (head_dim + 16) + 128
     hp_stage = 16 * (2 * head_dim + 16)  # an hp chunk's K rows, or its V rows (two stages in a row)
@@ -143,13 +147,14 @@ MAX_SMEM = 227 * 1024
 
 @functools.lru_cache(maxsize=None)
 def _kernel(d: int, page: int, group: int, kivi: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool,
-            bf16: bool, nwarps: int, nstages: int, min_blocks: int):
+            bf16: bool, nwarps: int, nstages: int, min_blocks: int, step32: bool = False):
     import cupy
 
     opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DKIVI_BITS={kivi}",
             f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
-            f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}")
-    smem = nwarps * nstages * stage_bytes(d, has_hp, kivi)
+            f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}",
+            f"-DKIVI_STEP32={int(step32)}")
+    smem = nwarps * nstages * stage_bytes(d, has_hp, kivi, step32)
     if smem > MAX_SMEM:
         raise ValueError(f"{nwarps} warps x {nstages} stages need {smem} bytes of shared memory (at most {MAX_SMEM})")
     kern = cupy.RawModule(code=_SOURCE.read_text(), options=opts, backend="nvrtc").get_function("kvq_decode8")
@@ -204,7 +209,7 @@ def _ptr(t: torch.Tensor):
 def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  sm_scale: float, max_seq_len: int | None = None, has_hp: bool | None = None,
                  num_splits: int | None = None, nwarps: int = NWARPS, nstages: int | None = None,
-                 min_blocks: int | None = None) -> torch.Tensor:
+                 min_blocks: int | None = None, kivi_step32: bool | None = None) -> torch.Tensor:
     """Same contract as :func:`kvq.attention.reference.paged_decode`.
 
     ``max_seq_len`` (host int, an upper bound of ``seq_lens``) sizes the split grid
@@ -239,7 +244,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     kivi = kivi_bits(fk)
     kern, smem = _kernel(D, layer.block_size, group, kivi, _KIND.get(fk.storage, 0), _KIND.get(fv.storage, 0),
                          scale_mode(fk), scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages,
-                         min_blocks)
+                         min_blocks, bool(kivi and (KIVI_STEP32 if kivi_step32 is None else kivi_step32)))
     ks = layer.k_scale if scale_mode(fk) == 0 and not kivi else layer.k["scale"]
     vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
     kz = layer.k["zero"] if kivi else ks
