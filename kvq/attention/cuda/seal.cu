@@ -84,27 +84,39 @@ __device__ __forceinline__ void pack_store(const u8* codes, u8* data) {
     }
 }
 
+// A KIVI group of 32 values: its f16 scale and zero point stored at `scale` / `zero`; -> (s, z) as
+// the codes use them (the scale rounded to f16, 1 where it is 0).
+template <int QMAX>
+__device__ __forceinline__ void group_params(const float (&x)[32], u16* scale, u16* zero, float& s, float& z) {
+    float mn = x[0], mx = x[0];
+#pragma unroll
+    for (int i = 1; i < 32; ++i) {
+        mn = fminf(mn, x[i]);
+        mx = fmaxf(mx, x[i]);
+    }
+    const u16 sc = f32_to_f16(__fdiv_rn(mx - mn, float(QMAX))), zr = f32_to_f16(mn);
+    *scale = sc;
+    *zero = zr;
+    s = safe(f16_to_f32(sc));
+    z = f16_to_f32(zr);
+}
+
+template <int QMAX>
+__device__ __forceinline__ u32 kivi_code(float x, float s, float z) {
+    return u32(fminf(fmaxf(rintf(__fdiv_rn(x - z, s)), 0.f), float(QMAX)));
+}
+
 // KIVI K: groups of 32 tokens, a scale and zero point per channel (rows of f16 [PAGE / 32][D]).
 template <int BITS, int QMAX>
 __device__ void seal_kivi_k(const u16* src, i64 s_tok, u8* data, u16* scale, u16* zero, u8* codes) {
     for (int gr = 0; gr < PAGE / 32; ++gr) {
         for (int c = threadIdx.x; c < D; c += NT) {
-            float x[32], mn, mx;
+            float x[32], s, z;
 #pragma unroll
             for (int r = 0; r < 32; ++r) x[r] = to_f32(src[(gr * 32 + r) * s_tok + c]);
-            mn = mx = x[0];
+            group_params<QMAX>(x, scale + gr * D + c, zero + gr * D + c, s, z);
 #pragma unroll
-            for (int r = 1; r < 32; ++r) {
-                mn = fminf(mn, x[r]);
-                mx = fmaxf(mx, x[r]);
-            }
-            const u16 sc = f32_to_f16(__fdiv_rn(mx - mn, float(QMAX))), zr = f32_to_f16(mn);
-            scale[gr * D + c] = sc;
-            zero[gr * D + c] = zr;
-            const float s = safe(f16_to_f32(sc)), z = f16_to_f32(zr);
-#pragma unroll
-            for (int r = 0; r < 32; ++r)
-                codes[(gr * 32 + r) * D + c] = u8(fminf(fmaxf(rintf(__fdiv_rn(x[r] - z, s)), 0.f), float(QMAX)));
+            for (int r = 0; r < 32; ++r) codes[(gr * 32 + r) * D + c] = u8(kivi_code<QMAX>(x[r], s, z));
         }
     }
     __syncthreads();
@@ -129,22 +141,14 @@ __device__ void seal_kivi_v(const u16* src, i64 s_tok, u8* data, u16* scale, u16
                 x[8 * k + 2 * e + 1] = to_f32(u16(w[e] >> 16));
             }
         }
-        float mn = x[0], mx = x[0];
-#pragma unroll
-        for (int i = 1; i < 32; ++i) {
-            mn = fminf(mn, x[i]);
-            mx = fmaxf(mx, x[i]);
-        }
-        const u16 sc = f32_to_f16(__fdiv_rn(mx - mn, float(QMAX))), zr = f32_to_f16(mn);
-        scale[r * NG + g] = sc;
-        zero[r * NG + g] = zr;
-        const float s = safe(f16_to_f32(sc)), z = f16_to_f32(zr);
+        float s, z;
+        group_params<QMAX>(x, scale + r * NG + g, zero + r * NG + g, s, z);
 #pragma unroll
         for (int i = 0; i < 32; i += 4) {
             u32 word = 0;
 #pragma unroll
             for (int b = 0; b < 4; ++b)
-                word |= u32(fminf(fmaxf(rintf(__fdiv_rn(x[i + b] - z, s)), 0.f), float(QMAX))) << (8 * b);
+                word |= kivi_code<QMAX>(x[i + b], s, z) << (8 * b);
             *reinterpret_cast<u32*>(codes + r * D + 32 * g + i) = word;
         }
     }
