@@ -301,7 +301,8 @@ class BlockManager(LoadsMixin, SwapMixin):
             raise ValueError(f"num_tokens={num_tokens} with {len(token_ids)} token ids; a prompt needs >= 1")
         return self._plan_prompt(token_ids, end=end, use_host=use_host).ok
 
-    def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int], end=None, use_host: bool = True) -> PrefixHit:
+    def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int], end=None, use_host: bool = True,
+                        use_cache: bool = True) -> PrefixHit:
         """Reserve blocks for a prompt, or for its first chunk (``end(hit_tokens)``: how far to
         reserve for a given prefix hit; the scheduler appends the other chunks with
         :meth:`append_slots`), reusing cached full blocks of its prefix.
@@ -317,14 +318,14 @@ class BlockManager(LoadsMixin, SwapMixin):
         Blocks of the hit that only the CPU prefix tier holds (``use_host``) get fresh device
         blocks and a :class:`HostLoadOp` (:meth:`take_host_ops`); ``num_computed`` covers them
         only once it has completed (:meth:`host_copy_done`), and the sequence must not run before
-        (:meth:`load_state`).
+        (:meth:`load_state`).  ``use_cache=False`` takes no hit: every token is computed.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence id {seq_id!r} already has blocks")
         token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
-        plan = self._plan_prompt(token_ids, end=end, use_host=use_host)
+        plan = self._plan_prompt(token_ids, use_cache, end=end, use_host=use_host)  # use_cache=False: no hit
         bs, L = self.block_size, plan.L
         if not plan.ok:
             raise NoFreeBlocksError(

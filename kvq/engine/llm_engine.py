@@ -34,6 +34,7 @@ from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.errors import RequestError, request_error
 from kvq.engine.executor import make_executor
 from kvq.engine.outputs import CompletionOutput, RequestOutput
+from kvq.engine.prompt_logprobs import PromptLogprobs, PromptRows, score
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
 from kvq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -52,6 +53,8 @@ class _Launched:
     token_ids: torch.Tensor | None  # [R] on the device: feeds the next step's pending tokens
     host: list[torch.Tensor] | None  # token ids (and logprob tensors), copied to the host
     event: object | None  # CUDA event after the copies; None on the CPU
+    prompt: PromptRows | None = None  # the step's prompt rows (kvq.engine.prompt_logprobs)
+    prompt_host: list[torch.Tensor] | None = None  # their scores, copied to the host
 
     def feed(self) -> tuple[torch.Tensor, dict[int, int]]:
         """(sampled token ids on the device, their row per sequence id)."""
@@ -102,6 +105,7 @@ class LLMEngine:
         self._prompts: dict[int, str | None] = {}
         self._texts: dict[int, str] = {}
         self._logprobs: dict[int, list[dict]] = {}
+        self._prompt_logprobs = PromptLogprobs()
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._inflight: _Launched | None = None  # launched, results not read (async_scheduling)
         self._kv_transfer: dict[int, object] = {}  # what a connector carries on a request's output
@@ -255,6 +259,7 @@ class LLMEngine:
                     added.append(seq.seq_id)
                     self._prompts[seq.seq_id] = text
                     self._texts[seq.seq_id] = ""
+                    self._prompt_logprobs.add(seq)
                     taken = [c.add_request(seq, kv_transfer) for c in self.connectors]
                     if kv_transfer is not None and not any(taken):
                         raise ValueError("kv_transfer: no KV connector of this engine takes it (a prefill "
@@ -275,6 +280,7 @@ class LLMEngine:
         """Drop a finished request's text and logprobs (a long-running server must not keep them)."""
         for d in (self._prompts, self._texts, self._logprobs, self._detok, self._kv_transfer, self._errors):
             d.pop(request_id, None)
+        self._prompt_logprobs.forget(request_id)
         for c in self.connectors:
             c.request_finished(request_id)
 
@@ -321,32 +327,39 @@ class LLMEngine:
         logits, sample_ids = self.executor.execute(sched, seqs, prev.feed() if prev is not None else None)
         for c in self.connectors:
             c.after_forward(sched)
-        if not sample_ids:
+        prompt = PromptRows.of(sched, seqs)  # logits rows after the R sampling rows
+        if not sample_ids and prompt is None:
             return _Launched(sched, seqs, [], None, None, None)
-        params = [seqs[i].params for i in sample_ids]
-        st = SamplingTensors.from_params(params, self.device, self.seed_state)
-        # each row's output index: tokens it has, plus those still in flight before this one
-        out = self.sampler(logits, st, [seqs[i].num_output_tokens + seqs[i].num_pending - 1 for i in sample_ids])
-        host = [out.token_ids]
-        if out.logprobs is not None:
-            lp = out.logprobs
-            host += [lp.top_logprobs, lp.top_ids, lp.sampled_logprobs]
+        host, token_ids, R = [], None, len(sample_ids)
+        if sample_ids:
+            params = [seqs[i].params for i in sample_ids]
+            st = SamplingTensors.from_params(params, self.device, self.seed_state)
+            # each row's output index: tokens it has, plus those still in flight before this one
+            out = self.sampler(logits if prompt is None else logits[:R], st,
+                               [seqs[i].num_output_tokens + seqs[i].num_pending - 1 for i in sample_ids])
+            host, token_ids = [out.token_ids], out.token_ids
+            if out.logprobs is not None:
+                lp = out.logprobs
+                host += [lp.top_logprobs, lp.top_ids, lp.sampled_logprobs]
+        prompt_host = score(logits[R:], prompt) if prompt is not None else []
+        event = None
         if self.device.type == "cuda":  # pinned copies: the host goes on while they land
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in host]
+            host, prompt_host = ([torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                  for t in ts] for ts in (host, prompt_host))
             event = torch.cuda.Event()
             event.record()
-        else:
-            event = None
-        return _Launched(sched, seqs, sample_ids, out.token_ids, host, event)
+        return _Launched(sched, seqs, sample_ids, token_ids, host, event, prompt, prompt_host)
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's samples, update the scheduler, detokenize, build outputs."""
         sched, seqs, sample_ids = launched.sched, launched.seqs, launched.sample_ids
         sampled: dict[int, int] = {}
         lp_rows = {}
+        if launched.event is not None:
+            launched.event.synchronize()
+        if launched.prompt is not None:  # before any output: a request's first one carries them all
+            self._prompt_logprobs.record(launched.prompt, launched.prompt_host, seqs)
         if sample_ids:
-            if launched.event is not None:
-                launched.event.synchronize()
             tokens = launched.host[0].tolist()
             sampled = dict(zip(sample_ids, tokens))
             if len(launched.host) > 1:
@@ -446,4 +459,5 @@ class LLMEngine:
             metrics=m,
             error=self._errors.get(seq.seq_id),
             kv_transfer=self._kv_transfer.get(seq.seq_id),
+            prompt_logprobs=self._prompt_logprobs.get(seq.seq_id),
         )

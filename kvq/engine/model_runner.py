@@ -41,8 +41,9 @@ class ModelRunner:
 
     def execute(self, sched, seqs: dict, feed: tuple[torch.Tensor, dict] | None = None
                 ) -> tuple[torch.Tensor | None, list[int]]:
-        """Run the step; -> (logits [R, V] of every item's ``logit_rows``, in order, or None when
-        no item asks for any; the sequence id of each row).  ``seqs[seq_id].token_ids(a, b)``
+        """Run the step; -> (logits [R + P, V]: the R rows of every item's ``logit_rows``, in order,
+        then the P rows of their ``prompt_rows``, in order; or None when no item asks for any row;
+        the sequence id of each of the R rows).  ``seqs[seq_id].token_ids(a, b)``
         gives the tokens of positions [a, b).
 
         ``feed`` (asynchronous scheduling): the previous step's sampled ids on the device
@@ -52,7 +53,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[tuple[str, int, int]] = []
-        seq_ids, lens, nums, logits_rows, sample_ids = [], [], [], [], []
+        seq_ids, lens, nums, logits_rows, sample_ids, prompt_rows = [], [], [], [], [], []
         fed_at, fed_rows = [], []  # positions in ids, rows of feed[0]
         tables = self.tables
         tables.release(sched.released)
@@ -76,20 +77,22 @@ class ModelRunner:
             for off in item.logit_rows:
                 logits_rows.append(base + off)
                 sample_ids.append(item.seq_id)
+            prompt_rows += (base + off for off in item.prompt_rows)
         seals = layer_seals(sched.ops)
         if seals is None:
             self.apply_ops(sched.ops)
         step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums, seals or ())
         i64 = [np.int64] * 2
         if (self.graphs is not None and self.warmup is None and logits_rows == list(range(len(ids)))
-                and self.graphs.serves(step)):
+                and not prompt_rows and self.graphs.serves(step)):
             self.graph_steps += 1
             fed = None
             if fed_at:
                 at, rows = self.staging.pack([fed_at, fed_rows], i64)
                 fed = (at, feed[0].index_select(0, rows))
             return self.graphs.run(ids, positions, step, fed), sample_ids
-        rows = logits_rows or [len(ids) - 1]
+        scored = logits_rows + prompt_rows
+        rows = scored or [len(ids) - 1]
         # one copy: the metadata, ids, positions, logit rows, and where the fed tokens go
         meta, (ids_dev, pos_dev, rows_dev, at, fed_src) = stage_step(
             step, self.block_size, self.staging.pack,
@@ -101,4 +104,4 @@ class ModelRunner:
         if self.warmup is not None and self.warmup.advance(len(ids)):
             self.pool.observer, warmup, self.warmup = None, self.warmup, None
             warmup.freeze()  # enqueued after this step's forward, before the next one
-        return (logits if logits_rows else None), sample_ids
+        return (logits if scored else None), sample_ids

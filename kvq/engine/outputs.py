@@ -25,3 +25,6 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # the request failed (a KV transfer without fallback): finish_reason "abort"
     kv_transfer: object | None = None  # what a KV connector carries for the request (a prefill engine's export)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first, then
+    # {"token_id", "logprob", "top": [(id, logprob), ...k]} (kvq.engine.prompt_logprobs); else None
+    prompt_logprobs: list[dict | None] | None = None

@@ -2,8 +2,8 @@
 
 A frozen value object: validated once when built, then read by the scheduler
 (``max_tokens``, ``stop_token_ids``, ``ignore_eos``), the sampler
-(``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``) and the engine's
-detokenizer (``stop`` strings). Pure Python: no torch here.
+(``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``), the engine's
+detokenizer (``stop`` strings) and its prompt scoring (``prompt_logprobs``). Pure Python: no torch here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def _is_int(v: object) -> bool:
 class SamplingParams:
     """How to pick each next token, and when to stop.
 
-    max_tokens      output tokens to generate at most (>= 1); reaching it finishes with "length"
+    max_tokens      output tokens to generate at most (>= 1); reaching it finishes with "length".  A request
+                    that only scores its prompt (OpenAI echo, max_tokens 0) asks for 1 and drops the token
     temperature     finite, >= 0; below ``GREEDY_EPS`` the sampler takes the argmax (see :attr:`greedy`)
     top_p           nucleus mass in (0, 1]; 1 disables it
     top_k           keep the k most likely tokens; 0 or -1 disables it
@@ -37,6 +38,10 @@ class SamplingParams:
                     in the output and reported as ``Sequence.stop_reason``
     ignore_eos      keep generating past the model's EOS token
     logprobs        number of top logprobs to return per output token, in [0, 20], or None
+    prompt_logprobs number of top logprobs to return per prompt token, in [0, 20], or None (off):
+                    the logprob of each prompt token given those before it (None for the first),
+                    in ``RequestOutput.prompt_logprobs`` (kvq.engine.prompt_logprobs); such a
+                    request never reuses cached prefix blocks, so every position is computed
     n               parallel samples per prompt; only 1 is supported
     """
 
@@ -49,6 +54,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -97,6 +103,10 @@ class SamplingParams:
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
+        k = self.prompt_logprobs
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise RequestError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}",
+                               "prompt_logprobs")
         if self.n != 1:
             raise RequestError(f"n={self.n!r} is not supported; valid values: 1", "n")
 

@@ -75,6 +75,21 @@ from kvq.engine.scheduling import (PREEMPTION_MODES, ScheduledSeq, SchedulerConf
 from kvq.engine.sequence import FINISH_REASONS, SeqStatus, Sequence
 
 
+def _scores_prompt(seq: Sequence) -> bool:
+    """Its prompt's logprobs are still to be computed (``prompt_logprobs``, no output yet): every
+    position of the prompt runs here, none is taken from a prefix cache or a prefill peer.  Once a
+    token is out, the whole prompt was scored (a preempted sequence recomputes without scoring)."""
+    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
+
+
+def _prompt_rows(seq: Sequence, start: int, n: int) -> tuple[int, ...]:
+    """Offsets among a chunk's ``n`` new tokens at ``start`` that score a prompt token: positions
+    ``p < num_prompt_tokens - 1`` (the last prompt position's logits sample the first output)."""
+    if not _scores_prompt(seq):
+        return ()
+    return tuple(range(max(0, min(start + n, seq.num_prompt_tokens - 1) - start)))
+
+
 class Scheduler(LoadsMixin):
     """Continuous batching with chunked prefill and preemption by recompute (policy: module docstring).
 
@@ -175,8 +190,10 @@ class Scheduler(LoadsMixin):
         # A fill reserves the whole prompt at once (its final layout: blocks a chunked prefill keeps hp
         # until its next call can be q already), so it is remote only where that always fits too;
         # otherwise it is prefilled here, which always fits (liveness, module docstring).
-        if remote and all(a <= b for a, b in zip(peak_blocks(p + seq.params.max_tokens - 1,
-                                                              self.block_manager.policy), (nq, nhp))):
+        # A request whose prompt is scored (prompt_logprobs) computes every position here.
+        if remote and not _scores_prompt(seq) and all(
+                a <= b for a, b in zip(peak_blocks(p + seq.params.max_tokens - 1, self.block_manager.policy),
+                                       (nq, nhp))):
             self._remote_wanted.add(seq.seq_id)
 
     def finish(self, seq_id: int, reason: str, stop_reason: int | str | None = None) -> bool:
@@ -226,7 +243,7 @@ class Scheduler(LoadsMixin):
             t0, refs, tlen = bm.table_delta(sid)
             sample = start + n == seq.num_tokens + seq.num_pending
             scheduled.append(ScheduledSeq(sid, n, start, is_prefill, sample, tuple(bm.slots(sid, start, start + n)),
-                                          t0, refs, tlen, (n - 1,) if sample else ()))
+                                          t0, refs, tlen, (n - 1,) if sample else (), _prompt_rows(seq, start, n)))
             budget -= n
             seq.num_scheduled_tokens = start + n
             if sample:  # its next token is sampled by this step: a decode from now on
@@ -340,11 +357,11 @@ class Scheduler(LoadsMixin):
             def first_chunk_end(hit: int, n=len(tokens), b=budget) -> int:  # a hit only shortens the remainder
                 return hit + self._chunk(hit, n, b)
 
-            use_host = seq.seq_id not in self._no_host
-            if not bm.can_allocate(len(tokens), tokens, end=first_chunk_end, use_host=use_host):
+            use_host, cached = seq.seq_id not in self._no_host, not _scores_prompt(seq)  # scored: no hit
+            if not bm.can_allocate(len(tokens), tokens if cached else None, end=first_chunk_end, use_host=use_host):
                 break
             assert seq.num_pending == 0, "a sequence re-admitted before its in-flight token arrived"
-            hit = bm.allocate_prompt(seq.seq_id, tokens, end=first_chunk_end, use_host=use_host)
+            hit = bm.allocate_prompt(seq.seq_id, tokens, end=first_chunk_end, use_host=use_host, use_cache=cached)
             self._waiting.pop(0)
             seq.num_computed_tokens = seq.num_scheduled_tokens = hit.num_cached_tokens
             self._insort(self._running, seq)

@@ -87,6 +87,10 @@ class ScheduledSeq:
     table_refs: tuple[BlockRef, ...] = ()  # the table's entries [table_start, table_len)
     table_len: int = 0
     logit_rows: tuple[int, ...] = ()  # offsets among the new tokens whose logits the step returns
+    # offsets among the new tokens whose logits score the prompt's next token (prompt_logprobs):
+    # position start + off is scored against the prompt token at start + off + 1; returned after
+    # every item's logit_rows (kvq.engine.prompt_logprobs)
+    prompt_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
