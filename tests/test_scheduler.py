@@ -810,3 +810,20 @@ def test_discard_inflight_after_a_failed_forward():
     assert bm.num_free_blocks("q") == 16 and not sched.has_unfinished()
     sched.add(Sequence(3, [3, 3], SamplingParams(max_tokens=1)))
     assert [s.seq_id for s in sched.schedule().scheduled] == [3]  # the scheduler works on
+
+
+def test_a_scored_prompt_is_chunked_to_bound_its_logit_rows():
+    """prompt_logprobs asks for a logit row per prompt position: a scored prompt's chunks hold at most
+    max(max_num_seqs, SCORED_CHUNK_MIN) tokens (the logits stay near what the memory profile saw), and
+    every position is still scored once; an unscored prompt of the same length takes the whole budget."""
+    from kvq.engine.scheduler import SCORED_CHUNK_MIN
+
+    pol = WindowPolicy(16)
+    n = SCORED_CHUNK_MIN + 100
+    for scored in (True, False):
+        e = Engine(pol, nq=64, nhp=64, max_model_len=1024, max_num_batched_tokens=1024)
+        e.add(1, list(range(1, n + 1)), max_tokens=2, prompt_logprobs=1 if scored else None)
+        out = e.s.schedule()
+        (item,) = out.scheduled
+        assert item.num_new_tokens == (SCORED_CHUNK_MIN if scored else n)
+        assert item.prompt_rows == (tuple(range(SCORED_CHUNK_MIN)) if scored else ())

@@ -82,6 +82,11 @@ def _scores_prompt(seq: Sequence) -> bool:
     return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
 
 
+#: A scored prompt's chunk holds at most max(max_num_seqs, this) tokens: its logit rows ([rows, vocab]
+#: float32) stay within a small multiple of the sampling rows the engine's memory profile measured.
+SCORED_CHUNK_MIN = 256
+
+
 def _prompt_rows(seq: Sequence, start: int, n: int) -> tuple[int, ...]:
     """Offsets among a chunk's ``n`` new tokens at ``start`` that score a prompt token: positions
     ``p < num_prompt_tokens - 1`` (the last prompt position's logits sample the first output)."""
@@ -302,7 +307,7 @@ class Scheduler(LoadsMixin):
                     break
                 take(seq, reserved, is_prefill=True)
                 continue
-            n = self._chunk(start, seq.num_tokens, budget)
+            n = self._chunk(start, seq.num_tokens, self._budget(seq, budget))
             if n == 0:
                 stalled = True
                 break
@@ -314,7 +319,7 @@ class Scheduler(LoadsMixin):
             # a loaded prompt swapped out before its reserved first chunk ran resumes with that chunk
             reserved = bm.num_tokens(seq.seq_id) - seq.num_scheduled_tokens
             n = 1 if self._swapped_from[seq.seq_id] is SeqStatus.DECODE else \
-                reserved or self._chunk(seq.num_scheduled_tokens, seq.num_tokens, budget)
+                reserved or self._chunk(seq.num_scheduled_tokens, seq.num_tokens, self._budget(seq, budget))
             if n == 0 or budget < n or not bm.can_swap_in(seq.seq_id):
                 break  # the head waits; nothing is admitted behind it
             ops.append(bm.swap_in(seq.seq_id))
@@ -352,9 +357,9 @@ class Scheduler(LoadsMixin):
                 remote_ops.append(op)
                 self.num_remote_loads += 1
                 continue
-            if self._chunk(0, len(tokens), budget) == 0:
+            if self._chunk(0, len(tokens), self._budget(seq, budget)) == 0:
                 break
-            def first_chunk_end(hit: int, n=len(tokens), b=budget) -> int:  # a hit only shortens the remainder
+            def first_chunk_end(hit: int, n=len(tokens), b=self._budget(seq, budget)) -> int:  # a hit shortens it
                 return hit + self._chunk(hit, n, b)
 
             use_host, cached = seq.seq_id not in self._no_host, not _scores_prompt(seq)  # scored: no hit
@@ -431,6 +436,10 @@ class Scheduler(LoadsMixin):
     # -- internals --------------------------------------------------------------------------
     def _insort(self, queue: list[Sequence], seq: Sequence) -> None:
         bisect.insort(queue, seq, key=lambda s: self._rank[s.seq_id])
+
+    def _budget(self, seq: Sequence, budget: int) -> int:
+        """``budget`` for one sequence's chunk: a scored prompt's chunks are capped (SCORED_CHUNK_MIN)."""
+        return min(budget, max(self.config.max_num_seqs, SCORED_CHUNK_MIN)) if _scores_prompt(seq) else budget
 
     def _chunk(self, start: int, end: int, budget: int) -> int:
         """Tokens of ``[start, end)`` to compute this step under ``budget``; 0 if none may run."""
