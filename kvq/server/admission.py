@@ -54,8 +54,9 @@ class Admission:
 
     async def prepare(self, kind: type, body: bytes) -> tuple:
         """(request, model name, specs).  Raises ApiError, ValueError (400), OverloadedError (429) or
-        EngineDeadError (503).  The checks run on the loop's default executor, so a refusal never
-        waits behind another request's tokenization; the tokenizations run on the one worker."""
+        EngineDeadError (503; its ShuttingDown while the server drains).  The checks run on the loop's
+        default executor, so a refusal never waits behind another request's tokenization; the
+        tokenizations run on the one worker."""
         checked = await asyncio.to_thread(self._check, kind, body)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._build, *checked)
 

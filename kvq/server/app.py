@@ -18,7 +18,12 @@ the response's cancellation, a non-streaming request by racing it against the
 connection's ``http.disconnect``; one that leaves mid-body is one log line.
 Status codes: 400 bad input, 401 API key, 404 unknown route or model, 408 body
 too slow, 413 body too large, 415 not JSON, 429 overloaded, 503 engine not
-running, 500 engine failure; every body is OpenAI's error shape.
+running or the server shutting down (with ``Retry-After``), 500 engine failure;
+every body is OpenAI's error shape.
+
+Shutdown (kvq/server/launch.py): while the server drains, ``/health`` and every new
+generation request are 503 ``server_shutdown``; a request the drain's deadline ends is a
+503 (JSON) or, in a stream, a last chunk with ``finish_reason: "abort"`` then ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kvq.connectors.remote_prefill import FILL_STATS
 from kvq.server.admission import Admission
-from kvq.server.async_engine import AsyncEngine, EngineDeadError, EngineError, OverloadedError
+from kvq.server.async_engine import AsyncEngine, EngineDeadError, EngineError, OverloadedError, ShuttingDown
 from kvq.server.auth import ApiKeyAuth
 from kvq.server.http import ClientGone, api_error_response, error_response, read_json_body
 from kvq.server.metrics import ServerMetrics
@@ -59,6 +64,17 @@ from kvq.server.protocol import (
 )
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: same handlers and format as its lines
+RETRY_AFTER_S = 5  # a 503 while shutting down: about a load balancer's health-check interval
+
+
+def shutdown_response(e: ShuttingDown):
+    """503 ``server_shutdown`` with Retry-After, closing the connection: the client's retry should reach
+    another replica, not this one on a kept-alive connection."""
+    response = error_response(503, str(e), "service_unavailable", "server_shutdown")
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    response.headers["Connection"] = "close"
+    return response
+
 
 class SSEResponse(StreamingResponse):
     """A streaming response that, however it ends, closes its generator at once (not at garbage
@@ -174,12 +190,17 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         return error_response(400, f"{'.'.join(loc)}: {err['msg']}", "invalid_request_error", "invalid_value",
                       loc[-1] if loc else None)
 
+    @app.head("/health", include_in_schema=False)  # HEAD: GET's status and headers; uvicorn drops the body
     @app.get("/health")
     async def health():
+        if engine.draining:
+            return shutdown_response(ShuttingDown(f"the server is shutting down: draining {engine.num_live} "
+                                                  "running sequences; it takes no new requests"))
         if not engine.alive:
             return error_response(503, engine.dead_reason or "the engine is not running", "service_unavailable")
         return {"status": "ok"}
 
+    @app.head("/v1/models", include_in_schema=False)
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [
@@ -194,7 +215,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
     async def status(check: bool = False):
         snap = engine.snapshot
         body = {
-            "alive": engine.alive, "dead_reason": engine.dead_reason, "served_model_names": names,
+            "alive": engine.alive, "dead_reason": engine.dead_reason, "draining": engine.draining,
+            "served_model_names": names,
             "model": info["model"], "device": info["device"], "dtype": info["dtype"],
             "requests": {k: snap[k] for k in ("running", "waiting", "swapped", "live_requests")},
             "max_live_requests": engine.max_live,
@@ -223,6 +245,9 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
 
     async def generate(request: Request, kind: type):
         try:
+            if engine.draining:  # refused before its body is read
+                raise ShuttingDown("the server is shutting down and takes no new requests; retry on another "
+                                   "replica")
             req, model, group = await admit(request, kind)
         except ClientGone as e:
             metrics.outcome("abort")
@@ -239,6 +264,9 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         except OverloadedError as e:
             metrics.outcome("overloaded")
             return error_response(429, str(e), "rate_limit_error", "overloaded")
+        except ShuttingDown as e:
+            metrics.outcome("unavailable")
+            return shutdown_response(e)
         except EngineDeadError as e:
             metrics.outcome("unavailable")
             return error_response(503, str(e), "service_unavailable")
@@ -255,6 +283,9 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         except ClientGone:
             metrics.outcome("abort")
             return Response(status_code=499)  # nobody reads it
+        except ShuttingDown as e:  # still running at the drain's deadline
+            metrics.outcome("abort")
+            return shutdown_response(e)
         except (EngineError, EngineDeadError) as e:
             metrics.outcome("error")
             return error_response(500 if isinstance(e, EngineError) else 503, str(e), "server_error")
@@ -306,6 +337,13 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             if req.include_usage:
                 yield _sse({**head, "choices": [], "usage": usage(prompt_tokens(group, req.n), completion_tokens)})
             outcome = "success"
+            yield _sse("[DONE]")
+        except ShuttingDown:  # still running at the drain's deadline: each unfinished choice ends "abort"
+            for index in sorted(set(range(len(group))) - group.done):
+                yield _sse({**head, "choices": [chat_delta(index, {}, "abort", [] if ids else None) if chat
+                                                else completion_choice(index, "", "abort", [] if ids else None)]})
+            if req.include_usage:
+                yield _sse({**head, "choices": [], "usage": usage(prompt_tokens(group, req.n), sum(state.ntok))})
             yield _sse("[DONE]")
         except (EngineError, EngineDeadError) as e:
             outcome = "error"

@@ -12,6 +12,7 @@ queue and hears back through per-request asyncio queues::
     async for (index, output) in group  <-------  engine.step() -> call_soon_threadsafe(queue.put_nowait)
     client gone: abort(group) --_Abort---------->  engine.abort(ids): blocks freed before the next step
     check() --_Check---------------------------->  block manager + scheduler integrity, leaked blocks
+    shutdown: abort_all() --_AbortAll----------->  engine.abort(every live id); each stream: ShuttingDown
 
 The loop never dies because of one request: bad input is that request's
 ValueError (HTTP 400).  If ``step()`` itself raises, the batch it was running
@@ -22,6 +23,10 @@ that recovery fails is the engine marked dead (HTTP 503 from then on).
 Admission is bounded: at most ``max_num_seqs + max_queue_len`` engine requests
 are live at once; one more is :class:`OverloadedError` (HTTP 429) at once,
 rather than a queue that grows without limit.
+
+Shutdown (kvq/server/launch.py drives it): :meth:`AsyncEngine.begin_drain` refuses every new
+request (:class:`ShuttingDown`, HTTP 503) while live ones go on; :meth:`AsyncEngine.abort_all`
+ends those still live at the drain's deadline.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ class EngineDeadError(RuntimeError):
 
 class EngineError(RuntimeError):
     """The engine failed while running this request (HTTP 500); the engine itself recovered."""
+
+
+class ShuttingDown(EngineDeadError):
+    """The server is shutting down: a new request is refused, or a running one was ended by the drain's
+    deadline (HTTP 503 with Retry-After; a stream ends with finish_reason "abort")."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,11 @@ class _Abort:
 
 
 @dataclass
+class _AbortAll:
+    reason: str
+
+
+@dataclass
 class _Check:
     reply: concurrent.futures.Future
 
@@ -119,6 +134,7 @@ class AsyncEngine:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}  # engine request id -> its group (engine thread only)
         self._num_live = 0  # engine requests admitted and not yet released (event-loop side)
+        self._draining = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.dead_reason: str | None = None
@@ -143,11 +159,33 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.dead_reason is None \
             and not self._stop.is_set()
 
+    # -- shutdown (kvq.server.launch.Server drives it) --------------------------------------------
+    def begin_drain(self) -> None:
+        """From now on every new request is refused with :class:`ShuttingDown`; live ones go on."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_live(self) -> int:
+        """Engine requests admitted and not yet released by the front end (event-loop side)."""
+        return self._num_live
+
+    def abort_all(self, reason: str) -> None:
+        """End every live request on the engine thread (its blocks freed before the next step); each
+        unfinished output stream raises ``ShuttingDown(reason)``.  Call :meth:`begin_drain` first, so
+        that nothing is admitted behind it."""
+        self._cmds.put(_AbortAll(reason))
+
     # -- front end (event loop) -----------------------------------------------------------------
     def check_room(self, count: int) -> None:
         """Raise EngineDeadError, ValueError (more than could ever be admitted) or OverloadedError unless
         ``count`` more engine requests can be admitted now.  Cheap, and it only reads, so any thread may
         call it before building work (the admission worker does); ``submit`` checks again on the loop."""
+        if self._draining:
+            raise ShuttingDown("the server is shutting down and takes no new requests; retry on another replica")
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if count > self.max_live:
@@ -224,8 +262,9 @@ class AsyncEngine:
             traceback.print_exc()
         finally:
             reason = self.dead_reason or "the server is shutting down"
+            ended = EngineDeadError(reason) if self.dead_reason else ShuttingDown(reason)  # stopped: as a drain's end
             for live in list(self._live.values()):
-                self._push(live.group, live.index, EngineDeadError(reason))
+                self._push(live.group, live.index, ended)
             self._live.clear()
             self._fail_pending(reason)
             self.snapshot = self._snapshot()
@@ -251,6 +290,13 @@ class AsyncEngine:
                     del self._live[rid]
                     self.engine.abort(rid)
                     self.events.finished("abort")
+        elif isinstance(cmd, _AbortAll):
+            err = ShuttingDown(cmd.reason)
+            for rid, live in list(self._live.items()):
+                self.engine.abort(rid)
+                self.events.finished("abort")
+                self._push(live.group, live.index, err)
+            self._live.clear()
         elif isinstance(cmd, _Check):
             if not cmd.reply.set_running_or_notify_cancel():
                 return

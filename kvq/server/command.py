@@ -1,16 +1,25 @@
-"""`kvq serve`: the OpenAI-compatible HTTP server (docs/server.md)."""
+"""`kvq serve`: the OpenAI-compatible HTTP server (docs/server.md).
+
+Signals: while the server starts (the model loading), SIGINT or SIGTERM stop it within
+``STOP_GRACE_S`` with one line on stderr and exit status 128 + the signal (130, 143); once it serves,
+kvq.server.launch.Server drains on them (exit status 0, or 130 when a second SIGINT cut the drain).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
+import signal
 import sys
+import threading
 
 from kvq.server.options import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, KVRoleOptions, ServerOptions
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 API_KEY_ENV = "KVQ_API_KEY"
+STOP_GRACE_S = 2.0  # a signal while starting: if unwinding takes longer (a library holding on), exit anyway
 
 
 def register(sub) -> None:
@@ -31,6 +40,13 @@ def register(sub) -> None:
     g.add_argument("--max-queue-len", type=int, default=256,
                    help="requests queued beyond --max-num-seqs before new ones get HTTP 429 (default 256)")
     g.add_argument("--uvicorn-log-level", default="info", help=f"uvicorn's log level: {', '.join(LOG_LEVELS)}")
+    g.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C the server drains: new requests and /health get HTTP 503 (with "
+                   "Retry-After), running requests have this many seconds to finish, then each still running ends "
+                   "(a stream with finish_reason \"abort\" and [DONE], a JSON request with 503) and the server "
+                   "exits with status 0 (default 20, inside Kubernetes' 30 s grace period; 0: end them at once). "
+                   "A second Ctrl-C ends them at once (exit status 130). While the model loads, SIGINT or "
+                   "SIGTERM exit at once (status 130 or 143)")
     s = p.add_argument_group("security and limits")
     s.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/*, /metrics and "
                    f"/status (/health stays open); default ${API_KEY_ENV}, which keeps the key out of `ps`")
@@ -84,7 +100,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
                          allowed_origins=tuple(args.allowed_origins or ()), enable_docs=args.enable_docs,
                          max_n=args.max_n, max_request_bytes=max_request_bytes,
                          timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
-                         timeout_body=args.timeout_body)
+                         timeout_body=args.timeout_body, shutdown_timeout=args.shutdown_timeout)
 
 
 def kv_options_from_args(args: argparse.Namespace) -> KVRoleOptions:
@@ -120,7 +136,53 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM before the server serves (a KeyboardInterrupt, so code that re-raises those
+    passes it on): exit status 128 + ``signum``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_starting(signum: int, frame) -> None:
+    code = 128 + signum
+    tqdm = sys.modules.get("tqdm")
+    bar = tqdm is not None and bool(getattr(tqdm.tqdm, "_instances", None))  # a loading bar ends its line first
+    print(f"{chr(10) if bar else ''}[kvq serve] {signal.Signals(signum).name} while starting: stopped (exit status "
+          f"{code})", file=sys.stderr, flush=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal does not wait for the unwinding
+        signal.signal(sig, lambda *_: os._exit(code))
+    watchdog = threading.Timer(STOP_GRACE_S, os._exit, (code,))  # nor does a library that swallows the first
+    watchdog.daemon = True
+    watchdog.start()
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_while_starting():
+    """SIGINT/SIGTERM stop the startup (:func:`_stop_starting`); the previous handlers come back after.
+    uvicorn's part (kvq.server.launch.Server) installs its own while it serves."""
+    if threading.current_thread() is not threading.main_thread():  # cmd_serve called from a thread (tests)
+        yield
+        return
+    previous = {sig: signal.signal(sig, _stop_starting) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        with _signals_while_starting():
+            return _serve(args)
+    except Interrupted as e:
+        return 128 + e.signum
+
+
+def _serve(args: argparse.Namespace) -> int:
     from kvq.engine.args import engine_config_from_args
 
     options = check_server_args(args)
@@ -130,9 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     sock = bind_socket(args.host, args.port)  # a port in use is an error now, not after the model loaded
     try:
-        import uvicorn
-
-        from kvq.server.launch import build_server, uvicorn_config
+        from kvq.server.launch import Server, build_server
 
         from kvq.transfer.describe import TransferIncompatible
         from kvq.transfer.peer import PeerUnavailable
@@ -152,7 +212,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if options.api_key is None and not _is_loopback(args.host):
             print(f"[kvq serve] warning: listening on {args.host} without an API key: anyone who can reach it can "
                   f"use it (--api-key or ${API_KEY_ENV})", file=sys.stderr, flush=True)
-        uvicorn.Server(uvicorn_config(app, args.host, port, args.uvicorn_log_level)).run(sockets=[sock])
+        server = Server(app, args.host, port, args.uvicorn_log_level)
+        server.run(sockets=[sock])
+        return server.exit_code
     finally:
         sock.close()
-    return 0

@@ -1,16 +1,37 @@
-"""Building a server, binding its socket, and running one in a background thread (tests, benchmarks)."""
+"""Building a server, binding its socket, running it with kvq's shutdown (:class:`Server`), and running
+one in a background thread (tests, benchmarks).
+
+Shutdown (docs/server.md, "Shutdown and draining")::
+
+    SIGTERM / first SIGINT -> drain: new requests and /health get 503 (Retry-After); running ones go on
+      -> all done, or --shutdown-timeout passed -> engine.abort_all(): each stream's last chunk has
+         finish_reason "abort" then [DONE], a JSON request gets 503; their blocks are freed
+      -> uvicorn closes the listener and the connections (they are idle by now) -> exit status 0
+    SIGINT while draining -> the deadline is now (exit status 130); any signal after that: exit at once
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
+import logging
+import os
+import signal
 import socket
 import threading
 import time
+
+import uvicorn
 
 from kvq.engine.llm_engine import EngineConfig, LLMEngine
 from kvq.server.async_engine import AsyncEngine
 from kvq.server.metrics import ServerMetrics
 from kvq.server.options import KVRoleOptions, ServerOptions
+
+log = logging.getLogger("uvicorn.error")
+FINAL_EVENTS_S = 5.0  # after abort_all: how long the ended requests have to send their last events
+GRACEFUL_S = 5.0  # then uvicorn's own wait for responses still being written (a client not reading)
 
 
 def build_server(config: EngineConfig, served_model_names: list[str] | None = None, max_queue_len: int = 256,
@@ -67,23 +88,102 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "info"):
     """uvicorn's config for ``app`` with its options' connection timeouts (h11, with the header deadline)."""
-    import uvicorn
-
     from kvq.server.connection import header_deadline_protocol
 
     options: ServerOptions = app.state.options
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5,
-                          timeout_keep_alive=options.timeout_keep_alive,
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                          timeout_graceful_shutdown=GRACEFUL_S, timeout_keep_alive=options.timeout_keep_alive,
                           http=header_deadline_protocol(options.timeout_headers))
 
 
+class Server(uvicorn.Server):
+    """uvicorn, with kvq's shutdown in place of its own (which waits a fixed 5 s, cancels what is left
+    mid-response, then raises the signal again, so the process dies by it): SIGTERM or SIGINT start
+    the drain (module docstring), run as a task of the server's loop; :attr:`exit_code` is 0 after a
+    drain, 128 + SIGINT after one cut short by a second SIGINT."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "info"):
+        super().__init__(uvicorn_config(app, host, port, log_level))
+        self.engine: AsyncEngine = app.state.engine
+        self.shutdown_timeout = app.state.options.shutdown_timeout
+        self.signals: list[int] = []
+        self.exit_code = 0
+        self._requested = False  # plain flags: set by a signal handler or another thread, read on the loop
+        self._cut = False
+        self._drain: asyncio.Task | None = None
+
+    def request_shutdown(self, cut: bool = False) -> None:
+        """Start the drain (any thread); ``cut``: end the running requests now, not at the deadline."""
+        self._cut = self._cut or cut
+        self._requested = True
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:  # and unlike uvicorn, no signal is raised again: a drained server exits with status 0
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """The signal handler: flags only (it may interrupt the loop anywhere); the drain task logs."""
+        self.signals.append(sig)
+        if len(self.signals) == 1:
+            self.request_shutdown()
+        elif self._cut:  # a third signal, or one after the cut: the user insists
+            os.write(2, f"[kvq serve] {signal.Signals(sig).name} again: exiting now\n".encode())
+            os._exit(128 + sig)
+        elif sig == signal.SIGINT:
+            self.exit_code = 128 + sig
+            self.request_shutdown(cut=True)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._requested and self._drain is None:
+            self._drain = asyncio.create_task(self.drain())
+        return await super().on_tick(counter)
+
+    async def drain(self) -> None:
+        """Refuse new work, wait for the running requests (up to the timeout, or until cut), end those
+        left, give them FINAL_EVENTS_S to send their last events, then let uvicorn shut down."""
+        engine, loop = self.engine, asyncio.get_running_loop()
+        try:
+            engine.begin_drain()
+            why = signal.Signals(self.signals[0]).name if self.signals else "shutdown requested"
+            if engine.num_live and not self._cut:
+                log.info("%s: draining %d running sequences for up to %g s (--shutdown-timeout); new requests "
+                         "and /health get 503%s", why, engine.num_live, self.shutdown_timeout,
+                         "; Ctrl-C again ends them now" if self.signals else "")
+            else:
+                log.info("%s: shutting down", why)
+            start = loop.time()
+            deadline = start + self.shutdown_timeout
+            while engine.num_live and not self._cut and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if engine.num_live:
+                cause = f"--shutdown-timeout {self.shutdown_timeout:g} s" if not self._cut else \
+                    "a second SIGINT" if len(self.signals) > 1 else "cut short"
+                log.warning("ending %d sequences still running after %.1f s (%s): finish_reason \"abort\" "
+                            "or HTTP 503", engine.num_live, loop.time() - start, cause)
+                engine.abort_all(f"the server is shutting down: the request was still running at its "
+                                 f"deadline ({cause}); retry on another replica")
+                end = loop.time() + FINAL_EVENTS_S
+                while engine.num_live and loop.time() < end:
+                    await asyncio.sleep(0.02)
+            elif loop.time() > start + 0.05:
+                log.info("drained in %.1f s", loop.time() - start)
+        finally:
+            self.should_exit = True
+
+
 class ServerThread:
-    """uvicorn serving ``app`` on ``host`` from a daemon thread; ``port=0`` picks a free port."""
+    """:class:`Server` serving ``app`` on ``host`` from a daemon thread; ``port=0`` picks a free port."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
+        self.server = Server(app, host, port, log_level)
         self.host = host
         self.thread = threading.Thread(target=self.server.run, name="kvq-uvicorn", daemon=True)
 
@@ -100,5 +200,6 @@ class ServerThread:
         return self.url
 
     def stop(self, timeout: float = 30.0) -> None:
-        self.server.should_exit = True
+        """Drain (running requests get the server's shutdown timeout) and stop."""
+        self.server.request_shutdown()
         self.thread.join(timeout)

@@ -26,6 +26,10 @@ class ServerOptions:
     ``timeout_headers``: a request's headers must be complete this many seconds after the connection
     opened or the request's first byte arrived, else the connection is closed.  ``timeout_body``: the
     body must be complete this many seconds after its headers (408 otherwise).
+
+    ``shutdown_timeout``: on SIGTERM (or a first SIGINT) the server drains: new requests get 503, and
+    running ones have this many seconds to finish before they are ended (0: at once; docs/server.md,
+    "Shutdown and draining").
     """
 
     api_key: str | None = None
@@ -37,6 +41,7 @@ class ServerOptions:
     timeout_keep_alive: float = 5.0
     timeout_headers: float = 10.0
     timeout_body: float = 30.0
+    shutdown_timeout: float = 20.0
 
     def __post_init__(self):
         if self.api_key is not None and (not self.api_key.strip() or self.api_key != self.api_key.strip()):
@@ -49,6 +54,9 @@ class ServerOptions:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
+            raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0 (0: end running requests at "
+                             f"once), got {self.shutdown_timeout}")
         for origin in self.allowed_origins:
             if origin != "*" and (not origin.startswith(("http://", "https://")) or origin.endswith("/")):
                 raise ValueError(f"--allowed-origins: {origin!r} is not an origin; write e.g. https://example.com "

@@ -1,0 +1,296 @@
+"""`kvq serve` shutting down as a real process (docs/server.md, "Shutdown and draining"): SIGTERM and
+SIGINT drain (503 for new requests and /health, running requests finish, those still running at
+--shutdown-timeout end with finish_reason "abort" and [DONE]), exit status 0 and no traceback;
+--shutdown-timeout 0; a second SIGINT; a signal while the model loads; HEAD /health and /v1/models.
+
+Each test starts its own server on the default model (CPU, one torch thread, a small pool) on a free
+loopback port and stops it in a finally block."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+PROMPT = "The capital of France is"
+SHORT = 6  # tokens of a request that finishes within the drain's timeout
+LONG = 300  # tokens of one that cannot (ignore_eos: it runs to max_tokens)
+FLAGS = ["--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--max-model-len", "512", "--threads", "1",
+         "--uvicorn-log-level", "info"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    """`kvq serve` as a subprocess; its stdout+stderr in a file (read with :meth:`log`)."""
+
+    def __init__(self, tmp_path, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / f"serve-{self.port}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvq.cli", "serve", "--port", str(self.port), *FLAGS,
+                                          *flags], stdout=f, stderr=subprocess.STDOUT, env=env)
+        self.started = time.monotonic()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"not ready in {timeout} s:\n{self.log()}")
+
+    def wait_exit(self, timeout: float) -> tuple[int, float]:
+        """(exit status, seconds waited)."""
+        t = time.monotonic()
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout} s later:\n{self.log()}") from None
+        return code, time.monotonic() - t
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class Stream:
+    """One streaming completion read on a thread: every SSE data line, in order."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.events: list = []
+        self.error: BaseException | None = None
+        body = {"model": "default", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        self.events.append(data if data == "[DONE]" else json.loads(data))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def chunks(self) -> int:
+        return sum(1 for e in self.events if isinstance(e, dict) and e["choices"])
+
+    def text(self) -> str:
+        return "".join(c["text"] for e in self.events if isinstance(e, dict) for c in e["choices"])
+
+    def finish_reason(self) -> str | None:
+        reasons = [c["finish_reason"] for e in self.events if isinstance(e, dict) for c in e["choices"]
+                   if c["finish_reason"] is not None]
+        assert len(reasons) == 1, self.events
+        return reasons[0]
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the stream did not end"
+        assert self.error is None, repr(self.error)
+
+
+def _complete(url: str, max_tokens: int) -> str:
+    r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": PROMPT, "max_tokens": max_tokens,
+                                                   "temperature": 0, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _assert_ended(stream: Stream, reason: str) -> None:
+    """The stream's last events: a chunk with ``reason``, the usage chunk, then [DONE]."""
+    assert stream.events[-1] == "[DONE]", stream.events[-3:]
+    assert stream.events[-2]["usage"]["completion_tokens"] >= 1, stream.events[-2]
+    assert stream.finish_reason() == reason, stream.events[-3:]
+    assert [c["finish_reason"] for c in stream.events[-3]["choices"]] == [reason]
+
+
+def _assert_clean_exit(server: Serve, code: int, expected: int = 0) -> None:
+    log = server.log()
+    assert code == expected, log
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+
+
+def _drain_case(tmp_path, sig: int) -> None:
+    """2 short streams finish within the timeout with their full text; 6 long ones end "abort", and a
+    long JSON request queued behind them (--max-num-seqs 8) gets 503; while the server drains a new
+    request and /health get 503 with Retry-After; exit status 0."""
+    timeout = 5.0
+    server = Serve(tmp_path, "--shutdown-timeout", str(timeout))
+    try:
+        server.wait_ready()
+        reference = _complete(server.url, SHORT)  # the same greedy request, not interrupted
+        streams = [Stream(server.url, SHORT if i < 2 else LONG) for i in range(8)]
+        _until(lambda: all(s.chunks() >= 1 for s in streams[2:]), 60, "the long streams did not start")
+        queued: list = []
+        waiting = threading.Thread(target=lambda: queued.append(httpx.post(
+            server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True},
+            timeout=60)), daemon=True)
+        waiting.start()
+        _until(lambda: httpx.get(server.url + "/status").json()["requests"]["live_requests"] == 9, 10, "not queued")
+        server.proc.send_signal(sig)
+        sent = time.monotonic()
+        _until(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503, 3, "/health stayed 200")
+        r = httpx.get(server.url + "/health")
+        assert r.status_code == 503 and r.headers["retry-after"] == "5", r
+        assert r.json()["error"]["code"] == "server_shutdown", r.text
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "5" and r.headers["connection"] == "close"
+        assert r.json()["error"]["type"] == "service_unavailable" and r.json()["error"]["code"] == "server_shutdown"
+        assert httpx.head(server.url + "/health").status_code == 503
+        code, waited = server.wait_exit(timeout + 15)
+        for s in streams:
+            s.join(5)
+        for s in streams[:2]:
+            _assert_ended(s, "length")
+            assert s.text() == reference
+        for s in streams[2:]:
+            _assert_ended(s, "abort")
+            assert s.chunks() < LONG
+        waiting.join(5)
+        assert queued[0].status_code == 503 and queued[0].headers["retry-after"] == "5", queued
+        error = queued[0].json()["error"]
+        assert error["code"] == "server_shutdown" and "--shutdown-timeout 5 s" in error["message"], error
+        # the drain waited for the timeout (the long streams were running), then ended them at once
+        assert timeout - 0.5 < time.monotonic() - sent < timeout + 10, time.monotonic() - sent
+        _assert_clean_exit(server, code)
+        assert "ending 7 sequences still running" in server.log(), server.log()
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_then_ends_the_rest_with_abort(tmp_path):
+    _drain_case(tmp_path, signal.SIGTERM)
+
+
+def test_sigint_drains_like_sigterm(tmp_path):
+    _drain_case(tmp_path, signal.SIGINT)
+
+
+def test_shutdown_timeout_0_ends_streams_at_once_and_a_second_sigint_cuts_a_drain(tmp_path):
+    """--shutdown-timeout 0: open streams end "abort" + [DONE] within a second or two, exit 0.  Then a
+    server with a long timeout: a second SIGINT ends its streams at once, exit status 130."""
+    for flags, signals, expected in ((["--shutdown-timeout", "0"], [signal.SIGTERM], 0),
+                                     (["--shutdown-timeout", "60"], [signal.SIGINT, signal.SIGINT], 130)):
+        server = Serve(tmp_path, *flags)
+        try:
+            server.wait_ready()
+            streams = [Stream(server.url, LONG) for _ in range(4)]
+            _until(lambda: all(s.chunks() >= 2 for s in streams), 60, "the streams did not start")
+            for sig in signals:
+                server.proc.send_signal(sig)
+                time.sleep(0.5)
+            code, waited = server.wait_exit(10)
+            assert waited < 5, waited
+            for s in streams:
+                s.join(5)
+                _assert_ended(s, "abort")
+            _assert_clean_exit(server, code, expected)
+        finally:
+            server.stop()
+
+
+def test_in_process_stop_drains_and_frees_every_block():
+    """ServerThread.stop drains too: streams still running at the timeout end "abort" + [DONE], the
+    engine aborted them (no block left in use, the abort counted) and the engine thread stopped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvq.engine.llm_engine import EngineConfig
+    from kvq.server.launch import ServerThread, build_server
+    from kvq.server.options import ServerOptions
+
+    config = EngineConfig(kv_cache_memory="64MiB", max_num_seqs=4, max_model_len=512, progress=False)
+    app, engine = build_server(config, ["default"], options=ServerOptions(shutdown_timeout=0.5))
+    thread = ServerThread(app)
+    url = thread.start()
+    try:
+        streams = [Stream(url, LONG) for _ in range(3)]
+        _until(lambda: all(s.chunks() >= 2 for s in streams), 60, "the streams did not start")
+        t = time.monotonic()
+        thread.stop()
+        assert not thread.thread.is_alive() and time.monotonic() - t < 5
+        for s in streams:
+            s.join(5)
+            _assert_ended(s, "abort")
+        assert not engine.alive and engine.num_live == 0
+        assert engine._integrity()["leaked_blocks"] == 0  # the engine thread has stopped: safe to read here
+        samples = {(m.name, m.labels.get("outcome") or m.labels.get("finished_reason")): m.value
+                   for f in text_string_to_metric_families(app.state.metrics.render().decode()) for m in f.samples}
+        assert samples[("kvq_requests_total", "abort")] == 3
+        assert samples[("kvq_request_finished_total", "abort")] == 3
+    finally:  # stopped already unless an assertion failed above
+        thread.server.should_exit = True
+        thread.thread.join(30)
+
+
+def test_sigint_while_loading_exits_130_without_a_traceback(tmp_path):
+    server = Serve(tmp_path)
+    try:
+        time.sleep(1.5)
+        with pytest.raises(httpx.TransportError):  # not serving yet: the signal lands in the startup
+            httpx.get(server.url + "/health", timeout=1)
+        server.proc.send_signal(signal.SIGINT)
+        code, waited = server.wait_exit(5)
+        assert waited < 5
+        _assert_clean_exit(server, code, 130)
+        assert re.search(r"^\[kvq serve\] SIGINT while starting: stopped \(exit status 130\)$", server.log(),
+                         re.M), server.log()
+    finally:
+        server.stop()
+
+
+def test_head_health_and_models_and_a_bad_shutdown_timeout(tmp_path, capsys):
+    from kvq.cli import main
+
+    for bad, why in (("-1", "must be a number of seconds >= 0"), ("soon", "invalid float value"),
+                     ("nan", "must be a number of seconds >= 0")):
+        # before the model loads (a missing model: a server that took the flag would fail on it, not hang)
+        assert main(["serve", "--port", "0", "--model", "/nonexistent/m.gguf", "--shutdown-timeout", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvq: error: ") and "--shutdown-timeout" in err and why in err, err
+    server = Serve(tmp_path, "--shutdown-timeout", "3")
+    try:
+        server.wait_ready()
+        for path in ("/health", "/v1/models"):
+            get, head = httpx.get(server.url + path), httpx.head(server.url + path)
+            assert get.status_code == head.status_code == 200 and head.content == b"", head
+            assert head.headers["content-type"] == "application/json"
+        assert httpx.get(server.url + "/status").json()["draining"] is False
+        server.proc.send_signal(signal.SIGTERM)  # nothing running: it exits at once
+        code, waited = server.wait_exit(10)
+        assert waited < 5, waited
+        _assert_clean_exit(server, code)
+    finally:
+        server.stop()
