@@ -123,10 +123,11 @@ def main():
                         cerr = ((oc.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
                         t = bench(lambda: decode8.paged_decode(q, layer, tables, lens, D ** -0.5, **kw))
                     except Exception as e:
-                        print(f"{fmt:20s} CUDA{label} w={nw} s={ns} mb={mb} s32={s32} splits={sp}: failed {e}", flush=True)
+                        print(f"{fmt:20s} CUDA{label} w={nw} s={ns} mb={mb} s32={s32} splits={sp}: failed {e}",
+                              flush=True)
                         continue
-                    print(f"{fmt:20s} CUDA{label} w={nw} s={ns} mb={mb} s32={s32} splits={sp or 'auto':>4}: {t:7.1f} us  "
-                          f"{total / t / 1e3:6.0f} GB/s  err {cerr:.1e}", flush=True)
+                    print(f"{fmt:20s} CUDA{label} w={nw} s={ns} mb={mb} s32={s32} splits={sp or 'auto':>4}: "
+                          f"{t:7.1f} us  {total / t / 1e3:6.0f} GB/s  err {cerr:.1e}", flush=True)
         del pool
         layer = None  # the timed closures refer to it
         torch.cuda.empty_cache()

@@ -55,7 +55,8 @@ SEAL_VARIANTS = [
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("v", SEAL_VARIANTS, ids=lambda v: "D{}p{}bf{}".format(*v[:3]) + "k{}v{}".format(v[3][0], v[4][0]))
+@pytest.mark.parametrize("v", SEAL_VARIANTS,
+                         ids=lambda v: "D{}p{}bf{}".format(*v[:3]) + "k{}v{}".format(v[3][0], v[4][0]))
 def test_seal_compiles(tmp_path, v):
     d, page, bf, k, vv = v
     macros = dict(HEAD_DIM=d, PAGE=page, MODEL_BF16=bf, NT=128)

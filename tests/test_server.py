@@ -146,14 +146,19 @@ def test_token_id_prompts_batch_and_return_token_ids(server):
     (b'{"prompt": "x", "temperature": "hot"}', "temperature", "number"),
     (b'{"prompt": "x", "top_p": 0}', "top_p", "greater than 0"),
     (b'{"prompt": "x", "bogus": 1}', "bogus", "unknown field 'bogus'; valid fields:"),
-    (b'{"prompt": "x", "logprobs": 1}', "logprobs", "not supported"),
+    (b'{"prompt": "x", "logprobs": 21}', "logprobs", "less than or equal to 20"),
+    (b'{"prompt": "x", "logit_bias": {}}', "logit_bias", "not supported"),
+    (b'{"prompt": "x", "echo": true, "stream": true}', "echo", "without stream"),
     (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "not supported"),
     (b'{"prompt": [1, "x"]}', "prompt", "list of token ids"),
     (b'{"prompt": []}', "prompt", "must not be empty"),
+    (b'{"prompt": ""}', "prompt", "must not be empty"),
+    (b'{"prompt": [[5, 6], []]}', "prompt", "prompt[1] is empty"),
     (b'{"max_tokens": 3}', "prompt", "Field required"),
     (json.dumps({"prompt": [300] * (MAX_MODEL_LEN + 1)}).encode(), "prompt", "exceeds max_model_len"),
-    (b'{"prompt": [300, 301], "max_tokens": 600}', None, "exceeds max_model_len"),
-    (b'{"prompt": [999999999]}', None, "token ids must be in"),
+    (b'{"prompt": [300, 301], "max_tokens": 600}', "max_tokens", "exceeds max_model_len"),
+    (b'{"prompt": [[300], [300, 301]], "max_tokens": 511}', "max_tokens", "prompt[1]: the prompt (2 tokens)"),
+    (b'{"prompt": [999999999]}', "prompt", "token ids must be in"),
 ])
 def test_bad_completion_requests_get_openai_style_400(server, body, param, needle):
     r = httpx.post(server[0] + "/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -161,6 +166,15 @@ def test_bad_completion_requests_get_openai_style_400(server, body, param, needl
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert needle in err["message"] and err["param"] == param
+    assert "sequence" not in err["message"]  # no internal ids or counters
+
+
+def test_the_same_bad_request_twice_gets_the_same_message(server):
+    """A message never carries a server-wide counter: the same bad request reads the same each time."""
+    body = b'{"prompt": [300, 301], "max_tokens": 600}'
+    msgs = [httpx.post(server[0] + "/v1/completions", content=body, headers={"content-type": "application/json"})
+            .json()["error"]["message"] for _ in range(2)]
+    assert msgs[0] == msgs[1]
 
 
 @pytest.mark.parametrize("body,needle", [
@@ -551,6 +565,49 @@ def test_bounded_load_with_disconnects_leaks_nothing(server):
     assert aborted >= 1 and aborted + delta("kvq_requests_total", "outcome", "success") == 24
     assert delta("kvq_request_finished_total", "finished_reason", "abort") >= 1
     assert sum(delta("kvq_request_finished_total", "finished_reason", r) for r in ("abort", "length")) == 24
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+def test_completion_logprobs_through_the_openai_client(client):
+    """logprobs: k gives each output token's logprob and its top k, read by the openai client; the
+    sampled token's logprob equals the engine's own (raw logprobs of the same logits)."""
+    r = client.completions.create(model="default", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and len(top) >= 3 and max(top.values()) == pytest.approx(val, abs=1e-6)  # greedy: the top
+
+
+def test_echo_logprobs_score_the_prompt(client):
+    """echo + logprobs (lm-evaluation-harness's loglikelihood call): the prompt's tokens come first, the
+    first with a null logprob, then the completion; the prompt's logprobs do not depend on max_tokens."""
+    a = client.completions.create(model="default", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=2,
+                                  echo=True)
+    b = client.completions.create(model="default", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2,
+                                  echo=True)
+    la, lb = a.choices[0].logprobs, b.choices[0].logprobs
+    assert a.choices[0].text.startswith(PROMPT) and la.token_logprobs[0] is None and la.top_logprobs[0] is None
+    n_prompt = len(la.tokens) - 1
+    assert n_prompt >= 4 and all(v is not None and v <= 0 for v in la.token_logprobs[1:])
+    assert la.token_logprobs[:n_prompt] == lb.token_logprobs[:n_prompt]
+    assert la.text_offset == sorted(la.text_offset)
+
+
+def test_chat_logprobs_json_and_stream(client):
+    r = client.chat.completions.create(model="default", messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="default", messages=CHAT, max_tokens=4, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [c for ch in chunks for choice in ch.choices if choice.logprobs for c in choice.logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", messages=CHAT, max_tokens=2, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
 
 
 # -- the engine loop survives a failing step -----------------------------------------------------

@@ -102,7 +102,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise RequestError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
+            raise RequestError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                               "logprobs")
         k = self.prompt_logprobs
         if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
             raise RequestError(f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {k!r}",

@@ -94,14 +94,15 @@ class Admission:
         else:
             token_ids = [self._prompt_ids(p, i if len(prompts) > 1 else None) for i, p in enumerate(prompts)]
         specs = []
-        for ids in token_ids:
+        for pi, ids in enumerate(token_ids):
+            label = f"prompt[{pi}]" if len(token_ids) > 1 else None
             max_tokens = limit
             if max_tokens is None:  # chat's default: up to max_model_len
                 max_tokens = self.max_model_len - len(ids)
                 if max_tokens < 1:
                     raise ApiError(400, f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} "
                                    "leaves no room for output", param="messages", code="context_length_exceeded")
-            specs.extend(PromptSpec(req.sampling(max_tokens, i), ids) for i in range(req.n))
+            specs.extend(PromptSpec(req.sampling(max_tokens, i), ids, label=label) for i in range(req.n))
         return req, model, specs
 
     def _check_length(self, prompt: str | list[int], param: str, index: int | None) -> None:

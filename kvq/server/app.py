@@ -47,6 +47,7 @@ from kvq.server.admission import Admission
 from kvq.server.async_engine import AsyncEngine, EngineDeadError, EngineError, OverloadedError, ShuttingDown
 from kvq.server.auth import ApiKeyAuth
 from kvq.server.http import ClientGone, api_error_response, error_response, read_json_body
+from kvq.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, merge
 from kvq.server.metrics import ServerMetrics
 from kvq.server.options import ServerOptions
 from kvq.server.protocol import (
@@ -258,9 +259,9 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         except ApiError as e:
             metrics.outcome("invalid")
             return api_error_response(e)
-        except ValueError as e:
+        except ValueError as e:  # the engine's refusals name their field (kvq.engine.errors.RequestError)
             metrics.outcome("invalid")
-            return error_response(400, str(e), "invalid_request_error", "invalid_value")
+            return error_response(400, str(e), "invalid_request_error", "invalid_value", getattr(e, "param", None))
         except OverloadedError as e:
             metrics.outcome("overloaded")
             return error_response(429, str(e), "rate_limit_error", "overloaded")
@@ -298,13 +299,13 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         return sum(len(ids) for ids in group.prompt_token_ids[::n])  # each prompt once, not once per sample
 
     async def collect(group, req, model: str, chat: bool) -> dict:
-        final = {}
+        outs = {}
         async for index, out in engine.outputs(group):
             if out.finished:
-                final[index] = out.outputs[0]
+                outs[index] = out
+        final = {i: o.outputs[0] for i, o in outs.items()}
         ids = req.return_token_ids
-        choice = chat_choice if chat else completion_choice
-        choices = [choice(i, c.text, c.finish_reason, c.token_ids if ids else None) for i, c in sorted(final.items())]
+        choices = [_final_choice(i, outs[i], req, chat, ids) for i in sorted(outs)]
         head = response_head(new_id("chatcmpl" if chat else "cmpl"), "chat.completion" if chat else "text_completion",
                              model)
         body = {**head, "choices": choices,
@@ -323,16 +324,19 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
                 for i in range(len(group)):
                     yield _sse({**head, "choices": [chat_delta(i, {"role": "assistant", "content": ""}, None,
                                                                [] if ids else None)]})
+            want_lp = req.output_logprobs() is not None
             async for index, out in engine.outputs(group):
+                offset = len(state.text[index])
                 text, tokens = state.delta(index, out)
                 finish = out.outputs[0].finish_reason if out.finished else None
                 if out.finished:
                     completion_tokens += len(out.outputs[0].token_ids)
-                if not (text or finish or (ids and tokens)):
+                if not (text or finish or ((ids or want_lp) and tokens)):
                     continue
                 tok = tokens if ids else None
-                choice = chat_delta(index, {"content": text} if text else {}, finish, tok) if chat \
-                    else completion_choice(index, text, finish, tok)
+                lp = _new_logprobs(out, len(tokens), req, chat, offset) if want_lp else None
+                choice = chat_delta(index, {"content": text} if text else {}, finish, tok, lp) if chat \
+                    else completion_choice(index, text, finish, tok, lp)
                 yield _sse({**head, "choices": [choice]})
             if req.include_usage:
                 yield _sse({**head, "choices": [], "usage": usage(prompt_tokens(group, req.n), completion_tokens)})
@@ -352,6 +356,34 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         finally:
             metrics.outcome(outcome)
             engine.release(group)
+
+    tokenizer = engine.engine.tokenizer
+
+    def _final_choice(index: int, out, req, chat: bool, ids: bool) -> dict:
+        """A finished request's choice, with its logprobs (and, for an echo, the prompt before it)."""
+        c, k = out.outputs[0], req.output_logprobs()
+        token_ids = c.token_ids if ids else None
+        if chat:
+            lp = chat_logprobs(c.logprobs or [], tokenizer, k) if k is not None else None
+            return chat_choice(index, c.text, c.finish_reason, token_ids, lp)
+        text = c.text
+        if req.echo:
+            text = (out.prompt if out.prompt is not None else
+                    tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else "") + c.text
+        lp = None
+        if k is not None:
+            lp = completion_logprobs(c.logprobs or [], tokenizer, offset=len(text) - len(c.text))
+            if req.echo:
+                lp = merge(echo_logprobs(out.prompt_token_ids, out.prompt_logprobs or [], tokenizer), lp)
+        return completion_choice(index, text, c.finish_reason, token_ids, lp)
+
+    def _new_logprobs(out, count: int, req, chat: bool, offset: int) -> dict:
+        """The logprobs of a stream chunk's ``count`` new tokens."""
+        c = out.outputs[0]
+        entries = (c.logprobs or [])[len(c.token_ids) - count:len(c.token_ids)]
+        if chat:
+            return chat_logprobs(entries, tokenizer, req.output_logprobs())
+        return completion_logprobs(entries, tokenizer, offset)
 
     if kv_peer is not None:
         from kvq.server.kv_routes import add_kv_routes

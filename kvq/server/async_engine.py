@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvq.engine.errors import request_error
 from kvq.engine.llm_engine import LLMEngine
 from kvq.engine.outputs import RequestOutput
 from kvq.engine.sampling_params import SamplingParams
@@ -75,6 +76,7 @@ class PromptSpec:
     sampling: dict
     token_ids: list[int]
     export_to: object = None  # a prefill server's export of the KV (LLMEngine.add_requests' kv_transfer)
+    label: str | None = None  # which prompt of the request, for its errors ("prompt[2]"), or None
 
 
 @dataclass
@@ -311,8 +313,11 @@ class AsyncEngine:
         group, added = cmd.group, []
         try:
             for index, spec in enumerate(group.specs):
-                rid = self.engine.add_request(spec.token_ids, SamplingParams(**spec.sampling),
-                                              kv_transfer=spec.export_to)
+                try:
+                    rid = self.engine.add_request(spec.token_ids, SamplingParams(**spec.sampling),
+                                                  kv_transfer=spec.export_to)
+                except ValueError as e:  # in the client's terms: the field, and which prompt of the request
+                    raise request_error(e, spec.label) from None
                 added.append(rid)
                 group.prompt_token_ids.append(spec.token_ids)
                 self._live[rid] = _Live(group, index, time.monotonic())

@@ -22,7 +22,8 @@ import math
 
 
 def token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+    """A token's own text; ``token_id:N`` (vLLM's spelling) for a model without a tokenizer."""
+    return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
 
 
 def _finite(x: float | None) -> float | None:

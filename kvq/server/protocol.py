@@ -2,8 +2,13 @@
 
 Strictness.  The generation endpoints validate the whole body: a field that
 is neither OpenAI's nor one of kvq's extensions is a 400 naming it, and so is
-an OpenAI field kvq does not implement (``logprobs``, ``tools``, ...): a client
-never believes a setting was honoured when it was dropped.  Types are strict
+an OpenAI field kvq does not implement (``tools``, ``logit_bias``, ...): a client
+never believes a setting was honoured when it was dropped.  Logprobs are served:
+``logprobs: k`` and ``echo`` on completions (``echo`` with ``logprobs`` scores the
+prompt: lm-evaluation-harness's loglikelihood path), ``logprobs: true`` and
+``top_logprobs: k`` on chat; ``k`` at most the server's ``--max-logprobs``
+(admission.py) and never over ``MAX_LOGPROBS``.  They are raw: log_softmax of the
+model's logits before temperature and top-k/top-p (vLLM's default).  Types are strict
 (``"0.5"`` is not a number).  Extensions, vLLM's names: ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (token ids in each
 choice, and a stream chunk for every token even where the text has not grown).
@@ -25,9 +30,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
 
+from kvq.engine.sampling_params import MAX_LOGPROBS
+
 # OpenAI request fields that kvq does not implement: named in the 400 instead of "unknown field"
 UNSUPPORTED = frozenset({
-    "logprobs", "top_logprobs", "logit_bias", "echo", "suffix", "best_of", "tools", "tool_choice",
+    "logit_bias", "suffix", "best_of", "tools", "tool_choice",
     "functions", "function_call", "response_format", "parallel_tool_calls", "audio", "modalities",
     "prediction", "reasoning_effort", "service_tier", "store", "metadata", "web_search_options",
 })
@@ -113,7 +120,16 @@ class _GenerationRequest(_Strict):
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": None if self.seed is None else self.seed + seed_offset,
-                "stop": stop, "stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos}
+                "stop": stop, "stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos,
+                "logprobs": self.output_logprobs(), "prompt_logprobs": self.prompt_logprobs()}
+
+    def output_logprobs(self) -> int | None:
+        """Top alternatives per output token asked for, or None (no logprobs)."""
+        return None
+
+    def prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token asked for (completions' echo), or None."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -122,6 +138,16 @@ class _GenerationRequest(_Strict):
 
 class CompletionRequest(_GenerationRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's logprobs too)
+
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs(self) -> int | None:
+        if self.echo and self.stream:
+            raise ApiError(400, "echo is served without stream only", param="echo", code="unsupported_parameter")
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -155,6 +181,13 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def output_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def output_limit(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -212,23 +245,27 @@ def response_head(rid: str, obj: str, model: str) -> dict:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model}
 
 
-def _choice(index: int, finish_reason: str | None, token_ids: list[int] | None, **body) -> dict:
-    c = {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+def _choice(index: int, finish_reason: str | None, token_ids: list[int] | None, logprobs: dict | None = None,
+            **body) -> dict:
+    c = {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:  # the return_token_ids extension
         c["token_ids"] = token_ids
     return c
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    return _choice(index, finish_reason, token_ids, text=text)
+def completion_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None,
+                      logprobs: dict | None = None) -> dict:
+    return _choice(index, finish_reason, token_ids, logprobs, text=text)
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    return _choice(index, finish_reason, token_ids, message={"role": "assistant", "content": text})
+def chat_choice(index: int, text: str, finish_reason: str | None, token_ids: list[int] | None,
+                logprobs: dict | None = None) -> dict:
+    return _choice(index, finish_reason, token_ids, logprobs, message={"role": "assistant", "content": text})
 
 
-def chat_delta(index: int, delta: dict, finish_reason: str | None, token_ids: list[int] | None) -> dict:
-    return _choice(index, finish_reason, token_ids, delta=delta)
+def chat_delta(index: int, delta: dict, finish_reason: str | None, token_ids: list[int] | None,
+               logprobs: dict | None = None) -> dict:
+    return _choice(index, finish_reason, token_ids, logprobs, delta=delta)
 
 
 def safe_text_end(text: str, stop: tuple[str, ...], finished: bool) -> int:
