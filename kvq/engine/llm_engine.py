@@ -224,11 +224,9 @@ class LLMEngine:
                     kv_transfer=None) -> int:
         return self.add_requests([prompt], [params], kv_transfer=kv_transfer)[0]
 
-    def add_requests(self, prompts: list, params: list[SamplingParams | None], *, kv_transfer=None,
-                     labels: list[str | None] | None = None) -> list[int]:
+    def add_requests(self, prompts: list, params: list[SamplingParams | None], *, kv_transfer=None) -> list[int]:
         """Queue several requests, all or none: a bad one raises RequestError (a ValueError whose
-        ``param`` names the field; prefixed "prompt i: " when there are several, or with the caller's
-        ``labels[i]``, e.g. the server's index of the prompt in its request) and leaves nothing queued.
+        ``param`` names the field; prefixed "prompt i: " when there are several) and leaves nothing queued.
 
         Each request is handed to the KV connectors with ``kv_transfer`` (:meth:`KVConnector.add_request`:
         a prefill engine's ``kv_export`` connector exports its KV to that receiver when its first token
@@ -237,14 +235,13 @@ class LLMEngine:
         outside."""
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if labels is None:
-            labels = [f"prompt {i}" for i in range(len(prompts))] if len(prompts) > 1 else [None] * len(prompts)
+        labels = [f"prompt {i}" if len(prompts) > 1 else None for i in range(len(prompts))]
         encoded = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             sp = SamplingParams() if sp is None else sp
             if not isinstance(sp, SamplingParams):
-                raise request_error(TypeError(f"sampling params must be a SamplingParams, got {type(sp).__name__}"),
-                                    labels[i])
+                raise request_error(RequestError(f"sampling params must be a SamplingParams, got "
+                                                 f"{type(sp).__name__}"), labels[i])
             try:
                 encoded.append((*self.encode(prompt), sp))
             except ValueError as e:
