@@ -2,6 +2,15 @@
 
 Every subcommand reports bad input as ``kvq: error: ...`` naming the valid
 choices, and exits with code 2 (argparse's convention for usage errors).
+
+Signals while it starts: run as a program (:func:`main` without ``argv``: the ``kvq`` script,
+``python -m kvq``, ``python -m kvq.cli``), SIGINT or SIGTERM from the first line of :func:`main`
+until the command takes over stop the process at once, with one line on stderr and exit status
+128 + the signal (130, 143), never a traceback.  ``kvq serve`` then installs its own handlers for
+the model's loading and its drain (kvq/server/command.py); the other commands get Python's back.
+So this module imports only the standard library at its top (numpy, torch and the rest load after
+:func:`main` has begun): what is left is the interpreter's own start-up, the ~40 ms before any of
+kvq's code runs, where Python's handlers answer.
 """
 
 from __future__ import annotations
@@ -9,16 +18,27 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import signal
 import sys
-from dataclasses import asdict
+import threading
+from typing import TYPE_CHECKING
 
-from kvq.cache.plan import CachePlan, make_plan
-from kvq.engine.args import (UsageError, add_device_args, add_engine_args, add_kv_args,  # noqa: F401 (re-exported)
-                             add_model_args, check_range, engine_config_from_args, kv_config_from_args,
-                             plan_from_args, shape_from_args)
-from kvq.formats.registry import entries, resolve_kv
-from kvq.models.source import model_shape
-from kvq.units import format_bytes, parse_bytes
+if TYPE_CHECKING:
+    from kvq.cache.plan import CachePlan
+
+# kvq.engine.args' flag helpers, still importable from here (module __getattr__: loaded when first used)
+_ARGS_NAMES = frozenset({"UsageError", "add_device_args", "add_engine_args", "add_kv_args", "add_model_args",
+                         "check_range", "engine_config_from_args", "kv_config_from_args", "plan_from_args",
+                         "shape_from_args"})
+
+
+def __getattr__(name: str):
+    if name in _ARGS_NAMES:
+        from kvq.engine import args
+
+        return getattr(args, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Parser(argparse.ArgumentParser):
@@ -26,11 +46,17 @@ class Parser(argparse.ArgumentParser):
     the same way, in one line with exit code 2 (``--help`` still exits 0 through SystemExit)."""
 
     def error(self, message: str):
+        from kvq.engine.args import UsageError
+
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 # -- kvq formats ---------------------------------------------------------------------------------
 def cmd_formats(args: argparse.Namespace) -> int:
+    from kvq.cache.plan import make_plan
+    from kvq.engine.args import shape_from_args
+    from kvq.formats.registry import entries, resolve_kv
+
     shape = shape_from_args(args) if (args.model or args.num_layers) else None
     here = _backends_here(shape) if shape is not None and args.model else {}
     rows = []
@@ -88,6 +114,8 @@ def _backends_here(shape) -> dict[str, tuple[str, str]]:
 
 # -- kvq plan ------------------------------------------------------------------------------------
 def plan_record(plan: CachePlan, memory: int, context_len: int | None) -> dict:
+    from dataclasses import asdict
+
     cap = plan.capacity(memory, context_len)
     m = plan.model
     layer0 = next((f for f in plan.layers if f.is_quantized), plan.layers[0])
@@ -115,6 +143,11 @@ def plan_record(plan: CachePlan, memory: int, context_len: int | None) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from kvq.engine.args import UsageError, check_range, plan_from_args
+    from kvq.units import format_bytes, parse_bytes
+
     check_range("--context-len", args.context_len, 1)
     memory = parse_bytes(args.memory)
     plan = plan_from_args(args)  # arithmetic only: no torch (the FP8 numerics check runs where pools are made)
@@ -173,8 +206,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # -- kvq generate --------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvq.engine.args import UsageError, engine_config_from_args
     from kvq.engine.llm import LLM
     from kvq.engine.sampling_params import SamplingParams
+    from kvq.models.source import model_shape
 
     if not args.prompt:
         raise UsageError("the prompt is empty")
@@ -203,6 +238,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # -- entry point -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from kvq.engine.args import add_engine_args, add_kv_args, add_model_args
+
     p = Parser(prog="kvq", description="kvq: an LLM inference engine core with a quantized, "
                                 "paged KV cache.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -253,16 +290,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stop_starting(signum: int, frame) -> None:
+    """SIGINT/SIGTERM before a command took over: nothing is open yet (no model, no socket), so
+    exit now, whatever Python was doing (an import, the parser)."""
+    code = 128 + signum
+    who = "kvq serve" if sys.argv[1:2] == ["serve"] else "kvq"
+    os.write(2, f"[{who}] {signal.Signals(signum).name} while starting: stopped (exit status {code})\n".encode())
+    os._exit(code)
+
+
+def _catch_startup_signals() -> dict | None:
+    """Install :func:`_stop_starting` for SIGINT and SIGTERM; the handlers it replaced, or None
+    where signals cannot be set (not the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return {sig: signal.signal(sig, _stop_starting) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command -> exit code: 0, or 2 with one line ``kvq: error: ...`` on stderr for bad
-    input (flags, files, budgets), found before any model weights load."""
-    parser = build_parser()
+    input (flags, files, budgets), found before any model weights load.  ``argv`` None (the
+    program's own arguments): signals while it starts end it at once (module docstring)."""
+    previous = _catch_startup_signals() if argv is None else None
+
+    def restore() -> None:
+        for sig, handler in (previous or {}).items():
+            signal.signal(sig, handler)
+
     try:
+        parser = build_parser()
         args = parser.parse_args(argv)
+        if args.command != "serve":  # serve replaces them with its own (kvq/server/command.py)
+            restore()
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:  # bad user input: named, exit code 2
         print(f"kvq: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

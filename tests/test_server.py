@@ -141,14 +141,15 @@ def test_token_id_prompts_batch_and_return_token_ids(server):
 @pytest.mark.parametrize("body,param,needle", [
     (b'{"prompt": "x", ', None, "malformed JSON"),
     (b'[1, 2]', None, "JSON object"),
-    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "greater than or equal to 1"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "served with echo: true only"),
+    (b'{"prompt": "x", "max_tokens": -1, "echo": true}', "max_tokens", "greater than or equal to 0"),
     (b'{"prompt": "x", "temperature": -0.5}', "temperature", "greater than or equal to 0"),
     (b'{"prompt": "x", "temperature": "hot"}', "temperature", "number"),
     (b'{"prompt": "x", "top_p": 0}', "top_p", "greater than 0"),
     (b'{"prompt": "x", "bogus": 1}', "bogus", "unknown field 'bogus'; valid fields:"),
-    (b'{"prompt": "x", "logprobs": 21}', "logprobs", "less than or equal to 20"),
+    (b'{"prompt": "x", "logprobs": 21}', "logprobs", "at most 20 logprobs per token (--max-logprobs 20)"),
+    (b'{"prompt": "x", "logprobs": 21, "echo": true, "stream": true}', "logprobs", "--max-logprobs 20"),
     (b'{"prompt": "x", "logit_bias": {}}', "logit_bias", "not supported"),
-    (b'{"prompt": "x", "echo": true, "stream": true}', "echo", "without stream"),
     (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "not supported"),
     (b'{"prompt": [1, "x"]}', "prompt", "list of token ids"),
     (b'{"prompt": []}', "prompt", "must not be empty"),
@@ -182,10 +183,14 @@ def test_the_same_bad_request_twice_gets_the_same_message(server):
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "differ"),
     ({"messages": CHAT, "tools": []}, "not supported"),
+    ({"messages": CHAT, "max_tokens": 0}, "greater than or equal to 1"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs is 21; this server returns at most 20"),
 ])
 def test_bad_chat_requests_get_400(server, body, needle):
     r = httpx.post(server[0] + "/v1/chat/completions", json=body)
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    if "top_logprobs" in body or body.get("max_tokens") == 0:
+        assert r.json()["error"]["param"] == ("top_logprobs" if "top_logprobs" in body else "max_tokens")
 
 
 def test_openai_client_raises_not_found_for_unknown_model(client):
@@ -439,6 +444,13 @@ def test_bad_cli_flags_exit_2(capsys):
     assert "fp8_e4m3" in capsys.readouterr().err
     assert main(["serve", "--uvicorn-log-level", "loud"]) == 2
     assert _exit_code(["serve", "--no-such-flag"]) == 2
+    for bad, why in (("21", "must be an integer in [0, 20]"), ("-1", "must be an integer in [0, 20]"),
+                     ("many", "invalid int value")):
+        assert main(["serve", "--port", "0", "--model", "/nonexistent/m.gguf", "--max-logprobs", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvq: error: ") and "--max-logprobs" in err and why in err, err
+    assert _exit_code(["serve", "--help"]) == 0
+    assert "--max-logprobs K" in capsys.readouterr().out
 
 
 # -- models, health, status, metrics -------------------------------------------------------------
@@ -468,6 +480,7 @@ def test_metrics_parse_and_count(server):
 
     assert delta("kvq_requests_total", outcome="success") == 1
     assert delta("kvq_requests_total", outcome="invalid") == 1
+    assert m[("kvq_server_draining", frozenset())] == 0  # 1 while it drains: tests/test_server_shutdown.py
     assert delta("kvq_request_finished_total", finished_reason="length") == 1
     assert delta("kvq_generation_tokens_total") == 5
     assert delta("kvq_time_to_first_token_seconds_count") == 1
@@ -592,6 +605,62 @@ def test_echo_logprobs_score_the_prompt(client):
     assert n_prompt >= 4 and all(v is not None and v <= 0 for v in la.token_logprobs[1:])
     assert la.token_logprobs[:n_prompt] == lb.token_logprobs[:n_prompt]
     assert la.text_offset == sorted(la.text_offset)
+
+
+def test_echo_streams_the_prompt_first_then_the_completion(client):
+    """echo with stream (as vLLM serves it): each choice's first chunk is the prompt's text and, with
+    logprobs, the prompt tokens' logprobs; then the generated chunks.  Joined, the stream is the JSON
+    response: text, tokens, logprobs, top logprobs and text offsets."""
+    kw = dict(model="default", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [ch for ch in client.completions.create(**kw, stream=True, stream_options={"include_usage": True})]
+    choices = [ch.choices[0] for ch in chunks if ch.choices]
+    first = choices[0]
+    assert first.text == PROMPT and first.finish_reason is None
+    n_prompt = len(first.logprobs.tokens)
+    assert first.logprobs.token_logprobs[0] is None and first.logprobs.tokens == whole.logprobs.tokens[:n_prompt]
+    assert "".join(c.text for c in choices) == whole.text and whole.text.startswith(PROMPT)
+    assert choices[-1].finish_reason == whole.finish_reason == "length"
+    lp = {k: [x for c in choices for x in getattr(c.logprobs, k)] for k in ("tokens", "text_offset", "top_logprobs")}
+    assert lp["tokens"] == whole.logprobs.tokens and lp["text_offset"] == whole.logprobs.text_offset
+    assert len(lp["tokens"]) == n_prompt + 3 and lp["text_offset"][n_prompt] == len(PROMPT)
+    streamed = [x for c in choices for x in c.logprobs.token_logprobs]
+    assert streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-6)
+    assert lp["top_logprobs"][1:] == whole.logprobs.top_logprobs[1:]
+    assert chunks[-1].usage.completion_tokens == 3
+    plain = [ch.choices[0].text for ch in client.completions.create(**{**kw, "logprobs": None}, stream=True)]
+    assert plain[0] == PROMPT and "".join(plain) == whole.text  # echo without logprobs: text only
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_only(client):
+    """The loglikelihood call of older lm-evaluation-harness versions (max_tokens 0, echo, logprobs 10):
+    the prompt, its logprobs, no generated token (the engine computes one; the server drops it), the
+    same prompt logprobs as with a generated token; JSON and streamed."""
+    kw = dict(model="default", prompt=PROMPT, temperature=0, echo=True, logprobs=10)
+    zero = client.completions.create(**kw, max_tokens=0)
+    one = client.completions.create(**kw, max_tokens=1)
+    c, lp = zero.choices[0], zero.choices[0].logprobs
+    assert c.text == PROMPT and c.finish_reason == "length"
+    assert zero.usage.completion_tokens == 0 and zero.usage.prompt_tokens == one.usage.prompt_tokens
+    n_prompt = zero.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == n_prompt == len(one.choices[0].logprobs.tokens) - 1
+    assert lp.token_logprobs[0] is None and lp.token_logprobs == one.choices[0].logprobs.token_logprobs[:n_prompt]
+    assert all(len(t) >= 10 for t in lp.top_logprobs[1:])
+    chunks = list(client.completions.create(**kw, max_tokens=0, stream=True, stream_options={"include_usage": True}))
+    choices = [ch.choices[0] for ch in chunks if ch.choices]
+    assert "".join(ch.text for ch in choices) == PROMPT and choices[-1].finish_reason == "length"
+    assert [x for ch in choices for x in ch.logprobs.token_logprobs][1:] == pytest.approx(lp.token_logprobs[1:])
+    assert chunks[-1].usage.completion_tokens == 0
+    assert client.completions.create(model="default", prompt=PROMPT, max_tokens=0, echo=True).choices[0].text == PROMPT
+
+
+def test_logprobs_up_to_max_logprobs(client):
+    """The default --max-logprobs (20) is served in full; 21 is the table's 400 above."""
+    r = client.completions.create(model="default", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=20)
+    assert len(r.choices[0].logprobs.top_logprobs[0]) >= 20
+    r = client.chat.completions.create(model="default", messages=CHAT, max_tokens=1, temperature=0, logprobs=True,
+                                       top_logprobs=20)
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 20
 
 
 def test_chat_logprobs_json_and_stream(client):

@@ -1,7 +1,8 @@
 """`kvq serve` shutting down as a real process (docs/server.md, "Shutdown and draining"): SIGTERM and
 SIGINT drain (503 for new requests and /health, running requests finish, those still running at
---shutdown-timeout end with finish_reason "abort" and [DONE]), exit status 0 and no traceback;
---shutdown-timeout 0; a second SIGINT; a signal while the model loads; HEAD /health and /v1/models.
+--shutdown-timeout end with finish_reason "abort" and [DONE], kvq_server_draining 1), exit status 0 and
+no traceback; --shutdown-timeout 0; a second SIGINT; a signal while the model loads, and at the first
+moment kvq's code can catch one; HEAD /health and /v1/models; --max-logprobs.
 
 Each test starts its own server on the default model (CPU, one torch thread, a small pool) on a free
 loopback port and stops it in a finally block."""
@@ -170,6 +171,7 @@ def _drain_case(tmp_path, sig: int) -> None:
         assert r.status_code == 503 and r.headers["retry-after"] == "5" and r.headers["connection"] == "close"
         assert r.json()["error"]["type"] == "service_unavailable" and r.json()["error"]["code"] == "server_shutdown"
         assert httpx.head(server.url + "/health").status_code == 503
+        assert re.search(r"^kvq_server_draining 1\.0$", httpx.get(server.url + "/metrics").text, re.M)
         code, waited = server.wait_exit(timeout + 15)
         for s in streams:
             s.join(5)
@@ -235,11 +237,18 @@ def test_in_process_stop_drains_and_frees_every_block():
     app, engine = build_server(config, ["default"], options=ServerOptions(shutdown_timeout=0.5))
     thread = ServerThread(app)
     url = thread.start()
+
+    def draining() -> float:
+        return next(m.value for f in text_string_to_metric_families(app.state.metrics.render().decode())
+                    for m in f.samples if m.name == "kvq_server_draining")
+
     try:
         streams = [Stream(url, LONG) for _ in range(3)]
         _until(lambda: all(s.chunks() >= 2 for s in streams), 60, "the streams did not start")
+        assert draining() == 0
         t = time.monotonic()
         thread.stop()
+        assert draining() == 1
         assert not thread.thread.is_alive() and time.monotonic() - t < 5
         for s in streams:
             s.join(5)
@@ -271,7 +280,52 @@ def test_sigint_while_loading_exits_130_without_a_traceback(tmp_path):
         server.stop()
 
 
-def test_head_health_and_models_and_a_bad_shutdown_timeout(tmp_path, capsys):
+def _caught(pid: int) -> int:
+    """The signals process ``pid`` has handlers for (Linux: SigCgt in /proc/PID/status), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/PID/status (Linux)")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_as_soon_as_kvq_can_catch_one(tmp_path, sig):
+    """Python catches SIGINT from its own start, SIGTERM never: the first moment the process catches
+    SIGTERM is the first moment kvq's code runs (kvq.cli.main installs its start-up handlers as its
+    first line, before numpy, torch or the parser load).  A signal then, or at any later moment of
+    the start-up, ends it within a second or two: exit status 128 + the signal, one line, no traceback."""
+    server = Serve(tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not _caught(server.proc.pid) & (1 << (signal.SIGTERM - 1)):
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.001)
+        server.proc.send_signal(sig)
+        code, _ = server.wait_exit(5)
+        log = server.log()
+        assert code == 128 + sig and "Traceback" not in log, log
+        assert log.strip().splitlines()[-1] == f"[kvq serve] {signal.Signals(sig).name} while starting: stopped " \
+                                               f"(exit status {128 + sig})", log
+    finally:
+        server.stop()
+
+
+def test_main_catches_signals_before_anything_heavy_loads():
+    """As a program, kvq.cli.main holds SIGINT and SIGTERM from its first line: before it builds the
+    parser (whose imports bring numpy; the command's, torch), and importing kvq.cli loads neither."""
+    code = ("import signal, sys\nimport kvq.cli\nassert 'numpy' not in sys.modules and 'torch' not in sys.modules\n"
+            "seen = {}\ndef parser():\n    seen.update((s, signal.getsignal(s)) for s in (signal.SIGINT, "
+            "signal.SIGTERM))\n    raise SystemExit(0)\nkvq.cli.build_parser = parser\nsys.argv = ['kvq', 'serve']\n"
+            "try:\n    kvq.cli.main()\nexcept SystemExit:\n    pass\n"
+            "assert all(h is kvq.cli._stop_starting for h in seen.values()) and len(seen) == 2, seen\n"
+            "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_head_health_and_models_and_max_logprobs(tmp_path, capsys):
     from kvq.cli import main
 
     for bad, why in (("-1", "must be a number of seconds >= 0"), ("soon", "invalid float value"),
@@ -280,9 +334,21 @@ def test_head_health_and_models_and_a_bad_shutdown_timeout(tmp_path, capsys):
         assert main(["serve", "--port", "0", "--model", "/nonexistent/m.gguf", "--shutdown-timeout", bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("kvq: error: ") and "--shutdown-timeout" in err and why in err, err
-    server = Serve(tmp_path, "--shutdown-timeout", "3")
+    server = Serve(tmp_path, "--shutdown-timeout", "3", "--max-logprobs", "5")
     try:
         server.wait_ready()
+        base = {"model": "default", "max_tokens": 1, "temperature": 0}
+        ok = httpx.post(server.url + "/v1/completions", json={**base, "prompt": PROMPT, "logprobs": 5}, timeout=30)
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 5, ok.text
+        for route, body, param in (
+                ("completions", {"prompt": PROMPT, "logprobs": 6}, "logprobs"),
+                ("completions", {"prompt": PROMPT, "logprobs": 6, "echo": True, "max_tokens": 0}, "logprobs"),
+                ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                                      "top_logprobs": 6}, "top_logprobs")):
+            r = httpx.post(server.url + "/v1/" + route, json={**base, **body}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert f"{param} is 6; this server returns at most 5" in r.json()["error"]["message"], r.text
+            assert "(--max-logprobs 5)" in r.json()["error"]["message"], r.text
         for path in ("/health", "/v1/models"):
             get, head = httpx.get(server.url + path), httpx.head(server.url + path)
             assert get.status_code == head.status_code == 200 and head.content == b"", head

@@ -7,6 +7,7 @@ the check that bounds it::
     checks (the loop's default executor: a refusal never waits behind a tokenization)
       parse + field checks (400: stop strings, stop_token_ids, types)
       -> model served? (404 model_not_found)
+      -> logprobs <= --max-logprobs, fields that need each other (400)
       -> n <= --max-n (400) -> prompts x n admissible (400 if never, 429 if not now, 503 if no engine)
       -> each prompt: token ids <= max_model_len, or text (chat: contents) bytes <= max_prompt_bytes (400)
     build (the one tokenizer worker thread)
@@ -48,6 +49,7 @@ class Admission:
         self.engine = engine
         self.names = list(served_model_names)
         self.max_n = options.max_n
+        self.max_logprobs = options.max_logprobs
         self.max_model_len = engine.engine.max_model_len
         self.max_prompt_bytes = max_prompt_bytes(engine.engine.tokenizer, self.max_model_len)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvq-tokenize")
@@ -71,6 +73,7 @@ class Admission:
         if model not in self.names:
             raise ApiError(404, f"the model {model!r} does not exist here; served: {', '.join(self.names)}",
                            param="model", code="model_not_found")
+        req.check(self.max_logprobs)
         if req.n > self.max_n:
             raise ApiError(400, f"n is {req.n}; this server allows at most {self.max_n} (--max-n)", param="n",
                            code="invalid_value")
@@ -97,6 +100,10 @@ class Admission:
         for pi, ids in enumerate(token_ids):
             label = f"prompt[{pi}]" if len(token_ids) > 1 else None
             max_tokens = limit
+            if req.scores_only and len(ids) >= self.max_model_len:  # the engine computes one token past it
+                raise ApiError(400, f"{label or 'prompt'}: scoring a prompt of {len(ids)} tokens (max_tokens 0) needs "
+                               f"max_model_len > {len(ids)} (it is {self.max_model_len})", param="prompt",
+                               code="context_length_exceeded")
             if max_tokens is None:  # chat's default: up to max_model_len
                 max_tokens = self.max_model_len - len(ids)
                 if max_tokens < 1:

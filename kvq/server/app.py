@@ -303,13 +303,12 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         async for index, out in engine.outputs(group):
             if out.finished:
                 outs[index] = out
-        final = {i: o.outputs[0] for i, o in outs.items()}
         ids = req.return_token_ids
         choices = [_final_choice(i, outs[i], req, chat, ids) for i in sorted(outs)]
         head = response_head(new_id("chatcmpl" if chat else "cmpl"), "chat.completion" if chat else "text_completion",
                              model)
-        body = {**head, "choices": choices,
-                "usage": usage(prompt_tokens(group, req.n), sum(len(c.token_ids) for c in final.values()))}
+        generated = 0 if req.scores_only else sum(len(o.outputs[0].token_ids) for o in outs.values())
+        body = {**head, "choices": choices, "usage": usage(prompt_tokens(group, req.n), generated)}
         if ids:
             body["prompt_token_ids"] = group.prompt_token_ids[::req.n]
         return body
@@ -319,6 +318,9 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
                              "chat.completion.chunk" if chat else "text_completion", model)
         state = _Choices(len(group), tuple(group.specs[0].sampling["stop"]))
         ids, completion_tokens, outcome = req.return_token_ids, 0, "abort"
+        # echo: each choice's first chunk is its prompt (with logprobs, the prompt's), sent with the
+        # choice's first output; echoed[i] is that prompt's length, the offset of the output's text
+        echo, scores_only, echoed = not chat and req.echo, req.scores_only, {}
         try:
             if chat:
                 for i in range(len(group)):
@@ -326,7 +328,19 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
                                                                [] if ids else None)]})
             want_lp = req.output_logprobs() is not None
             async for index, out in engine.outputs(group):
-                offset = len(state.text[index])
+                if echo and index not in echoed and out.outputs[0].token_ids:  # the prompt has been scored
+                    prompt = _prompt_text(out)
+                    echoed[index] = len(prompt)
+                    lp = echo_logprobs(out.prompt_token_ids, out.prompt_logprobs or [], tokenizer) if want_lp \
+                        else None
+                    yield _sse({**head, "choices": [completion_choice(index, prompt, None, [] if ids else None, lp)]})
+                if scores_only:  # the engine's one token is not the client's: the choice ends without it
+                    if out.finished:
+                        lp = completion_logprobs([], tokenizer) if want_lp else None
+                        yield _sse({**head, "choices": [completion_choice(index, "", "length", [] if ids else None,
+                                                                          lp)]})
+                    continue
+                offset = echoed.get(index, 0) + len(state.text[index])
                 text, tokens = state.delta(index, out)
                 finish = out.outputs[0].finish_reason if out.finished else None
                 if out.finished:
@@ -359,23 +373,29 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
 
     tokenizer = engine.engine.tokenizer
 
+    def _prompt_text(out) -> str:
+        """The text an echo puts first: the prompt as sent, or its token ids decoded."""
+        if out.prompt is not None:
+            return out.prompt
+        return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
     def _final_choice(index: int, out, req, chat: bool, ids: bool) -> dict:
-        """A finished request's choice, with its logprobs (and, for an echo, the prompt before it)."""
+        """A finished request's choice, with its logprobs (and, for an echo, the prompt before it).  A
+        ``scores_only`` request (echo, max_tokens 0) drops the one token the engine computed."""
         c, k = out.outputs[0], req.output_logprobs()
-        token_ids = c.token_ids if ids else None
         if chat:
             lp = chat_logprobs(c.logprobs or [], tokenizer, k) if k is not None else None
-            return chat_choice(index, c.text, c.finish_reason, token_ids, lp)
-        text = c.text
-        if req.echo:
-            text = (out.prompt if out.prompt is not None else
-                    tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else "") + c.text
+            return chat_choice(index, c.text, c.finish_reason, c.token_ids if ids else None, lp)
+        drop = req.scores_only
+        generated, finish = ("", "length") if drop else (c.text, c.finish_reason)
+        token_ids = ([] if drop else c.token_ids) if ids else None
+        prompt = _prompt_text(out) if req.echo else ""
         lp = None
         if k is not None:
-            lp = completion_logprobs(c.logprobs or [], tokenizer, offset=len(text) - len(c.text))
+            lp = completion_logprobs([] if drop else c.logprobs or [], tokenizer, offset=len(prompt))
             if req.echo:
                 lp = merge(echo_logprobs(out.prompt_token_ids, out.prompt_logprobs or [], tokenizer), lp)
-        return completion_choice(index, text, c.finish_reason, token_ids, lp)
+        return completion_choice(index, prompt + generated, finish, token_ids, lp)
 
     def _new_logprobs(out, count: int, req, chat: bool, offset: int) -> dict:
         """The logprobs of a stream chunk's ``count`` new tokens."""

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 
+from kvq.engine.sampling_params import MAX_LOGPROBS
 from kvq.server.options import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, KVRoleOptions, ServerOptions
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -57,6 +58,9 @@ def register(sub) -> None:
     s.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json (default off)")
     s.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
                    help=f"the largest n (choices per prompt) a request may ask for (default {DEFAULT_MAX_N})")
+    s.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="K",
+                   help=f"the most logprobs per token a request may ask for: completions' logprobs and chat's "
+                   f"top_logprobs above it get HTTP 400 (default {MAX_LOGPROBS}, also the most allowed)")
     s.add_argument("--max-request-bytes", default=str(DEFAULT_MAX_REQUEST_BYTES),
                    help="the largest request body, e.g. 8MiB; larger gets HTTP 413 (default 8MiB)")
     s.add_argument("--timeout-keep-alive", type=float, default=5.0,
@@ -98,7 +102,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         raise ValueError(f"--max-request-bytes: {e}") from None
     return ServerOptions(api_key=api_key, public_metrics=args.public_metrics,
                          allowed_origins=tuple(args.allowed_origins or ()), enable_docs=args.enable_docs,
-                         max_n=args.max_n, max_request_bytes=max_request_bytes,
+                         max_n=args.max_n, max_logprobs=args.max_logprobs, max_request_bytes=max_request_bytes,
                          timeout_keep_alive=args.timeout_keep_alive, timeout_headers=args.timeout_headers,
                          timeout_body=args.timeout_body, shutdown_timeout=args.shutdown_timeout)
 

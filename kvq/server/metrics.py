@@ -181,6 +181,8 @@ class EngineStateCollector:
                                   value=snap["recoveries"])
         yield GaugeMetricFamily("kvq_engine_alive", "1 while the engine thread serves requests",
                                 value=1.0 if ae.alive else 0.0)
+        yield GaugeMetricFamily("kvq_server_draining", "1 from the start of the shutdown's drain (SIGTERM, Ctrl-C): "
+                                "new requests get 503", value=1.0 if ae.draining else 0.0)
 
 
 class ServerMetrics:

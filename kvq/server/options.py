@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvq.engine.sampling_params import MAX_LOGPROBS
+
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 
@@ -21,7 +23,9 @@ class ServerOptions:
     ``allowed_origins``: browser origins answered with CORS headers (empty: none; ``"*"``: any).
     ``enable_docs``: serve ``/docs``, ``/redoc`` and ``/openapi.json``.
 
-    ``max_n``: the largest ``n``.  ``max_request_bytes``: the largest request body (413 beyond).
+    ``max_n``: the largest ``n``.  ``max_logprobs``: the most top logprobs per token a request may ask
+    for (completions' ``logprobs``, chat's ``top_logprobs``; vLLM's ``--max-logprobs``), at most the
+    engine's ``MAX_LOGPROBS``.  ``max_request_bytes``: the largest request body (413 beyond).
     ``timeout_keep_alive``: an idle kept-alive connection is closed after this many seconds.
     ``timeout_headers``: a request's headers must be complete this many seconds after the connection
     opened or the request's first byte arrived, else the connection is closed.  ``timeout_body``: the
@@ -37,6 +41,7 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()
     enable_docs: bool = False
     max_n: int = DEFAULT_MAX_N
+    max_logprobs: int = MAX_LOGPROBS
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     timeout_keep_alive: float = 5.0
     timeout_headers: float = 10.0
@@ -48,6 +53,10 @@ class ServerOptions:
             raise ValueError("--api-key / KVQ_API_KEY must be non-empty, without surrounding whitespace")
         if self.max_n < 1:
             raise ValueError(f"--max-n must be >= 1, got {self.max_n}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"--max-logprobs must be an integer in [0, {MAX_LOGPROBS}] (the engine returns at most "
+                             f"{MAX_LOGPROBS} top logprobs per token), got {self.max_logprobs!r}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be at least 1KiB, got {self.max_request_bytes}")
         for name in ("timeout_keep_alive", "timeout_headers", "timeout_body"):

@@ -5,9 +5,11 @@ is neither OpenAI's nor one of kvq's extensions is a 400 naming it, and so is
 an OpenAI field kvq does not implement (``tools``, ``logit_bias``, ...): a client
 never believes a setting was honoured when it was dropped.  Logprobs are served:
 ``logprobs: k`` and ``echo`` on completions (``echo`` with ``logprobs`` scores the
-prompt: lm-evaluation-harness's loglikelihood path), ``logprobs: true`` and
+prompt: lm-evaluation-harness's loglikelihood path; ``max_tokens: 0`` with ``echo``
+returns the prompt alone, the older harnesses' call), ``logprobs: true`` and
 ``top_logprobs: k`` on chat; ``k`` at most the server's ``--max-logprobs``
-(admission.py) and never over ``MAX_LOGPROBS``.  They are raw: log_softmax of the
+(:meth:`_GenerationRequest.check`, called by admission.py; never over ``MAX_LOGPROBS``,
+the engine's limit).  They are raw: log_softmax of the
 model's logits before temperature and top-k/top-p (vLLM's default).  Types are strict
 (``"0.5"`` is not a number).  Extensions, vLLM's names: ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (token ids in each
@@ -29,8 +31,6 @@ import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
-
-from kvq.engine.sampling_params import MAX_LOGPROBS
 
 # OpenAI request fields that kvq does not implement: named in the 400 instead of "unknown field"
 UNSUPPORTED = frozenset({
@@ -115,13 +115,18 @@ class _GenerationRequest(_Strict):
             raise ValueError(f"{len(v)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         return v
 
-    def sampling(self, max_tokens: int | None, seed_offset: int = 0) -> dict:
-        """Keywords of :class:`~kvq.engine.sampling_params.SamplingParams` for one of the ``n`` samples."""
+    def sampling(self, max_tokens: int, seed_offset: int = 0) -> dict:
+        """Keywords of :class:`~kvq.engine.sampling_params.SamplingParams` for one of the ``n`` samples.
+        ``max_tokens`` 0 (:attr:`scores_only`) asks the engine for one token, which the server drops."""
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+        return {"max_tokens": max(max_tokens, 1), "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": None if self.seed is None else self.seed + seed_offset,
                 "stop": stop, "stop_token_ids": tuple(self.stop_token_ids or ()), "ignore_eos": self.ignore_eos,
                 "logprobs": self.output_logprobs(), "prompt_logprobs": self.prompt_logprobs()}
+
+    def check(self, max_logprobs: int) -> None:
+        """What the field types cannot say: the server's ``--max-logprobs`` and fields that need each
+        other (ApiError 400, naming the field)."""
 
     def output_logprobs(self) -> int | None:
         """Top alternatives per output token asked for, or None (no logprobs)."""
@@ -135,18 +140,39 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def scores_only(self) -> bool:
+        """The request returns its prompt and no output token (completions' ``echo`` with ``max_tokens: 0``)."""
+        return False
+
+
+def _over_limit(param: str, k: int, max_logprobs: int) -> ApiError:
+    return ApiError(400, f"{param} is {k}; this server returns at most {max_logprobs} logprobs per token "
+                    f"(--max-logprobs {max_logprobs})", param=param, code="invalid_value")
+
 
 class CompletionRequest(_GenerationRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0: with echo only (the prompt, scored, and no output)
+    logprobs: StrictInt | None = Field(None, ge=0)  # top alternatives per token, at most --max-logprobs
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt's logprobs too)
+
+    def check(self, max_logprobs: int) -> None:
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise _over_limit("logprobs", self.logprobs, max_logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens is 0: that is served with echo: true only (the prompt, and with "
+                           "logprobs its tokens' logprobs, without generating); otherwise give max_tokens >= 1",
+                           param="max_tokens", code="invalid_value")
+
+    @property
+    def scores_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     def output_logprobs(self) -> int | None:
         return self.logprobs
 
     def prompt_logprobs(self) -> int | None:
-        if self.echo and self.stream:
-            raise ApiError(400, "echo is served without stream only", param="echo", code="unsupported_parameter")
         return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
@@ -182,11 +208,15 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(None, ge=0)  # at most --max-logprobs
 
-    def output_logprobs(self) -> int | None:
+    def check(self, max_logprobs: int) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        if self.top_logprobs is not None and self.top_logprobs > max_logprobs:
+            raise _over_limit("top_logprobs", self.top_logprobs, max_logprobs)
+
+    def output_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def output_limit(self) -> int | None:
