@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from kvq.connectors.cpu_prefix_tier import CPUPrefixTierConnector
 from kvq.connectors.kv_export import KVExporter
 from kvq.connectors.remote_prefill import RemotePrefill, RemoteResult
@@ -33,8 +34,8 @@ def model(tmp_path):
 
 
 def _engine(model: str, **kw) -> LLMEngine:
-    kw = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, "max_num_batched_tokens": 64, **kw}
-    return LLMEngine(EngineConfig(model=model, load_format="dummy", device="cpu", progress=False, seed=0, **kw))
+    kw = {"kv_cache_memory": "4MiB", "max_num_seqs": 4, "max_num_batched_tokens": 64, "device": "cpu", **kw}
+    return LLMEngine(EngineConfig(model=model, load_format="dummy", progress=False, seed=0, **kw))
 
 
 def _run(engine: LLMEngine) -> list:
@@ -320,14 +321,26 @@ class CountingSwap(SwapConnector):
         super().issue(ops)
 
 
-def test_swap_copies_go_through_the_workers_swap_connector(model, monkeypatch):
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device,fmt", [("cpu", "auto"),
+                                        pytest.param("cuda", "bfloat16", marks=[pytest.mark.gpu, needs_cuda]),
+                                        pytest.param("cuda", "int4_kivi", marks=[pytest.mark.gpu, needs_cuda])])
+def test_swap_copies_go_through_the_workers_swap_connector(model, monkeypatch, device, fmt):
+    """On CUDA the copies are asynchronous (pinned host slots, a copy stream) and the decode steps
+    replay CUDA graphs: the swapped requests still give the tokens of a run that never swapped."""
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    roomy = _engine(model)
+    dev = {"device": device, "kv_cache_dtype": fmt}
+    if fmt == "int4_kivi":
+        dev.update(kv_residual_tokens=32, block_size=32)
+    roomy = _engine(model, **dev)
     roomy.add_requests(PROMPTS, [sp] * 3)
     want = _tokens(_run(roomy))
     plan = roomy.plan
-    small = dict(kv_cache_memory=5 * plan.bytes_per_block + 2 * plan.hp_bytes_per_block, preemption_mode="swap",
-                 cpu_offload_gb=0.01)
+    hp = 2 if fmt != "int4_kivi" else 4 * 4  # KIVI: each running sequence holds its window's hp blocks
+    small = dict(kv_cache_memory=5 * plan.bytes_per_block + hp * plan.hp_bytes_per_block, preemption_mode="swap",
+                 cpu_offload_gb=0.01, **dev)
     _register(monkeypatch, "swap", CountingSwap)
     CountingSwap.ops = []
     eng = _engine(model, **small)

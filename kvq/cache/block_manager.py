@@ -392,6 +392,18 @@ class BlockManager(LoadsMixin, SwapMixin):
         ok = need["q"] <= q.num_free - taken_q and need["hp"] <= hp.num_free + free_hp
         return seals, dedup, seal_from, ok
 
+    def _appends_in_place(self, seq: SeqBlocks, n_old: int) -> bool:
+        """Whether one token appended at ``n_old`` (inside the partial tail block) needs nothing of
+        :meth:`append_slots`' general path: no block leaves the window and the tail is not shared
+        (the decode step's common case, kept cheap: it runs once per running sequence per step)."""
+        p = self.policy
+        if not (p.write_direct and p.residual_tokens == 0):
+            hi = min(max(n_old - p.residual_tokens, 0) // p.block_size, len(seq.table))
+            if hi > seq.seal_from:  # a block may have left the window: the general path decides
+                return False
+        tail = seq.table[n_old // self.block_size]
+        return self._alloc[tail.pool].refcount(tail.block_id) == 1
+
     def can_append_slots(self, seq_id: SeqId, num_new_tokens: int) -> bool:
         """Whether :meth:`append_slots` of ``num_new_tokens`` tokens would succeed now."""
         if num_new_tokens < 0:
@@ -407,8 +419,16 @@ class BlockManager(LoadsMixin, SwapMixin):
         new tokens. See the module docstring for the ordering contract.
         """
         seq = self._seq(seq_id)
+        n_old, bs = len(seq.tokens), self.block_size
+        if len(new_token_ids) == 1 and n_old % bs and self._appends_in_place(seq, n_old):
+            seq.num_computed = n_old  # a decode token into its own partial tail: no op, no allocation
+            self._register_computed(seq)
+            seq.changed = min(seq.changed, len(seq.table))
+            seq.tokens.append(new_token_ids[0])
+            seq.num_settled = n_old
+            return []
         new_token_ids = list(new_token_ids)
-        n_old, bs, k = len(seq.tokens), self.block_size, len(new_token_ids)
+        k = len(new_token_ids)
         seals, dedup, seal_from, ok = self._plan_append(seq, k)
         if not ok:
             raise NoFreeBlocksError(

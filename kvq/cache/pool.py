@@ -41,7 +41,7 @@ def encode_table(refs: Iterable) -> list[int]:
 
 def encode_slots(slots: Sequence[tuple[str, int, int]], block_size: int) -> list[int]:
     """``(pool, block, offset)`` per token -> signed slot ids."""
-    return [encode_ref(p, b * block_size + o) for p, b, o in slots]
+    return [b * block_size + o if p == "q" else -(b * block_size + o) - 1 for p, b, o in slots]  # encode_ref, inlined
 
 
 @dataclass

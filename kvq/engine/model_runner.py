@@ -77,7 +77,8 @@ class ModelRunner:
             for off in item.logit_rows:
                 logits_rows.append(base + off)
                 sample_ids.append(item.seq_id)
-            prompt_rows += (base + off for off in item.prompt_rows)
+            if item.prompt_rows:  # rare (prompt_logprobs): no generator per item on the hot path
+                prompt_rows += (base + off for off in item.prompt_rows)
         seals = layer_seals(sched.ops)
         if seals is None:
             self.apply_ops(sched.ops)

@@ -247,8 +247,9 @@ class Scheduler(LoadsMixin):
             start, sid = seq.num_scheduled_tokens, seq.seq_id
             t0, refs, tlen = bm.table_delta(sid)
             sample = start + n == seq.num_tokens + seq.num_pending
+            scored = _prompt_rows(seq, start, n) if seq.params.prompt_logprobs is not None else ()
             scheduled.append(ScheduledSeq(sid, n, start, is_prefill, sample, tuple(bm.slots(sid, start, start + n)),
-                                          t0, refs, tlen, (n - 1,) if sample else (), _prompt_rows(seq, start, n)))
+                                          t0, refs, tlen, (n - 1,) if sample else (), scored))
             budget -= n
             seq.num_scheduled_tokens = start + n
             if sample:  # its next token is sampled by this step: a decode from now on
