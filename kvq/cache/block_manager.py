@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvq.cache.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
+from kvq.cache.block_integrity import check_block_manager
 from kvq.cache.block_loads import LoadsMixin
 from kvq.cache.block_swap import SwapMixin
 from kvq.cache.block_types import (PENDING_TOKEN, BlockRef, CopyOp, HostLoadOp, HostOp, HostStoreOp,  # noqa: F401
@@ -540,80 +541,5 @@ class BlockManager(LoadsMixin, SwapMixin):
 
     # -- checks -----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Raise AssertionError naming the first broken invariant.
-
-        Both pools are internally consistent; every block's refcount equals the
-        number of table entries that reference it; each table has one entry per
-        logical block, in the pool :func:`block_state` dictates (at
-        ``num_settled`` for blocks starting before it, else at the length); a
-        block holding a hash holds exactly that sequence's tokens and hash.
-        """
-        for a in self._alloc.values():
-            a.check_integrity()
-        refs = {"q": [0] * self._alloc["q"].num_blocks, "hp": [0] * self._alloc["hp"].num_blocks}
-        bs = self.block_size
-        for sid, seq in self._seqs.items():
-            n = len(seq.tokens)
-            if len(seq.table) != -(-n // bs):
-                raise AssertionError(f"seq {sid!r}: {len(seq.table)} blocks for {n} tokens")
-            if not (0 <= seq.num_settled <= n and 0 <= seq.num_computed <= n):
-                raise AssertionError(f"seq {sid!r}: num_settled/num_computed outside [0, {n}]")
-            if any(r.pool != "q" for r in seq.table[self.policy.sink_blocks:seq.seal_from]):
-                raise AssertionError(f"seq {sid!r}: an hp block below seal_from={seq.seal_from}")
-            for i, ref in enumerate(seq.table):
-                refs[ref.pool][ref.block_id] += 1
-                at = seq.num_settled if i * bs < seq.num_settled else n
-                if ref.pool != block_state(i, at, self.policy):
-                    raise AssertionError(f"seq {sid!r}: block {i} is in {ref.pool}, rule says "
-                                         f"{block_state(i, at, self.policy)} at n={at}")
-                stored = self._alloc[ref.pool].block_tokens(ref.block_id)
-                if stored is not None and stored != tuple(self._block_tokens(seq.tokens, i)):
-                    raise AssertionError(f"seq {sid!r}: block {i} ({ref}) holds other tokens")
-                if stored is not None and i < len(seq.hashes) and \
-                        self._alloc[ref.pool].block_hash(ref.block_id) != seq.hashes[i]:
-                    raise AssertionError(f"seq {sid!r}: block {i} ({ref}) holds another hash")
-        for op in self._stores.values():  # a store holds its device blocks until it ends
-            for r in op.requests:
-                refs[r.pool][r.device_block] += 1
-        for blocks in self._quarantine.values():
-            for ref in blocks:
-                refs[ref.pool][ref.block_id] += 1
-        if self._quarantine.keys() - self._loads.keys():
-            raise AssertionError("quarantined blocks of a load that is not outstanding")
-        for ticket, blocks in self._remote_quarantine.items():
-            if ticket not in self._remote:
-                raise AssertionError("quarantined blocks of a remote fill that is not outstanding")
-            for ref in blocks:
-                refs[ref.pool][ref.block_id] += 1
-        for sid, op in self._remote_of.items():
-            if sid not in self._seqs or self._remote.get(op.ticket) is not op:
-                raise AssertionError(f"seq {sid!r} waits for a remote fill that is not outstanding")
-            if tuple(self._seqs[sid].table) != op.table or self._seqs[sid].num_computed:
-                raise AssertionError(f"seq {sid!r}: its table or progress disagrees with its remote fill")
-        for sid, op in self._loading.items():
-            if sid not in self._seqs or self._loads.get(op.request.ticket) is not op:
-                raise AssertionError(f"seq {sid!r} waits for a load that is not outstanding")
-            seq = self._seqs[sid]
-            hit = op.request.hit
-            if seq.num_computed != hit.start * bs or [r.block_id for r in seq.table[hit.start:hit.end]] != \
-                    list(op.request.device_blocks):
-                raise AssertionError(f"seq {sid!r}: its table or progress disagrees with its load")
-        if self.host_tier is not None:
-            self.host_tier.check_integrity()
-        host_refs = {p: [0] * self._host[p].num_blocks for p in POOLS}
-        for sid, seq in self._swapped.items():
-            if sid in self._seqs:
-                raise AssertionError(f"seq {sid!r} is both on the device and swapped")
-            for ref in seq.table:
-                host_refs[ref.pool][ref.block_id] += 1
-        for pool, counts in host_refs.items():
-            self._host[pool].check_integrity()
-            for bid, c in enumerate(counts):
-                if self._host[pool].refcount(bid) != c:
-                    raise AssertionError(f"host {pool} block {bid}: refcount {self._host[pool].refcount(bid)} "
-                                         f"but {c} swapped table references")
-        for pool, counts in refs.items():
-            for bid, c in enumerate(counts):
-                rc = self._alloc[pool].refcount(bid)
-                if rc != c:
-                    raise AssertionError(f"{pool} block {bid}: refcount {rc} but {c} table references")
+        """Raise AssertionError naming the first broken invariant (kvq.cache.block_integrity)."""
+        check_block_manager(self)
