@@ -3,7 +3,11 @@
 Times kvq's Triton ``write_kv`` on a prefill-sized write (T tokens filling
 whole, scattered blocks, as bench_decode.py does) per format over a sweep of
 tokens-per-program and warps, and the block seal alone for block-sealed
-formats.  Prints GB/s (bytes read + written) and the share of copy bandwidth."""
+formats; then, where the CUDA block seal (seal.cu) serves the layer, the cuda backend's
+``write_kv`` and its parts: the per-token kernel alone, and each role's CUDA and Triton
+seal.  Prints GB/s (bytes read + written) and the share of copy bandwidth.
+
+    python3 scripts/probe_write.py --formats int4_kivi,int2_kivi --tb 16 --warps 2"""
 
 import argparse
 import itertools
@@ -55,9 +59,30 @@ def main():
                     t = bench(lambda: store.seal_from(layer, role, x, full[:, 1], x.stride(0), x.stride(1),
                                                       x.stride(0), full[:, 0], w))
                     print(f"{fmt_name:20s} seal {role} warps={w}: {t:7.1f} us", flush=True)
+        cuda_parts(layer, k, v, slots, full, nbytes, copy, fmt_name)
         del pool
         layer = None
         torch.cuda.empty_cache()
+
+
+def cuda_parts(layer, k, v, slots, full, nbytes, copy, fmt_name):
+    """The cuda backend's write (Triton per-token kernel + seal.cu) and its parts, where it differs."""
+    from kvq.attention.cuda import seal
+    from kvq.attention.cuda import kernels as cuda_kernels
+
+    if seal.layer_reason(layer) is not None:
+        return
+    parts = {"write_kv cuda": lambda: cuda_kernels.write_kv(layer, k, v, slots, full),
+             # full[:-1]: not every token in a listed whole block, so the per-token kernel runs; no seal
+             "token kernel only": lambda: store.write_kv(layer, k, v, slots, full[:-1], sealer=lambda *a: None)}
+    for role, x in (("k", k), ("v", v)):
+        a = (layer, role, x, full[:, 1], x.stride(0), x.stride(1), x.stride(0), full[:, 0])
+        parts[f"seal {role} cuda"] = (lambda a=a: seal.seal_from(*a))
+    for label, fn in parts.items():
+        t = bench(fn)
+        gbps = nbytes / t / 1e3
+        print(f"{fmt_name:20s} {label:18s}: {t:7.1f} us {gbps:6.0f} GB/s {100 * gbps / copy:5.1f}% "
+              "(of the whole write's bytes)", flush=True)
 
 
 if __name__ == "__main__":

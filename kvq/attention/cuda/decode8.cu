@@ -14,6 +14,8 @@
 //   HAS_HP       1: tables may hold high-precision blocks (sinks, recent window)
 //   KIVI_EXACT   1: KIVI codes enter the MMAs as exact f16 integers, 0 (default) as subnormals
 //   LAZY_RESCALE 1 (default): the accumulators are rescaled only in chunks where a running max moved
+//   KIVI_STEP32  1 (what decode8.py compiles): a KIVI group is one ring item and one step (both
+//                halves' scores, one softmax, both PV halves); 0 (the macro's default): two 16-token steps
 //   MODEL_BF16   1: queries, outputs and hp blocks are bf16; 0: f16
 //   NWARPS, NSTAGES, MIN_BLOCKS   launch shape
 //
@@ -93,6 +95,9 @@
 #ifndef LAZY_RESCALE
 #define LAZY_RESCALE 1
 #endif
+#ifndef KIVI_STEP32
+#define KIVI_STEP32 0
+#endif
 #ifndef NWARPS
 #define NWARPS 4
 #endif
@@ -125,10 +130,12 @@ constexpr int NU = DP / 32;              // words of a V row that one lane reads
 constexpr int NG = D / 32;               // V channel groups
 constexpr int RSK = DP <= 64 ? DP : DP + 16;          // conflict-free K fragment reads
 constexpr int RSV = ((DP + 47) / 64) * 64 + 16;       // conflict-free V fragment reads
-constexpr int VR_OFF = 16 * RSK;                      // V rows
-constexpr int KSC_OFF = VR_OFF + 16 * RSV;            // K scale row, K zero row of the chunk's group (f16 [D] each)
-constexpr int VSC_OFF = KSC_OFF + 4 * D;              // V scales, V zeros (f16 [16][NG] each)
-constexpr int Q_STAGE = VSC_OFF + 64 * NG;
+constexpr int QR = KIVI_STEP32 ? 32 : 16;             // token rows of a quantized item
+constexpr int VR_OFF = QR * RSK;                      // V rows
+constexpr int KSC_OFF = VR_OFF + QR * RSV;            // K scale row, K zero row of the chunk's group (f16 [D] each)
+constexpr int VSC_OFF = KSC_OFF + 4 * D;              // V scales, V zeros (f16 [QR][NG] each)
+constexpr int VZ_OFF = VSC_OFF + 2 * NG * QR;
+constexpr int Q_STAGE = VZ_OFF + 2 * NG * QR;
 static_assert(DP >= 32, "KIVI: at least 32 packed bytes per row (int2 needs head_dim >= 128)");
 constexpr bool K_SUB = KIVI_EXACT;                              // K codes as exact integers
 constexpr bool V_SUB = KIVI_EXACT || (HAS_HP && !MODEL_BF16);   // (f16 P of hp chunks cannot take 2^-24)
@@ -291,12 +298,12 @@ __device__ __forceinline__ void pair_words(u32 w0, u32 w1, u32& p0, u32& p1) {
 #endif
 }
 
-// cp.async of 16 consecutive rows of ROW_BYTES (a multiple of 16) to shared rows DST_STRIDE apart.
-template <int ROW_BYTES, int DST_STRIDE>
+// cp.async of ROWS (default 16) consecutive rows of ROW_BYTES (a multiple of 16) to shared rows DST_STRIDE apart.
+template <int ROW_BYTES, int DST_STRIDE, int ROWS = 16>
 __device__ __forceinline__ void copy_rows(u32 dst, const u8* src, int lane) {
     constexpr int PPR = ROW_BYTES / 16;
 #pragma unroll
-    for (int p = lane; p < 16 * PPR; p += 32) cp16(dst + (p / PPR) * DST_STRIDE + (p % PPR) * 16, src + 16 * p);
+    for (int p = lane; p < ROWS * PPR; p += 32) cp16(dst + (p / PPR) * DST_STRIDE + (p % PPR) * 16, src + 16 * p);
 }
 
 template <int NW>
@@ -427,12 +434,13 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const u32 st = ring_s + is * STAGE;
             if (lane == 0) *reinterpret_cast<int*>(ring + is * STAGE + BLK_OFF) = blk;
             if (!HAS_HP || blk >= 0) {
-                const int k = ik++;
+                const int k = ik;
+                ik += KIVI_BITS && KIVI_STEP32 ? 2 : 1;
                 const int bh = blk * H + h;
                 const i64 row0 = (i64)bh * PAGE + poff;
 #if KIVI_BITS
-                copy_rows<DP, RSK>(st, kd + row0 * DP, lane);
-                copy_rows<DP, RSV>(st + VR_OFF, vd + row0 * DP, lane);
+                copy_rows<DP, RSK, QR>(st, kd + row0 * DP, lane);
+                copy_rows<DP, RSV, QR>(st + VR_OFF, vd + row0 * DP, lane);
                 // K: the scale and zero rows of the 32-token group (at its first chunk); V: 16 tokens'
                 if ((k & 1) == 0) {
                     const i64 krow = ((i64)bh * (PAGE / 32) + poff / 32) * (2 * D);
@@ -442,9 +450,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                         cp16(st + KSC_OFF + half * 2 * D + col, (half ? kz : ks) + krow + col);
                     }
                 }
-                if (lane < 4 * NG) {
-                    const int half = lane / (2 * NG), col = (lane % (2 * NG)) * 16;
-                    cp16(st + VSC_OFF + half * 32 * NG + col, (half ? vz : vs) + row0 * (2 * NG) + col);
+#pragma unroll
+                for (int p = lane; p < QR * NG / 4; p += 32) {  // 16-byte pieces of the scale rows, then the zeros'
+                    const int half = p / (QR * NG / 8), col = (p % (QR * NG / 8)) * 16;
+                    cp16(st + VSC_OFF + half * 2 * NG * QR + col, (half ? vz : vs) + row0 * (2 * NG) + col);
                 }
 #else
                 copy_rows<D, RS>(st, kd + row0 * D, lane);
@@ -476,6 +485,104 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     float zacc[4] = {0.f, 0.f, 0.f, 0.f};       // V zero points: group gi (< NG), queries 2c, 2c+1
 #endif
 
+#if KIVI_BITS
+    // a group's K scales into the query fragments (and the planes' 2^-(BITS m)), its zero points' term
+    auto kivi_group = [&](const u8* st) {
+        float zt[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+            const int x = k_channel(j, c), m = j % PER;
+            u32 sw[2], zw[2], s0, s1, z0, z1;
+            lds<2>(sw, st + KSC_OFF + 2 * x);
+            lds<2>(zw, st + KSC_OFF + 2 * D + 2 * x);
+            pair_words(sw[0], sw[1], s0, s1);
+            pair_words(zw[0], zw[1], z0, z1);
+            if (m) {  // 2^-(BITS m), exact
+                const u32 cm = ((15u - KIVI_BITS * m) << 10) * 0x00010001u;
+                s0 = hmul2(s0, cm);
+                s1 = hmul2(s1, cm);
+            }
+            qs[j][0] = hmul2(qf[j][0], s0);
+            qs[j][1] = hmul2(qf[j][1], s1);
+            mma_f16(zt, z0, z0, z1, z1, qf[j][0], qf[j][1]);  // every row the zero row
+        }
+        zq0 = zt[0] * qk_scale;
+        zq1 = zt[1] * qk_scale;
+    };
+    // S^T of 16 token rows `kr` (codes straight into the MMAs; unit 2^-24 unless K_SUB)
+    auto kivi_scores = [&](const u8* kr, float* s) {
+        u32 r0[KW], r1[KW];
+        lds<KW>(r0, kr + gi * RSK + KB * c);
+        lds<KW>(r1, kr + (gi + 8) * RSK + KB * c);
+#pragma unroll
+        for (int w = 0; w < KW; ++w) {
+            const u32 o0 = r0[w] >> 8, o1 = r1[w] >> 8;
+#pragma unroll
+            for (int m = 0; m < PER; ++m)
+                mma_f16(s, plane<K_SUB>(r0[w], m), plane<K_SUB>(r1[w], m), plane<K_SUB>(o0, m),
+                        plane<K_SUB>(o1, m), qs[w * PER + m][0], qs[w * PER + m][1]);
+        }
+    };
+    // O^T += V^T . P^T over 16 token rows `vr` with their V scales `vsc` and zeros `vzr` ([16][NG] f16);
+    // pb0/pb1: the plain P^T fragments (lane: query gi, tokens 2c, 2c+1 | 2c+8, 2c+9)
+    auto kivi_pv = [&](const u8* vr, const u8* vsc, const u8* vzr, u32 pb0, u32 pb1) {
+        // per channel group g: P^T times the tokens' V scale of g and its plane's 2^-(BITS m), f16x2 products
+        constexpr int NGW = (NG + 1) / 2;
+        u32 s0[NGW], s1[NGW], s8[NGW], s9[NGW];  // the V scales of tokens 2c, 2c+1, 2c+8, 2c+9
+        lds<NGW>(s0, vsc + (2 * c) * 2 * NG);
+        lds<NGW>(s1, vsc + (2 * c + 1) * 2 * NG);
+        lds<NGW>(s8, vsc + (2 * c + 8) * 2 * NG);
+        lds<NGW>(s9, vsc + (2 * c + 9) * 2 * NG);
+        u32 pb[NG][2];
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            const u32 hs = (g & 1) ? 0x7632 : 0x5410;
+            u32 sA = __byte_perm(s0[g / 2], s1[g / 2], hs), sB = __byte_perm(s8[g / 2], s9[g / 2], hs);
+            if (g / NU) {  // 2^-(BITS m), exact
+                const u32 cm = ((15u - KIVI_BITS * (g / NU)) << 10) * 0x00010001u;
+                sA = hmul2(sA, cm);
+                sB = hmul2(sB, cm);
+            }
+            pb[g][0] = hmul2(pb0, sA);
+            pb[g][1] = hmul2(pb1, sB);
+        }
+        {  // zero points: A rows = groups (row gi: group gi's zeros of tokens 2c, 2c+1 | 2c+8, 2c+9)
+            const u16* vz16 = reinterpret_cast<const u16*>(vzr);
+            u32 za = 0u, zb = 0u;
+            if (gi < NG) {
+                za = vz16[(2 * c) * NG + gi] | (u32(vz16[(2 * c + 1) * NG + gi]) << 16);
+                zb = vz16[(2 * c + 8) * NG + gi] | (u32(vz16[(2 * c + 9) * NG + gi]) << 16);
+            }
+            mma_f16(zacc, za, 0u, zb, 0u, pb0, pb1);
+        }
+        u32 v0[NU], v1[NU], v8[NU], v9[NU];
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+            const int x = 4 * gi + 32 * u;
+            v0[u] = *reinterpret_cast<const u32*>(vr + (2 * c) * RSV + x);
+            v1[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 1) * RSV + x);
+            v8[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 8) * RSV + x);
+            v9[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 9) * RSV + x);
+        }
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                // bytes 2e, 2e+1 of the two tokens of each pair: [A.2e, A.2e+1, B.2e, B.2e+1]
+                const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
+                const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
+                const u32 oA = tA >> 8, oB = tB >> 8;
+#pragma unroll
+                for (int m = 0; m < PER; ++m) {
+                    const int g = m * NU + u;  // channel group of this m-tile
+                    mma_f16(acc[(u * PER + m) * 2 + e], plane<V_SUB>(tA, m), plane<V_SUB>(oA, m),
+                            plane<V_SUB>(tB, m), plane<V_SUB>(oB, m), pb[g][0], pb[g][1]);
+                }
+            }
+        }
+    };
+#endif
+
 #pragma unroll
     for (int k = 0; k < NSTAGES - 1; ++k) issue();
 
@@ -493,6 +600,51 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         const int t0 = chunk_of(k) * 16;
         const bool ok0 = t0 + gi < n, ok1 = t0 + gi + 8 < n;
         const bool hp = HAS_HP && *reinterpret_cast<const int*>(st + BLK_OFF) < 0;
+#if KIVI_BITS && KIVI_STEP32
+        if (!hp) {  // a whole 32-token group: both halves' scores, one softmax, both PV halves
+            kivi_group(st);
+            float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
+            kivi_scores(st, sa);
+            kivi_scores(st + 16 * RSK, sb);
+            const float fk = K_SUB ? qk_scale : qk_scale * UNIT;
+            const bool ok2 = t0 + 16 + gi < n, ok3 = t0 + 24 + gi < n;  // (a half group's second half: none)
+            const float x0 = ok0 ? fmaf(sa[0], fk, zq0) : NEG_INF, x1 = ok0 ? fmaf(sa[1], fk, zq1) : NEG_INF;
+            const float x2 = ok1 ? fmaf(sa[2], fk, zq0) : NEG_INF, x3 = ok1 ? fmaf(sa[3], fk, zq1) : NEG_INF;
+            const float x4 = ok2 ? fmaf(sb[0], fk, zq0) : NEG_INF, x5 = ok2 ? fmaf(sb[1], fk, zq1) : NEG_INF;
+            const float x6 = ok3 ? fmaf(sb[2], fk, zq0) : NEG_INF, x7 = ok3 ? fmaf(sb[3], fk, zq1) : NEG_INF;
+            float mx0 = fmaxf(fmaxf(x0, x2), fmaxf(x4, x6)), mx1 = fmaxf(fmaxf(x1, x3), fmaxf(x5, x7));
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+            }
+            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+            const float al0 = ex2(m0 - mn0), al1 = ex2(m1 - mn1);
+            const bool grew = mn0 != m0 || mn1 != m1;
+            m0 = mn0;
+            m1 = mn1;
+            const float p0 = ex2(x0 - mn0), p1 = ex2(x1 - mn1), p2 = ex2(x2 - mn0), p3 = ex2(x3 - mn1);
+            const float p4 = ex2(x4 - mn0), p5 = ex2(x5 - mn1), p6 = ex2(x6 - mn0), p7 = ex2(x7 - mn1);
+            l0 = l0 * al0 + (p0 + p2) + (p4 + p6);
+            l1 = l1 * al1 + (p1 + p3) + (p5 + p7);
+            if (!LAZY_RESCALE || __any_sync(0xffffffffu, grew)) {
+#pragma unroll
+                for (int j = 0; j < KS; ++j) {
+                    acc[j][0] *= al0;
+                    acc[j][1] *= al1;
+                    acc[j][2] *= al0;
+                    acc[j][3] *= al1;
+                }
+                zacc[0] *= al0;
+                zacc[1] *= al1;
+            }
+            kivi_pv(st + VR_OFF, st + VSC_OFF, st + VZ_OFF, trans8x8(pack_f16(p0, p1)), trans8x8(pack_f16(p2, p3)));
+            kivi_pv(st + VR_OFF + 16 * RSV, st + VSC_OFF + 32 * NG, st + VZ_OFF + 32 * NG,
+                    trans8x8(pack_f16(p4, p5)), trans8x8(pack_f16(p6, p7)));
+            ++k;  // the group's second chunk (the loop adds the first)
+            continue;
+        }
+#endif
 
         // S^T = K . Q^T: s[0..1] token gi, queries 2c, 2c+1; s[2..3] token gi + 8
         float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -502,39 +654,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #endif
         if (!hp) {
 #if KIVI_BITS
-            if ((k & 1) == 0) {  // a group's first chunk: its K scales into the queries, its zero points' term
-                float zt[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int j = 0; j < KS; ++j) {
-                    const int x = k_channel(j, c), m = j % PER;
-                    u32 sw[2], zw[2], s0, s1, z0, z1;
-                    lds<2>(sw, st + KSC_OFF + 2 * x);
-                    lds<2>(zw, st + KSC_OFF + 2 * D + 2 * x);
-                    pair_words(sw[0], sw[1], s0, s1);
-                    pair_words(zw[0], zw[1], z0, z1);
-                    if (m) {  // 2^-(BITS m), exact
-                        const u32 cm = ((15u - KIVI_BITS * m) << 10) * 0x00010001u;
-                        s0 = hmul2(s0, cm);
-                        s1 = hmul2(s1, cm);
-                    }
-                    qs[j][0] = hmul2(qf[j][0], s0);
-                    qs[j][1] = hmul2(qf[j][1], s1);
-                    mma_f16(zt, z0, z0, z1, z1, qf[j][0], qf[j][1]);  // every row the zero row
-                }
-                zq0 = zt[0] * qk_scale;
-                zq1 = zt[1] * qk_scale;
-            }
-            u32 r0[KW], r1[KW];
-            lds<KW>(r0, st + gi * RSK + KB * c);
-            lds<KW>(r1, st + (gi + 8) * RSK + KB * c);
-#pragma unroll
-            for (int w = 0; w < KW; ++w) {
-                const u32 o0 = r0[w] >> 8, o1 = r1[w] >> 8;
-#pragma unroll
-                for (int m = 0; m < PER; ++m)
-                    mma_f16(s, plane<K_SUB>(r0[w], m), plane<K_SUB>(r1[w], m), plane<K_SUB>(o0, m),
-                            plane<K_SUB>(o1, m), qs[w * PER + m][0], qs[w * PER + m][1]);
-            }
+            if ((k & 1) == 0) kivi_group(st);  // a group's first chunk: its scales into the queries
+            kivi_scores(st, s);
             if (!K_SUB) fk0 = fk1 = qk_scale * UNIT;
             zk0 = zq0;
             zk1 = zq1;
@@ -610,62 +731,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const u32 pb0 = trans8x8(pack_f16(p0 * fv0, p1 * fv0));
             const u32 pb1 = trans8x8(pack_f16(p2 * fv1, p3 * fv1));
 #if KIVI_BITS
-            // per channel group g: P^T times the tokens' V scale of g and its plane's 2^-(BITS m), as f16x2
-            // products in the transposed fragment (lane: query gi, tokens 2c, 2c+1 | 2c+8, 2c+9)
-            const u8* vsc = st + VSC_OFF;
-            constexpr int NGW = (NG + 1) / 2;
-            u32 s0[NGW], s1[NGW], s8[NGW], s9[NGW];  // the V scales of tokens 2c, 2c+1, 2c+8, 2c+9
-            lds<NGW>(s0, vsc + (2 * c) * 2 * NG);
-            lds<NGW>(s1, vsc + (2 * c + 1) * 2 * NG);
-            lds<NGW>(s8, vsc + (2 * c + 8) * 2 * NG);
-            lds<NGW>(s9, vsc + (2 * c + 9) * 2 * NG);
-            u32 pb[NG][2];
-#pragma unroll
-            for (int g = 0; g < NG; ++g) {
-                const u32 hs = (g & 1) ? 0x7632 : 0x5410;
-                u32 sA = __byte_perm(s0[g / 2], s1[g / 2], hs), sB = __byte_perm(s8[g / 2], s9[g / 2], hs);
-                if (g / NU) {  // 2^-(BITS m), exact
-                    const u32 cm = ((15u - KIVI_BITS * (g / NU)) << 10) * 0x00010001u;
-                    sA = hmul2(sA, cm);
-                    sB = hmul2(sB, cm);
-                }
-                pb[g][0] = hmul2(pb0, sA);
-                pb[g][1] = hmul2(pb1, sB);
-            }
-            {  // zero points: A rows = groups (row gi: group gi's zeros of tokens 2c, 2c+1 | 2c+8, 2c+9)
-                const u16* vz16 = reinterpret_cast<const u16*>(vsc + 32 * NG);
-                u32 za = 0u, zb = 0u;
-                if (gi < NG) {
-                    za = vz16[(2 * c) * NG + gi] | (u32(vz16[(2 * c + 1) * NG + gi]) << 16);
-                    zb = vz16[(2 * c + 8) * NG + gi] | (u32(vz16[(2 * c + 9) * NG + gi]) << 16);
-                }
-                mma_f16(zacc, za, 0u, zb, 0u, pb0, pb1);
-            }
-            u32 v0[NU], v1[NU], v8[NU], v9[NU];
-#pragma unroll
-            for (int u = 0; u < NU; ++u) {
-                const int x = 4 * gi + 32 * u;
-                v0[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c) * RSV + x);
-                v1[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c + 1) * RSV + x);
-                v8[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c + 8) * RSV + x);
-                v9[u] = *reinterpret_cast<const u32*>(st + VR_OFF + (2 * c + 9) * RSV + x);
-            }
-#pragma unroll
-            for (int u = 0; u < NU; ++u) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    // bytes 2e, 2e+1 of the two tokens of each pair: [A.2e, A.2e+1, B.2e, B.2e+1]
-                    const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
-                    const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
-                    const u32 oA = tA >> 8, oB = tB >> 8;
-#pragma unroll
-                    for (int m = 0; m < PER; ++m) {
-                        const int g = m * NU + u;  // channel group of this m-tile
-                        mma_f16(acc[(u * PER + m) * 2 + e], plane<V_SUB>(tA, m), plane<V_SUB>(oA, m),
-                                plane<V_SUB>(tB, m), plane<V_SUB>(oB, m), pb[g][0], pb[g][1]);
-                    }
-                }
-            }
+            kivi_pv(st + VR_OFF, st + VSC_OFF, st + VZ_OFF, pb0, pb1);
 #else
             u32 v0[VB / 4], v1[VB / 4], v8[VB / 4], v9[VB / 4];
             lds<VB / 4>(v0, st + (16 + 2 * c) * RS + VB * gi);

@@ -33,8 +33,9 @@ _LOG2E = 1.4426950408889634
 
 #: Launch shape (warps per CTA, pipeline stages per warp, CTAs per SM the registers must allow).
 NWARPS, NSTAGES, MIN_BLOCKS = 4, 3, 3
-#: KIVI: one 32-token group per ring item and step (a variant under measurement; off).
-KIVI_STEP32 = False
+#: KIVI: one 32-token group per ring item and step (H200, probe_decode 16x32K: int4_kivi 222.9 -> 197.7 us,
+#: int2_kivi 198.5 -> 163.0 us; with hp blocks 239.7 -> 205.0 and 217.8 -> 175.7 us); False: two 16-token steps.
+KIVI_STEP32 = True
 
 
 def min_blocks_for(head_dim: int) -> int:

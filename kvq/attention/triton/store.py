@@ -280,12 +280,17 @@ def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
     TB = tokens_per_program
     if num_warps is None:
         num_warps = _warps(layer)
-    _write_kernel[(triton.cdiv(T, TB), H)](
-        k, v, k.stride(0), k.stride(1), T, slots, *kp, *vp, *ks, *vs, hp[0], hp[1], hp[2],
-        PAGE=layer.block_size, D=D, K_G=km["g"], V_G=vm["g"], TB=TB,
-        K_FMT=km["fmt"], K_PER=km["per"], K_QMAX=km["qmax"], K_DIRECT=km["direct"],
-        V_FMT=vm["fmt"], V_PER=vm["per"], V_QMAX=vm["qmax"], V_DIRECT=vm["direct"], num_warps=num_warps,
-    )
+    # both roles sealed per block and every token in a block this write fills whole (a prefill chunk of
+    # whole blocks): no hp row to write, the seals below do all of it
+    whole = not (km["direct"] or vm["direct"]) and full_blocks is not None \
+        and full_blocks.shape[0] * layer.block_size == T
+    if not whole:
+        _write_kernel[(triton.cdiv(T, TB), H)](
+            k, v, k.stride(0), k.stride(1), T, slots, *kp, *vp, *ks, *vs, hp[0], hp[1], hp[2],
+            PAGE=layer.block_size, D=D, K_G=km["g"], V_G=vm["g"], TB=TB,
+            K_FMT=km["fmt"], K_PER=km["per"], K_QMAX=km["qmax"], K_DIRECT=km["direct"],
+            V_FMT=vm["fmt"], V_PER=vm["per"], V_QMAX=vm["qmax"], V_DIRECT=vm["direct"], num_warps=num_warps,
+        )
     if km["direct"] and vm["direct"]:
         return
     if full_blocks is None:
