@@ -81,6 +81,11 @@ bench-capacity:
 	  --formats $$f --out docs/results/bench_capacity.json || exit 1; done
 	python3 scripts/capacity_report.py
 
+# chaos soak of `kvq serve` on the CPU, about 3 minutes on 2 cores (benchmarks/soak.py, benchmarks/README.md)
+.PHONY: soak
+soak:
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/soak.py --duration 140 --out docs/results/soak_cpu.json
+
 bench-server:
 	bash scripts/gpu.sh bench-server --spawn --num-requests 256 --concurrency 64 --input-len 512 --output-len 128 \
 	  --disconnect-fraction 0.1 --time-limit 90 --label "H200, dummy Llama-3-8B, fp8_e4m3 KV" \

@@ -294,3 +294,37 @@ def test_a_hung_rank_times_out_and_every_rank_stops(tmp_path):
     assert time.monotonic() - t < 60
     worker.join(timeout=10)
     assert not worker.is_alive()
+
+
+def test_a_rank_that_dies_while_the_engine_idles_is_seen_at_once(tmp_path):
+    """The watchdog on the spawned ranks (kvq.parallel.group): no step needs to fail first.  The group's
+    failure names the rank and how it died, the next step raises it at once, and the server reads it
+    (kvq.server.launch.executor_failure) to exit non-zero."""
+    import signal
+    import time
+
+    from kvq.server.launch import executor_failure
+
+    llm = LLM(_tiny_checkpoint(tmp_path / "tiny", num_key_value_heads=2), tensor_parallel_size=2, device=DEVICE,
+              progress=False, kv_cache_memory="4MiB", max_num_seqs=2, max_num_batched_tokens=64,
+              distributed_timeout_s=60)
+    worker = llm.engine.tp.workers[0]
+    seen = []
+    llm.engine.tp.on_failure(seen.append)
+    assert llm.engine.executor.failure is None
+    os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while llm.engine.executor.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    want = f"tensor parallel: a rank failed: rank 1 (pid {worker.pid}) was killed by SIGKILL"
+    assert llm.engine.executor.failure == want and seen == [want]
+
+    class _Engine:  # what kvq.server.launch reads: the AsyncEngine's engine's executor
+        engine = llm.engine
+
+    assert executor_failure(_Engine) == want
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    llm.shutdown()  # no stop message to a dead rank: nothing waits for the timeout
+    assert time.monotonic() - t < 10

@@ -43,6 +43,7 @@ from typing import Sequence
 
 import torch
 
+from kvq.cache.host_faults import CopyFaults
 from kvq.cache.plan import CachePlan
 from kvq.cache.pool import KVPool
 from kvq.formats import fp8
@@ -224,6 +225,7 @@ class HostKVPool:
         self._registration = registration
         self._mapped = addressed is not layers
         self._stream = torch.cuda.Stream(device) if self._mapped else None
+        self.faults = CopyFaults.from_env()  # None unless KVQ_FAULT_HOST_COPY is set (kvq.cache.host_faults)
 
     # -- creation ----------------------------------------------------------------------------
     @classmethod
@@ -318,6 +320,8 @@ class HostKVPool:
     def store(self, pool: KVPool, q_pairs: Sequence = (), hp_pairs: Sequence = ()) -> CopyHandle:
         """Copy device blocks to host slots: ``q_pairs`` / ``hp_pairs`` are ``(device_block_id,
         host_block_id)``.  Free the device blocks only once the handle is done."""
+        if self.faults is not None:
+            self.faults.maybe_fail("store")
         qs, qd = _pairs(q_pairs, "q_pairs", "device q block", pool.num_q_blocks, "host q block", self.num_q_blocks)
         hs, hd = _pairs(hp_pairs, "hp_pairs", "device hp block", pool.num_hp_blocks,
                         "host hp block", self.num_hp_blocks)
@@ -326,6 +330,8 @@ class HostKVPool:
     def load(self, pool: KVPool, q_pairs: Sequence = (), hp_pairs: Sequence = ()) -> CopyHandle:
         """Copy host slots to device blocks: pairs are ``(host_block_id, device_block_id)``.
         Read the device blocks only after ``handle.wait()`` (or on a stream that waited)."""
+        if self.faults is not None:
+            self.faults.maybe_fail("load")
         qs, qd = _pairs(q_pairs, "q_pairs", "host q block", self.num_q_blocks, "device q block", pool.num_q_blocks)
         hs, hd = _pairs(hp_pairs, "hp_pairs", "host hp block", self.num_hp_blocks,
                         "device hp block", pool.num_hp_blocks)

@@ -48,6 +48,12 @@ class TensorParallelExecutor(Executor):
     def group(self):
         return self.tp
 
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks cannot go on (a rank died or hung: :attr:`TPGroup.failure`), or None.  A rank
+        that dies is seen at once, even while the engine idles; the next step raises."""
+        return self.tp.failure
+
     def execute(self, sched, seqs: dict, feed=None):
         return self.runner.execute(sched, seqs, feed)
 

@@ -7,6 +7,15 @@ while the engine idles, a heartbeat every quarter of the timeout, so that a wait
 from rank 0 in time and rank 0 finds out about a rank that stopped answering.  A rank that dies
 closes its sockets, so the others' next collective fails at once rather than at the timeout.
 
+Failure is one state, :attr:`TPGroup.failure` (the first reason wins), set by whoever sees it
+first: rank 0's watchdog over the processes it spawned (a rank that exits while the group is open:
+at once, whether or not the engine is stepping), the heartbeat, or a step that raised.  From then
+on every send raises at once, and whoever owns the process (``kvq serve``: kvq.server.launch) can
+read why and stop::
+
+    rank 1 killed ──> watchdog: failure = "rank 1 (pid N) was killed by SIGKILL" ──> on_failure callbacks
+                      next send / step raises at once; close() sends no stop message, reaps the others
+
 Ranks start in one of two ways (:func:`start`):
 
 * by kvq: the process that builds the engine becomes rank 0 and spawns ranks 1..N-1
@@ -21,7 +30,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 
@@ -55,8 +66,55 @@ class TPGroup:
         self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.control_lock = threading.RLock()  # rank 0: one exchange on the control group at a time
         self.closed = False
+        self._stopping = False  # rank 0 is telling the others to stop: their exits are expected
         self._beat: threading.Thread | None = None
         self.beat_error: Exception | None = None
+        self.failure: str | None = None  # why this group cannot go on (module docstring), first reason wins
+        self._failure_lock = threading.Lock()
+        self._on_failure: list = []
+        if self.workers:
+            threading.Thread(target=self._watch_workers, name="kvq-tp-watchdog", daemon=True).start()
+
+    # -- failure -------------------------------------------------------------------------------------
+    def on_failure(self, callback) -> None:
+        """Call ``callback(reason)`` (from the thread that sees it) once the group fails; at once if it
+        already has."""
+        with self._failure_lock:
+            if self.failure is None:
+                self._on_failure.append(callback)
+                return
+        callback(self.failure)
+
+    def fail(self, reason: str) -> None:
+        """Record why the group cannot go on (the first reason is kept), say it on stderr, tell the
+        callbacks.  Any thread."""
+        with self._failure_lock:
+            if self.failure is not None or self.closed:
+                return
+            self.failure = reason
+            callbacks, self._on_failure = self._on_failure, []
+        print(f"[kvq] {reason}; the engine cannot go on without it", file=sys.stderr, flush=True)
+        for callback in callbacks:
+            try:
+                callback(reason)
+            except Exception:  # noqa: BLE001 - one listener's bug must not hide the failure from the others
+                logger.exception("tensor parallel: a failure callback raised")
+
+    def _watch_workers(self) -> None:
+        """Rank 0: wait on the spawned ranks' process sentinels; one that ends while the group is open
+        (not after a stop message) fails the group at once."""
+        from multiprocessing.connection import wait
+
+        by_sentinel = {p.sentinel: (rank, p) for rank, p in enumerate(self.workers, start=1)}
+        while not (self.closed or self._stopping) and by_sentinel:
+            for sentinel in wait(list(by_sentinel), timeout=0.5):
+                rank, p = by_sentinel.pop(sentinel)
+                code, until = p.exitcode, time.monotonic() + 1.0
+                while code is None and time.monotonic() < until:  # (its sentinel closes as it dies)
+                    time.sleep(0.01)
+                    code = p.exitcode
+                if not (self.closed or self._stopping):
+                    self.fail(f"tensor parallel: a rank failed: rank {rank} (pid {p.pid}) {describe_exit(code)}")
 
     # -- collectives of the forward ----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,6 +142,8 @@ class TPGroup:
     def send(self, message) -> None:
         """Rank 0: hand ``message`` (picklable) to every other rank."""
         with self.control_lock:
+            if self.failure is not None:
+                raise RuntimeError(self.failure)
             if self.beat_error is not None:
                 raise RuntimeError(f"heartbeat: {self.beat_error}")
             dist.broadcast_object_list([message], src=0, group=self.control)
@@ -100,6 +160,8 @@ class TPGroup:
                         dist.broadcast_object_list([("beat",)], src=0, group=self.control)
                 except Exception as e:  # noqa: BLE001 - kept for the engine's next send to report
                     self.beat_error = e
+                    self.fail(f"tensor parallel: the heartbeat to the other ranks failed ({type(e).__name__}: "
+                              f"{_first_line(e)})")
                     return
 
         self._beat = threading.Thread(target=beat, name="kvq-tp-heartbeat", daemon=True)
@@ -120,11 +182,24 @@ class TPGroup:
     def worker_exit_codes(self) -> list:
         return [p.exitcode for p in self.workers]
 
+    def dead_ranks(self, wait_s: float = 0.0) -> str | None:
+        """The spawned ranks that have exited, in words ("rank 1 (pid N) was killed by SIGKILL"),
+        waiting up to ``wait_s`` for one to; None if all run (or none were spawned here)."""
+        from multiprocessing.connection import wait
+
+        if self.workers and wait_s > 0:
+            wait([p.sentinel for p in self.workers], timeout=wait_s)
+        dead = [(rank, p) for rank, p in enumerate(self.workers, start=1) if not p.is_alive()]
+        return ", ".join(f"rank {rank} (pid {p.pid}) {describe_exit(p.exitcode)}" for rank, p in dead) or None
+
     def close(self, stop_workers: bool = True) -> None:
         """Rank 0: tell the others to stop, wait for the processes it spawned (then terminate them),
-        and leave the process groups.  Safe to call twice."""
+        and leave the process groups.  Safe to call twice.  After a failure no stop message is sent
+        (a rank that hangs would hold it up to the timeout): the processes are ended."""
         if self.closed:
             return
+        stop_workers = stop_workers and self.failure is None
+        self._stopping = True
         with self.control_lock:
             if stop_workers and self.rank == 0:
                 try:
@@ -144,6 +219,22 @@ class TPGroup:
             dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001 - already torn down by a failed collective
             logger.debug("tensor parallel: destroy_process_group: %s", e)
+
+
+def describe_exit(code: int | None) -> str:
+    """A process's exit code in words: "was killed by SIGKILL", "exited with status 1"."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 def _free_port() -> int:

@@ -11,8 +11,11 @@ meet.  Cache ops (seals, copies) travel the same way.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
+import signal
 import sys
+import threading
 
 import torch
 
@@ -58,11 +61,15 @@ class BroadcastRunner:
             raise self.failed(e) from None
 
     def failed(self, e: Exception) -> RuntimeError:
-        """A rank died or hung: every rank is stopped, and the error says which."""
-        codes = self.group.worker_exit_codes()
+        """A rank died or hung: every rank is stopped, and the error says which (a dead rank by its
+        number and how it ended; else the collective's error and the exit codes)."""
+        dead = self.group.dead_ranks(wait_s=0.5)  # a collective can fail a moment before its peer is reaped
+        why = f"tensor parallel: a rank failed: {dead}" if dead else \
+            (f"tensor parallel: a rank failed ({type(e).__name__}: {_first_line(e)}); worker exit codes "
+             f"{self.group.worker_exit_codes()}")
+        self.group.fail(why)
         self.group.close(stop_workers=False)
-        return RuntimeError(f"tensor parallel: a rank failed ({type(e).__name__}: {e}); "
-                            f"worker exit codes {codes}; the engine is shut down")
+        return RuntimeError(f"{why}; the engine is shut down")
 
     def apply_ops(self, ops) -> None:
         self._send(("ops", ops))
@@ -111,12 +118,36 @@ def follow(group, runner) -> None:
     group.close(stop_workers=False)
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def _exit_with_parent(rank: int) -> None:
+    """A daemon thread that ends this process when the process that spawned it is gone (SIGKILLed, or
+    exited without stopping this rank): a rank blocked loading or in a collective would wait for
+    the distributed timeout otherwise."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # (waits on the parent's sentinel)
+        print(f"[kvq] tensor parallel rank {rank}: rank 0's process is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvq-tp-parent-watch", daemon=True).start()
+
+
 def spawned_worker(config, rank: int, world: int, init_method: str, timeout_s: float) -> None:
     """Entry point of a rank that kvq spawned: join the group, build this rank's Worker (model shard,
     cache shard, runner), follow rank 0."""
     from kvq.engine.config import resolve_device
     from kvq.parallel import group as tp
 
+    # Ctrl-C in a terminal reaches the whole process group: only rank 0 acts on it (its drain stops
+    # this rank with a stop message); and this rank never outlives rank 0's process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(rank)
     os.environ.pop("WORLD_SIZE", None)  # this rank's group is kvq's, whatever the parent's environment
     try:
         device = tp.rank_device(resolve_device(config.device), rank)

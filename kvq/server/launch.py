@@ -8,6 +8,8 @@ Shutdown (docs/server.md, "Shutdown and draining")::
          finish_reason "abort" then [DONE], a JSON request gets 503; their blocks are freed
       -> uvicorn closes the listener and the connections (they are idle by now) -> exit status 0
     SIGINT while draining -> the deadline is now (exit status 130); any signal after that: exit at once
+    the executor failed (a tensor-parallel rank died: its ``failure``) -> the same drain, cut at once;
+      exit status 1, so a supervisor restarts the server rather than a balancer seeing 503s for ever
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class Server(uvicorn.Server):
         self._requested = False  # plain flags: set by a signal handler or another thread, read on the loop
         self._cut = False
         self._drain: asyncio.Task | None = None
+        self.failure: str | None = None  # why the engine cannot go on (executor_failure), once seen
 
     def request_shutdown(self, cut: bool = False) -> None:
         """Start the drain (any thread); ``cut``: end the running requests now, not at the deadline."""
@@ -142,6 +145,11 @@ class Server(uvicorn.Server):
             self.request_shutdown(cut=True)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.failure is None and (failure := executor_failure(self.engine)):
+            self.failure = failure
+            log.error("%s: the server stops (exit status 1); running requests end now", failure)
+            self.exit_code = 1
+            self.request_shutdown(cut=True)
         if self._requested and self._drain is None:
             self._drain = asyncio.create_task(self.drain())
         return await super().on_tick(counter)
@@ -152,7 +160,8 @@ class Server(uvicorn.Server):
         engine, loop = self.engine, asyncio.get_running_loop()
         try:
             engine.begin_drain()
-            why = signal.Signals(self.signals[0]).name if self.signals else "shutdown requested"
+            why = "the engine failed" if self.failure else signal.Signals(self.signals[0]).name if self.signals \
+                else "shutdown requested"
             if engine.num_live and not self._cut:
                 log.info("%s: draining %d running sequences for up to %g s (--shutdown-timeout); new requests "
                          "and /health get 503%s", why, engine.num_live, self.shutdown_timeout,
@@ -165,7 +174,7 @@ class Server(uvicorn.Server):
                 await asyncio.sleep(0.05)
             if engine.num_live:
                 cause = f"--shutdown-timeout {self.shutdown_timeout:g} s" if not self._cut else \
-                    "a second SIGINT" if len(self.signals) > 1 else "cut short"
+                    self.failure if self.failure else "a second SIGINT" if len(self.signals) > 1 else "cut short"
                 log.warning("ending %d sequences still running after %.1f s (%s): finish_reason \"abort\" "
                             "or HTTP 503", engine.num_live, loop.time() - start, cause)
                 engine.abort_all(f"the server is shutting down: the request was still running at its "
@@ -177,6 +186,12 @@ class Server(uvicorn.Server):
                 log.info("drained in %.1f s", loop.time() - start)
         finally:
             self.should_exit = True
+
+
+def executor_failure(engine: AsyncEngine) -> str | None:
+    """Why the engine's executor cannot go on though the engine thread runs (a tensor-parallel rank
+    died or hung: kvq.parallel.executor's ``failure``), or None; the one-process executor has none."""
+    return getattr(engine.engine.executor, "failure", None)
 
 
 class ServerThread:
