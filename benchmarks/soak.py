@@ -814,9 +814,12 @@ class Soak:
         main = procs["main"]
         await self.drive(res, "main", "long", until)
         await self.settle_and_check(res, main)
-        m = await scrape(self.client, main.url)
-        n = int(metric(m, "kvq_num_preemptions_total") - metric(before["main"], "kvq_num_preemptions_total"))
-        res.evidence.update(preemptions=n, pool_blocks=(await self.status(main))["kv_pool"].get("q_blocks"))
+        m, b = await scrape(self.client, main.url), before["main"]
+        recompute = int(metric(m, "kvq_num_preemptions_total") - metric(b, "kvq_num_preemptions_total"))
+        swapped = int(metric(m, "kvq_requests_swapped_total") - metric(b, "kvq_requests_swapped_total"))
+        n = recompute + swapped  # (--preemption-mode swap: preempted requests go to the host tier)
+        res.evidence.update(preemptions=n, recompute=recompute, swapped=swapped,
+                            pool_blocks=(await self.status(main))["kv_pool"].get("q_blocks"))
         if n <= 0:
             res.failures.append("no preemption: the pool was not too small for the load (--small-pool)")
 
