@@ -841,15 +841,16 @@ class Soak:
         until["t"] = float("inf")  # (set after the kill)
         load = asyncio.ensure_future(self.drive(res, "decode", "mixed", until))
         # the kill: at 35% of the phase, once a fill has completed, mid-transfer (while the decode
-        # server waits on fills), within the phase
+        # server waits on fills); 30 s past the phase's end at most (a slow first fill on a busy machine)
         t0 = time.monotonic()
         pending = 0
-        while time.monotonic() < t0 + res.duration_s:
+        while time.monotonic() < t0 + res.duration_s + 30:
             kv = (await self.status(decode))["kv_transfer"]
             pending = kv.get("pending") or 0
             if time.monotonic() > t0 + 0.35 * res.duration_s and kv["fills"]["filled"] and pending:
                 break
             await asyncio.sleep(0.01)
+        at_kill = await scrape(self.client, decode.url)
         prefill.stopping_at = time.monotonic()
         prefill.signal(signal.SIGKILL)
         filled_before = (await self.status(decode))["kv_transfer"]["fills"]["filled"]
@@ -858,18 +859,23 @@ class Soak:
         until["t"] = time.monotonic() + max(res.duration_s * 0.4, 3.0)
         await load
         await self.settle_and_check(res, decode)
-        m, b = await scrape(self.client, decode.url), before["decode"]
-        fails = {r: int(metric(m, "kvq_kv_transfer_failed_total", reason=r)
-                        - metric(b, "kvq_kv_transfer_failed_total", reason=r))
-                 for r in ("peer_unreachable", "peer_error", "transfer_error", "timeout", "checksum", "bad_reply",
-                           "aborted")}
+        m = await scrape(self.client, decode.url)
+
+        def failed(a: dict, b: dict) -> dict:
+            return {r: n for r in ("peer_unreachable", "peer_error", "transfer_error", "timeout", "checksum",
+                                   "bad_reply", "aborted")
+                    if (n := int(metric(b, "kvq_kv_transfer_failed_total", reason=r)
+                                 - metric(a, "kvq_kv_transfer_failed_total", reason=r)))}
+
+        after = failed(at_kill, m)
         res.evidence.update(fills_pending_at_kill=pending, filled_before_kill=filled_before,
                             fills=(await self.status(decode))["kv_transfer"]["fills"],
-                            transfer_failures={k: v for k, v in fails.items() if v},
+                            transfer_failures_before_kill=failed(before["decode"], at_kill),
+                            transfer_failures_after_kill=after,
                             completed_after_kill=self.completed(decode.name, after=prefill.stopping_at))
         if filled_before == 0:
             res.failures.append("no KV transfer completed before the peer was killed")
-        if sum(fails.values()) == 0:
+        if sum(after.values()) == 0:
             res.failures.append("no transfer failed after the peer was killed")
         if res.evidence["completed_after_kill"] == 0:
             res.failures.append("no request completed on the decode server after its peer died")
@@ -1020,8 +1026,8 @@ def evidence_text(r: dict) -> str:
                 f"{e.get('offload_blocks')} blocks stored, {e.get('reload_blocks')} reloaded")
     if name == "nixl":
         return (f"peer SIGKILLed with {e.get('fills_pending_at_kill')} fills pending ({e.get('filled_before_kill')} "
-                f"filled before); failures {e.get('transfer_failures')}; {e.get('completed_after_kill')} completed "
-                f"after")
+                f"filled before); failed fills after: {e.get('transfer_failures_after_kill')}; "
+                f"{e.get('completed_after_kill')} completed after")
     if name == "tp":
         return (f"rank SIGKILLed: exit {e.get('exit_code')} in {e.get('death_to_exit_s')} s (timeout "
                 f"{e.get('distributed_timeout_s')} s), loss logged: {e.get('loss_reported_in_log')}")
@@ -1097,7 +1103,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--cpu-offload-gb", type=float, default=0.05, help="the host tier of that server (default 0.05)")
     p.add_argument("--host-fault-rates", default="store=0.3,load=0.5,seed=1",
                    help="KVQ_FAULT_HOST_COPY of that server (kvq/cache/host_faults.py)")
-    p.add_argument("--kv-transfer-timeout", type=float, default=5.0, help="the decode server's (default 5)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=15.0, help="the decode server's (default 15)")
     p.add_argument("--distributed-timeout", type=float, default=20.0,
                    help="the tensor-parallel server's --distributed-timeout: its exit after a rank's death must "
                    "come within it (default 20)")

@@ -175,7 +175,7 @@ def test_soak_nixl_peer_death_and_tensor_parallel_rank_death(tmp_path):
     report = _run(tmp_path, "--phases", "nixl,tp", "--duration", "8", "--distributed-timeout", "20")
     ph = _assert_clean(report)
     nx = ph["nixl"]["evidence"]
-    assert nx["filled_before_kill"] > 0 and sum(nx["transfer_failures"].values()) > 0, nx
+    assert nx["filled_before_kill"] > 0 and sum(nx["transfer_failures_after_kill"].values()) > 0, nx
     assert nx["completed_after_kill"] > 0, nx
     tp = ph["tp"]["evidence"]
     assert tp["exit_code"] not in (0, None) and tp["death_to_exit_s"] < 20 and tp["loss_reported_in_log"], tp
