@@ -355,3 +355,28 @@ def test_swap_copies_go_through_the_workers_swap_connector(model, monkeypatch, d
     monkeypatch.delitem(CONNECTORS, "swap")
     with pytest.raises(RuntimeError, match="no KV connector 'swap'"):
         _engine(model, **small)
+
+
+# -- the CPU prefix tier's stores of an aborted request -------------------------------------------------
+def test_stores_decided_while_no_step_runs_keep_the_engine_stepping_until_their_blocks_are_back(model):
+    """Aborting the last running request decides stores of its full blocks into the CPU prefix tier with
+    no step left to issue them: the connector reports them pending, so a server's loop keeps stepping
+    and the device blocks come back (found by benchmarks/soak.py: they stayed held while the engine idled)."""
+    eng = _engine(model, cpu_offload_gb=0.01)
+    tier = eng.connector("cpu_prefix_tier")
+    rid = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    eng.abort(rid)
+    bm = eng.block_manager
+    assert not eng.scheduler.has_unfinished() and bm.num_host_ops_queued > 0  # stores decided, not issued
+    assert tier.has_pending() and eng.has_unfinished()
+    assert bm.allocator("q").num_used > 0  # held by the stores
+    steps = 0
+    while eng.has_unfinished():
+        assert eng.step() == []
+        steps += 1
+        assert steps < 10
+    assert tier.stats()["stored_blocks"] > 0 and bm.num_host_ops_queued == 0
+    assert bm.allocator("q").num_used == 0 and bm.allocator("hp").num_used == 0
+    bm.check_integrity()

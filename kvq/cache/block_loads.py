@@ -68,6 +68,11 @@ class LoadsMixin:
         return True
 
     # -- the CPU prefix tier ----------------------------------------------------------------
+    @property
+    def num_host_ops_queued(self) -> int:
+        """Stores and loads decided but not yet taken by :meth:`take_host_ops`."""
+        return len(self._host_ops)
+
     def take_host_ops(self) -> list[HostOp]:
         """Stores and loads of the CPU prefix tier decided since the last call, to issue (in any
         order, after the step's ops) and then report with :meth:`host_copy_done`."""

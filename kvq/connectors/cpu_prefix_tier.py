@@ -70,6 +70,11 @@ class CPUPrefixTierConnector(KVConnector):
                 continue
             self.inflight.append((op, handle, time.perf_counter()))
 
+    def has_pending(self) -> bool:
+        """Copies in flight, or stores decided while no step ran (an abort of the last running request):
+        the engine keeps stepping until they are issued and done, so their device blocks come back."""
+        return bool(self.inflight) or self.block_manager.num_host_ops_queued > 0
+
     def poll(self, wait: bool = False) -> list:
         self.poll_copies(wait)
         return []  # a loaded prefix is computed by a later step like any other
