@@ -58,6 +58,11 @@ class Executor:
         """The tensor-parallel process group of rank 0, or None."""
         return None
 
+    @property
+    def failure(self) -> str | None:
+        """Why the workers cannot go on (a rank died or hung), or None; one process never fails this way."""
+        return None
+
 
 class UniprocExecutor(Executor):
     """One worker in the engine's process."""

@@ -191,7 +191,7 @@ class Server(uvicorn.Server):
 def executor_failure(engine: AsyncEngine) -> str | None:
     """Why the engine's executor cannot go on though the engine thread runs (a tensor-parallel rank
     died or hung: kvq.parallel.executor's ``failure``), or None; the one-process executor has none."""
-    return getattr(engine.engine.executor, "failure", None)
+    return engine.engine.executor.failure
 
 
 class ServerThread:
