@@ -35,6 +35,8 @@ def main():
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--output-len", type=int, default=None,
+                    help="max_tokens per request (default: enough that all c sequences run when profiled)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="default: the engine's (on with CUDA)")
@@ -48,7 +50,10 @@ def main():
                                  enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling))
     vocab = eng.model.config.vocab_size
     for c in concs:
-        sp = SamplingParams(max_tokens=4 * args.steps + 8, ignore_eos=True)
+        # long enough that the first sequences still run when the last prompt's prefill ends (decode
+        # goes first, so they decode through the whole prefill phase): the profiled steps see all c
+        prefill_steps = -(-c * args.input_len // 8192)
+        sp = SamplingParams(max_tokens=args.output_len or 4 * args.steps + 8 + 2 * prefill_steps, ignore_eos=True)
         for _ in range(c):
             eng.add_request(torch.randint(0, vocab, (args.input_len,)).tolist(), sp)
         def prefill_pending():
@@ -82,8 +87,9 @@ def main():
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             decode_steps(eng, args.steps)
         dev = sum(e.self_device_time_total for e in prof.key_averages()) / args.steps / 1e3
+        running = sum(1 for s in eng.scheduler._seqs.values() if not s.is_finished)
         print(f"\n=== {args.kv_cache_dtype} c={c}: wall {wall * 1e3:.2f} ms/step, device kernels {dev:.2f} ms/step, "
-              f"graph steps {eng.runner.graph_steps}")
+              f"graph steps {eng.runner.graph_steps}, {running} sequences running")
         rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.rows]
         for e in rows:
             print(f"  {e.self_device_time_total / args.steps / 1e3:7.3f} ms/step  "
