@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from kvq.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM
+from kvq.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM, weights_from_checkpoint
 from kvq.models.source import ModelFileError, ModelSource, read_hf_config, resolve_model
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -75,7 +75,7 @@ def build_model(model: str | ModelSource = "default", *, load_format: str = "aut
     if not src.gguf_file and not any(src.folder.glob("*.safetensors")) and not any(src.folder.glob("*.bin")):
         raise ValueError(f"{src.name} has no weights on disk; use --load-format dummy for its shapes")
     cfg, state, tok = _load_checkpoint(src, progress)
-    with torch.device(device):  # the random init the weights overwrite runs where it is fast
+    with torch.device(device), weights_from_checkpoint():  # no random init: every weight is loaded next
         lm = LlamaForCausalLM(cfg, _partition(cfg, tp), tp)
     lm.load_hf_state_dict(state)
     return lm.to(dtype=dtype).eval(), tok

@@ -132,9 +132,22 @@ def read_gguf_header(path: Path) -> dict:
             return string()
         if vtype == _GGUF_ARRAY:
             etype, count = take("<I"), take("<Q")
+            nonlocal pos
             if etype in _GGUF_SCALARS:
-                nonlocal pos
                 pos += count * struct.calcsize(_GGUF_SCALARS[etype])
+            elif etype == _GGUF_STRING:  # a vocabulary (~100k strings): skipped without decoding (string()'s checks)
+                unpack_len, end = struct.Struct("<Q").unpack_from, len(buf)
+                for _ in range(count):
+                    if pos + 8 > end:
+                        break
+                    n = unpack_len(buf, pos)[0]
+                    pos += 8
+                    if pos + n > end:
+                        break
+                    pos += n
+                else:
+                    return None
+                raise ModelFileError(f"{path}: GGUF header ends early at byte {pos} of {size} (truncated)")
             else:
                 for _ in range(count):
                     value(etype)
