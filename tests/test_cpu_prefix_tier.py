@@ -56,6 +56,20 @@ def small_pool(llm: LLM, num_q: int = 6) -> int:
         memory += size
 
 
+_PLAIN: dict[tuple, tuple[list[list[int]], int]] = {}
+
+
+def plain_run(common: dict) -> tuple[list[list[int]], int]:
+    """(the chat's tokens with no tier and a roomy pool, ``small_pool`` of that engine) for the engine
+    settings ``common``: computed once per test process, as every test of one setting compares with the
+    same run (the reloaded-prefix test and the three copy faults share int4_kivi's)."""
+    key = tuple(sorted((k, repr(v)) for k, v in common.items()))
+    if key not in _PLAIN:
+        plain = LLM("default", kv_cache_memory="64MiB", **common)
+        _PLAIN[key] = (chat(plain), small_pool(plain))
+    return _PLAIN[key]
+
+
 def assert_nothing_held(llm: LLM) -> None:
     eng = llm.engine
     assert eng.poll_host_copies(wait=True) == 0
@@ -71,15 +85,21 @@ def assert_nothing_held(llm: LLM) -> None:
 @pytest.mark.parametrize("fmt,kw", FORMATS)
 def test_reloaded_prefixes_give_the_tokens_of_a_run_without_the_tier(fmt, kw):
     common = dict(kv_cache_dtype=fmt, max_num_seqs=3, max_num_batched_tokens=32, progress=False, **kw)
-    plain = LLM("default", kv_cache_memory="64MiB", **common)
-    want = chat(plain)
-    tiered = LLM("default", kv_cache_memory=small_pool(plain), cpu_offload_gb=0.05, **common)
+    want, memory = plain_run(common)
+    tiered = LLM("default", kv_cache_memory=memory, cpu_offload_gb=0.05, **common)
     eng = tiered.engine
     assert eng.info["cpu_offload"]["prefix_tier"]["q_blocks"] > 0
     assert chat(tiered) == want
     stats = eng.host_offload_stats()
     assert stats["requests_loaded"] > 0 and stats["reloaded_blocks"] > 0 and stats["tier_hits"] > 0, stats
     assert stats["stored_blocks"] > 0 and stats["load_failed"] == stats["load_timeouts"] == 0, stats
+    # the Prometheus counters of the tier follow these stats (kvq serve's /metrics)
+    from kvq.server.metrics import TIER_COUNTERS, _prefix_tier_metrics
+
+    got = {f.name: f.samples[0].value for f in _prefix_tier_metrics(stats)}
+    for name, key, _ in TIER_COUNTERS:
+        assert got[name] == stats[key], name
+    assert got["kvq_kv_cpu_reload_blocks"] > 0 and got["kvq_kv_cpu_tier_blocks"] == stats["tier_num_used_blocks"] > 0
     assert_nothing_held(tiered)
 
 
@@ -106,11 +126,10 @@ class _SlowCopy:
 @needs_model
 @pytest.mark.parametrize("fault", ["load raises", "load hangs", "store raises"])
 def test_copy_faults_cost_a_recompute_not_a_token(fault):
-    common = dict(kv_cache_dtype="int4_kivi", kv_residual_tokens=32, max_num_seqs=3, max_num_batched_tokens=32,
-                  progress=False)
-    plain = LLM("default", kv_cache_memory="64MiB", **common)
-    want = chat(plain)
-    tiered = LLM("default", kv_cache_memory=small_pool(plain), cpu_offload_gb=0.05, **common)
+    common = dict(kv_cache_dtype="int4_kivi", max_num_seqs=3, max_num_batched_tokens=32, progress=False,
+                  kv_residual_tokens=32)  # the settings of FORMATS' int4_kivi: the same plain run
+    want, memory = plain_run(common)
+    tiered = LLM("default", kv_cache_memory=memory, cpu_offload_gb=0.05, **common)
     eng = tiered.engine
     host = eng.host_pool
     if fault == "load raises":
@@ -146,21 +165,6 @@ def test_tier_flags_are_checked():
     assert EngineConfig(cpu_offload_gb=1).uses_cpu_prefix_cache
     assert not EngineConfig(cpu_offload_gb=1, enable_prefix_caching=False).uses_cpu_prefix_cache
     assert not EngineConfig(cpu_offload_gb=1, cpu_prefix_cache=False).uses_cpu_prefix_cache
-
-
-@needs_model
-def test_prometheus_counters_follow_the_tier():
-    from kvq.server.metrics import TIER_COUNTERS, _prefix_tier_metrics
-
-    common = dict(kv_cache_dtype="int8_per_token_head", max_num_seqs=3, max_num_batched_tokens=32, progress=False)
-    plain = LLM("default", kv_cache_memory="64MiB", **common)
-    tiered = LLM("default", kv_cache_memory=small_pool(plain), cpu_offload_gb=0.05, **common)
-    chat(tiered)
-    stats = tiered.engine.host_offload_stats()
-    got = {f.name: f.samples[0].value for f in _prefix_tier_metrics(stats)}
-    for name, key, _ in TIER_COUNTERS:
-        assert got[name] == stats[key], name
-    assert got["kvq_kv_cpu_reload_blocks"] > 0 and got["kvq_kv_cpu_tier_blocks"] == stats["tier_num_used_blocks"] > 0
 
 
 def test_cli_checks_the_tier_flag_before_the_model_loads(capsys):

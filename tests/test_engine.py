@@ -20,6 +20,12 @@ def bf16():
 
 
 @pytest.fixture(scope="module")
+def bf16_greedy(bf16):
+    """bf16's greedy outputs of PROMPTS, batched (generated once: the tests below read them)."""
+    return bf16.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
 def hf_greedy():
     from kvq.models.loader import load_hf_model
 
@@ -33,16 +39,15 @@ def hf_greedy():
     return out
 
 
-def test_greedy_matches_hf_transformers_token_for_token(bf16, hf_greedy):
-    outs = bf16.generate(PROMPTS, GREEDY, use_tqdm=False)
-    for p, o in zip(PROMPTS, outs):
+def test_greedy_matches_hf_transformers_token_for_token(bf16_greedy, hf_greedy):
+    for p, o in zip(PROMPTS, bf16_greedy):
         assert o.outputs[0].token_ids == hf_greedy[p], (p, o.outputs[0].text)
         assert o.outputs[0].finish_reason == "length" and o.finished
 
 
-def test_batching_invariance(bf16):
+def test_batching_invariance(bf16, bf16_greedy):
     alone = bf16.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    batched = bf16.generate(PROMPTS, GREEDY, use_tqdm=False)[2].outputs[0].token_ids
+    batched = bf16_greedy[2].outputs[0].token_ids
     assert alone == batched
 
 
@@ -85,8 +90,8 @@ def test_seeded_sampling_is_reproducible(bf16):
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_block", "int4_kivi",
                                  "int2_kivi"])
-def test_every_format_generates_and_agreement_is_reported(bf16, fmt, capsys):
-    want = [o.outputs[0].token_ids for o in bf16.generate(PROMPTS, GREEDY, use_tqdm=False)]
+def test_every_format_generates_and_agreement_is_reported(bf16_greedy, fmt, capsys):
+    want = [o.outputs[0].token_ids for o in bf16_greedy]
     llm = LLM("default", kv_cache_dtype=fmt, kv_cache_memory="128MiB", max_num_seqs=8, progress=False)
     assert (llm.engine.info["kv_cache_dtype"]["k"], llm.engine.info["kv_cache_dtype"]["v"]) == (fmt, fmt)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

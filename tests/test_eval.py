@@ -300,6 +300,7 @@ def test_format_specs_compare_a_format_with_and_without_its_window(tmp_path, cap
     out = tmp_path / "ev"
     rc = cli.main(["eval", "--kv-cache-dtype", "fp8_e4m3,fp8_e4m3:r128:s4", "--bins", "192", "--window", "32",
                    "--greedy-tokens", "0", "--passkey-trials", "0", "--attention-backend", "torch", "--device", "cpu",
+                   "--workers", "1",  # in this process (spawned workers give the same records: test below)
                    "--out", str(out), "--no-progress"])
     assert rc == 0
     recs = {r["kv_cache_dtype"]["requested"]: r for r in json.loads((out / "results.json").read_text())["records"]}
@@ -334,36 +335,46 @@ def test_text_option_scores_the_given_file_and_records_its_hash(tmp_path, capsys
     assert "fewer than the" in capsys.readouterr().err
 
 
+#: One format, two passages, haystacks at two depths, greedy continuations: the run the worker and batch
+#: options must reproduce.
+SIDE_BY_SIDE = ["eval", "--kv-cache-dtype", "int4_kivi:r32", "--bins", "192", "--window", "32", "--greedy-tokens", "4",
+                "--passages", "2", "--passkey-depths", "0,1", "--attention-backend", "torch", "--device", "cpu",
+                "--no-progress"]
+
+
+def _records(out) -> dict:
+    return {r["kv_cache_dtype"]["requested"]: r for r in json.loads((out / "results.json").read_text())["records"]}
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory) -> dict:
+    """SIDE_BY_SIDE in this process, one sequence per forward (run once for the two tests below)."""
+    out = tmp_path_factory.mktemp("one")
+    assert cli.main([*SIDE_BY_SIDE, "--workers", "1", "--batch", "1", "--out", str(out)]) == 0
+    one = _records(out)
+    assert set(one) == {"auto", "int4_kivi:r32"}
+    assert one["int4_kivi:r32"]["quality_by_bin"]["192"]["kl_mean"] > 0  # compared with the baseline, not itself
+    return one
+
+
 @pytest.mark.slow
-def test_formats_in_worker_processes_give_the_records_of_one_process(tmp_path):
+def test_formats_in_worker_processes_give_the_records_of_one_process(tmp_path, one_at_a_time):
     """--workers 2 runs the baseline and the formats in spawned processes and compares in the parent:
     every quality figure equals a one-process run's to the bit."""
-    common = ["eval", "--kv-cache-dtype", "int4_kivi:r32", "--bins", "192", "--window", "32",
-              "--greedy-tokens", "4", "--passages", "2", "--passkey-depths", "0,1", "--attention-backend", "torch",
-              "--device", "cpu", "--no-progress"]
-    assert cli.main([*common, "--workers", "1", "--out", str(tmp_path / "one")]) == 0
-    assert cli.main([*common, "--workers", "2", "--out", str(tmp_path / "two")]) == 0
-    one, two = ({r["kv_cache_dtype"]["requested"]: r for r in json.loads((tmp_path / d / "results.json").read_text())
-                 ["records"]} for d in ("one", "two"))
-    assert set(one) == set(two) == {"auto", "int4_kivi:r32"}  # the baseline and the format in two processes
-    for name in one:
-        assert one[name]["quality_by_bin"] == two[name]["quality_by_bin"], name
-    assert one["int4_kivi:r32"]["quality_by_bin"]["192"]["kl_mean"] > 0  # compared with the baseline, not itself
+    assert cli.main([*SIDE_BY_SIDE, "--workers", "2", "--out", str(tmp_path / "two")]) == 0
+    two = _records(tmp_path / "two")
+    assert set(two) == {"auto", "int4_kivi:r32"}  # the baseline and the format in two processes
+    for name in one_at_a_time:
+        assert one_at_a_time[name]["quality_by_bin"] == two[name]["quality_by_bin"], name
 
 
 @pytest.mark.slow
-def test_passages_and_haystacks_side_by_side_give_the_records_of_one_at_a_time(tmp_path):
+def test_passages_and_haystacks_side_by_side_give_the_records_of_one_at_a_time(tmp_path, one_at_a_time):
     """--batch 2 (the GPU default's shape: passages of the text and haystacks of a bin in one forward,
     greedy continuations decoded together) gives every quality figure of --batch 1 to the bit: on the
     CPU a sequence's numbers do not depend on what runs beside it (tests/test_batch_invariance.py)."""
-    common = ["eval", "--kv-cache-dtype", "int4_kivi:r32", "--bins", "192", "--window", "32",
-              "--greedy-tokens", "4", "--passages", "2", "--passkey-depths", "0,1", "--attention-backend", "torch",
-              "--device", "cpu", "--no-progress", "--workers", "1"]
-    assert cli.main([*common, "--batch", "1", "--out", str(tmp_path / "one")]) == 0
-    assert cli.main([*common, "--batch", "2", "--out", str(tmp_path / "two")]) == 0
-    one, two = ({r["kv_cache_dtype"]["requested"]: r for r in json.loads((tmp_path / d / "results.json").read_text())
-                 ["records"]} for d in ("one", "two"))
-    assert set(one) == set(two) == {"auto", "int4_kivi:r32"}
-    for name in one:
-        assert one[name]["quality_by_bin"] == two[name]["quality_by_bin"], name
-    assert one["int4_kivi:r32"]["quality_by_bin"]["192"]["kl_mean"] > 0
+    assert cli.main([*SIDE_BY_SIDE, "--workers", "1", "--batch", "2", "--out", str(tmp_path / "two")]) == 0
+    two = _records(tmp_path / "two")
+    assert set(two) == {"auto", "int4_kivi:r32"}
+    for name in one_at_a_time:
+        assert one_at_a_time[name]["quality_by_bin"] == two[name]["quality_by_bin"], name

@@ -9,6 +9,7 @@ outputs must not depend on batching, chunking, prefix hits or preemption.
 
 from __future__ import annotations
 
+import functools
 import random
 import zlib
 
@@ -517,6 +518,7 @@ def test_newest_decode_preempts_itself_and_resumes_by_recompute():
     assert seq.output_token_ids == reference(seq.prompt_token_ids, seq.params, 16)[0]
 
 
+@functools.lru_cache(maxsize=None)  # the state machine asks again and again for the same few (a pure function)
 def literal_peak(last, p, max_chunk) -> tuple[int, int]:
     """peak_blocks by brute force over block_state: every call that grows a sequence from any
     length by 1..max_chunk tokens (the blocks it had settle at the old length, new ones follow

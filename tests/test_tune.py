@@ -246,9 +246,14 @@ def test_tune_solves_from_saved_sensitivities_and_keeps_uniform_when_the_plan_lo
 
 
 @pytest.mark.slow
-def test_tune_end_to_end_on_the_default_model(tmp_path, capsys):
+def test_tune_end_to_end_on_the_default_model(tmp_path, capsys, monkeypatch):
     """Measure (K only, one pass), solve, validate with kvq eval on held-out text, write the plan;
     `kvq generate` serves it."""
+    from kvq.eval import runner
+
+    # The validation's formats in this process, not one spawned process per core (each imports torch and
+    # loads the model again): the same records to the bit (test_eval.py's worker-process test).
+    monkeypatch.setattr(runner, "resolve_workers", lambda s, device, jobs: 1)
     out = tmp_path / "plan.json"
     assert cli.main(["tune", "--candidates-k", "int2_kivi", "--candidates-v", "", "--context", "288", "--scored",
                      "32", "--passages", "1", "--budget", "12", "--validate-bins", "320", "--validate-passages",
