@@ -9,8 +9,6 @@ directly on the device (for benchmarks: a shipped config such as
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kvq.models.llama import SUPPORTED_MODEL_TYPES, LlamaConfig, LlamaForCausalLM, weights_from_checkpoint
@@ -97,13 +95,22 @@ def ensure_converted(model: str | ModelSource) -> None:
         _load_checkpoint(src, False)
 
 
-@functools.lru_cache(maxsize=1)
+#: (source, what :func:`_load_checkpoint` returned for it): the last checkpoint loaded.
+_last_checkpoint: tuple | None = None
+
+
 def _load_checkpoint(src: ModelSource, progress: bool):
     """(config, float32 CPU state dict, tokenizer) of the last checkpoint loaded; engines built
-    one after another on the same model (evaluation of several formats, tests) share it."""
+    one after another on the same model (evaluation of several formats, tests) share it, whether
+    or not they draw a progress bar (``progress``: the bar of a load that reads the files)."""
+    global _last_checkpoint
+    if _last_checkpoint is not None and _last_checkpoint[0] == src:
+        return _last_checkpoint[1]
+    _last_checkpoint = None  # the previous model's tensors are freed before the next is read
     from kvq.models.loader import load_hf_model
 
     loaded = load_hf_model(src, dtype=torch.float32, device="cpu", progress=progress)
     cfg = LlamaConfig.from_hf(loaded.model.config)
     state = {k: v.detach() for k, v in loaded.model.state_dict().items()}
-    return cfg, state, loaded.tokenizer
+    _last_checkpoint = (src, (cfg, state, loaded.tokenizer))
+    return _last_checkpoint[1]
