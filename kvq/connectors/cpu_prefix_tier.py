@@ -71,12 +71,18 @@ class CPUPrefixTierConnector(KVConnector):
             self.inflight.append((op, handle, time.perf_counter()))
 
     def has_pending(self) -> bool:
-        """Copies in flight, or stores decided while no step ran (an abort of the last running request):
-        the engine keeps stepping until they are issued and done, so their device blocks come back."""
-        return bool(self.inflight) or self.block_manager.num_host_ops_queued > 0
+        """Stores in flight, or decided while no step ran (an abort of the last running request):
+        the engine keeps stepping until they are issued and done, so their device blocks come back.
+        Loads are not pending work here: their sequences wait in the scheduler, which times them out."""
+        return self.block_manager.num_host_ops_queued > 0 or any(isinstance(op, HostStoreOp)
+                                                                 for op, _, _ in self.inflight)
 
     def poll(self, wait: bool = False) -> list:
-        self.poll_copies(wait)
+        if wait:  # only for stores: a load that hangs must reach the scheduler's timeout, not block here
+            for op, handle, _ in self.inflight:
+                if isinstance(op, HostStoreOp):
+                    handle.synchronize()
+        self.poll_copies()
         return []  # a loaded prefix is computed by a later step like any other
 
     def poll_copies(self, wait: bool = False) -> int:
