@@ -314,7 +314,8 @@ def test_a_rank_that_dies_while_the_engine_idles_is_seen_at_once(tmp_path):
     assert llm.engine.executor.failure is None
     os.kill(worker.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while llm.engine.executor.failure is None and time.monotonic() < deadline:
+    # the failure is recorded first, then the callbacks run (TPGroup.fail): wait for both
+    while (llm.engine.executor.failure is None or not seen) and time.monotonic() < deadline:
         time.sleep(0.01)
     want = f"tensor parallel: a rank failed: rank 1 (pid {worker.pid}) was killed by SIGKILL"
     assert llm.engine.executor.failure == want and seen == [want]
