@@ -43,6 +43,9 @@ def main():
     ap.add_argument("--host", action="store_true", help="also cProfile the host side")
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--prefill", action="store_true", help="profile the wave's prefill steps instead of decode")
+    ap.add_argument("--advance", type=int, default=0,
+                    help="decode steps run before the profiled ones, so that contexts grow (and a pool too small "
+                         "for the wave preempts) as in bench_engine's long runs")
     args = ap.parse_args()
     concs = [int(c) for c in args.concurrency.split(",")]
     eng = LLMEngine(EngineConfig(model=args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype,
@@ -53,7 +56,8 @@ def main():
         # long enough that the first sequences still run when the last prompt's prefill ends (decode
         # goes first, so they decode through the whole prefill phase): the profiled steps see all c
         prefill_steps = -(-c * args.input_len // 8192)
-        sp = SamplingParams(max_tokens=args.output_len or 4 * args.steps + 8 + 2 * prefill_steps, ignore_eos=True)
+        sp = SamplingParams(max_tokens=args.output_len or 4 * args.steps + 8 + 2 * prefill_steps + args.advance,
+                            ignore_eos=True)
         for _ in range(c):
             eng.add_request(torch.randint(0, vocab, (args.input_len,)).tolist(), sp)
         def prefill_pending():
@@ -79,7 +83,7 @@ def main():
             continue
         while prefill_pending():
             eng.step()
-        decode_steps(eng, 3)
+        decode_steps(eng, 3 + args.advance)
         t = time.perf_counter()
         decode_steps(eng, args.steps)
         wall = (time.perf_counter() - t) / args.steps
@@ -87,9 +91,11 @@ def main():
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             decode_steps(eng, args.steps)
         dev = sum(e.self_device_time_total for e in prof.key_averages()) / args.steps / 1e3
-        running = sum(1 for s in eng.scheduler._seqs.values() if not s.is_finished)
+        live = [s for s in eng.scheduler._seqs.values() if not s.is_finished]
+        ctx = [len(s.prompt_token_ids) + len(s.output_token_ids) for s in live]
         print(f"\n=== {args.kv_cache_dtype} c={c}: wall {wall * 1e3:.2f} ms/step, device kernels {dev:.2f} ms/step, "
-              f"graph steps {eng.runner.graph_steps}, {running} sequences running")
+              f"graph steps {eng.runner.graph_steps}, {eng.scheduler.num_running} sequences running of {len(live)} "
+              f"unfinished, {sum(ctx)} tokens of context (mean {sum(ctx) / max(1, len(ctx)):.0f})")
         rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.rows]
         for e in rows:
             print(f"  {e.self_device_time_total / args.steps / 1e3:7.3f} ms/step  "
