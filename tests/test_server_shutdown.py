@@ -360,3 +360,53 @@ def test_head_health_and_models_and_max_logprobs(tmp_path, capsys):
         _assert_clean_exit(server, code)
     finally:
         server.stop()
+
+
+def test_a_failed_executor_ends_requests_as_a_shutdown(monkeypatch):
+    """A step that fails because the executor cannot go on (a tensor-parallel rank died: as
+    kvq.parallel.worker does, the step records the group's ``failure``, then raises) is not recovered
+    from: the running stream ends "abort" + [DONE], the running JSON request gets 503 server_shutdown
+    naming the failure (before: a 500 "the engine failed during a step"), and the server stops with
+    exit status 1."""
+    from kvq.engine.executor import Executor
+    from kvq.engine.llm_engine import EngineConfig
+    from kvq.server.launch import ServerThread, build_server
+    from kvq.server.options import ServerOptions
+
+    config = EngineConfig(kv_cache_memory="64MiB", max_num_seqs=4, max_model_len=512, progress=False)
+    app, engine = build_server(config, ["default"], options=ServerOptions(shutdown_timeout=20))
+    thread = ServerThread(app)
+    url = thread.start()
+    dead = "tensor parallel: a rank failed: rank 1 (pid 4242) was killed by SIGKILL"
+    kill, failed = threading.Event(), threading.Event()
+    monkeypatch.setattr(Executor, "failure", property(lambda self: dead if failed.is_set() else None))
+    runner = engine.engine.runner
+    real = runner.execute
+
+    def execute(*a, **k):
+        if kill.is_set():
+            failed.set()
+            raise RuntimeError(f"{dead}; the engine is shut down")
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    try:
+        stream = Stream(url, LONG)
+        answers: list = []
+        waiting = threading.Thread(target=lambda: answers.append(httpx.post(
+            url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}, timeout=60)),
+            daemon=True)
+        waiting.start()
+        _until(lambda: stream.chunks() >= 2 and engine.num_live == 2, 60, "the requests did not start")
+        kill.set()
+        stream.join(20)
+        _assert_ended(stream, "abort")
+        waiting.join(20)
+        r = answers[0]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
+        assert r.json()["error"]["message"].startswith(dead), r.text
+        thread.thread.join(30)
+        assert not thread.thread.is_alive() and thread.server.exit_code == 1
+    finally:
+        thread.server.should_exit = True
+        thread.thread.join(30)

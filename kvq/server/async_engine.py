@@ -349,7 +349,20 @@ class AsyncEngine:
             self._push(live.group, live.index, EngineError(out.error) if out.error else out)
 
     def _recover(self, exc: Exception) -> None:
-        """``step()`` raised: fail every live request, discard the in-flight step, check integrity."""
+        """``step()`` raised: fail every live request, discard the in-flight step, check integrity.
+        A failed executor (a tensor-parallel rank died) cannot recover: its requests end as a shutdown's
+        (HTTP 503 ``server_shutdown``, a stream's error event), later ones get 503, and the server,
+        which reads the same failure (kvq.server.launch), stops."""
+        failure = self.engine.executor.failure
+        if failure:
+            self.dead_reason = f"{failure}; the server is stopping: retry on another replica"
+            err = ShuttingDown(self.dead_reason)
+            for live in self._live.values():
+                self._push(live.group, live.index, err)
+                self.events.finished("error")
+            self._live.clear()
+            self._stop.set()
+            return
         traceback.print_exc()
         err = EngineError(f"the engine failed during a step ({type(exc).__name__}: {exc}); the request was "
                           "aborted and the engine recovered")
