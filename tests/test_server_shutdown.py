@@ -410,3 +410,58 @@ def test_a_failed_executor_ends_requests_as_a_shutdown(monkeypatch):
     finally:
         thread.server.should_exit = True
         thread.thread.join(30)
+
+
+_CLOBBER = """
+import ctypes, os, sys, threading, time
+import httpx
+from kvq.cli import main
+
+URL, FLAG = sys.argv[1], sys.argv[2]
+
+def clobber():  # once the server serves: a native library installs its own SIGTERM handler (here: the default)
+    while True:
+        try:
+            if httpx.get(URL + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(15, None)
+    open(FLAG, "w").close()
+
+threading.Thread(target=clobber, daemon=True).start()
+sys.argv = ["kvq", *sys.argv[3:]]
+sys.exit(main())
+"""
+
+
+def test_sigterm_drains_after_a_native_library_replaced_the_handler(tmp_path):
+    """A native library (a transfer backend's transport layer, say) that installs its own SIGTERM handler
+    after kvq serve installed its drain: the process would die of the signal (exit status -15, no drain,
+    streams cut).  kvq.server.signal_guard puts kvq's handler back within a tick and says so once: the
+    drain runs and the server exits 0."""
+    port = _free_port()
+    url, flag, log_path = f"http://127.0.0.1:{port}", tmp_path / "clobbered", tmp_path / "serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", _CLOBBER, url, str(flag), "serve", "--port", str(port), *FLAGS,
+                                 "--shutdown-timeout", "5"], stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        _until(lambda: flag.exists() or proc.poll() is not None, 120, f"not started:\n{log_path.read_text()}")
+        assert proc.poll() is None, log_path.read_text()
+        stream = Stream(url, SHORT)
+        time.sleep(0.5)  # a few uvicorn ticks
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        log = log_path.read_text()
+        assert code == 0, log
+        assert "a library replaced kvq's SIGTERM handler" in log and "Traceback" not in log, log
+        stream.join(10)
+        assert stream.events[-1] == "[DONE]", stream.events[-3:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

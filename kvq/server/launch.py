@@ -30,6 +30,7 @@ from kvq.engine.llm_engine import EngineConfig, LLMEngine
 from kvq.server.async_engine import AsyncEngine
 from kvq.server.metrics import ServerMetrics
 from kvq.server.options import KVRoleOptions, ServerOptions
+from kvq.server.signal_guard import SignalGuard
 
 log = logging.getLogger("uvicorn.error")
 FINAL_EVENTS_S = 5.0  # after abort_all: how long the ended requests have to send their last events
@@ -114,6 +115,7 @@ class Server(uvicorn.Server):
         self._cut = False
         self._drain: asyncio.Task | None = None
         self.failure: str | None = None  # why the engine cannot go on (executor_failure), once seen
+        self.guard: SignalGuard | None = None  # while kvq's handlers are installed (capture_signals)
 
     def request_shutdown(self, cut: bool = False) -> None:
         """Start the drain (any thread); ``cut``: end the running requests now, not at the deadline."""
@@ -126,9 +128,11 @@ class Server(uvicorn.Server):
             yield
             return
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.guard = SignalGuard(self.handle_exit)
         try:
             yield
-        finally:  # and unlike uvicorn, no signal is raised again: a drained server exits with status 0
+        finally:
+            self.guard = None  # and unlike uvicorn, no signal is raised again: a drained server exits with status 0
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
@@ -145,6 +149,8 @@ class Server(uvicorn.Server):
             self.request_shutdown(cut=True)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.guard is not None:
+            self.guard.check()
         if self.failure is None and (failure := executor_failure(self.engine)):
             self.failure = failure
             log.error("%s: the server stops (exit status 1); running requests end now", failure)
