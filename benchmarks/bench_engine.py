@@ -114,6 +114,44 @@ def run_kvq_wave(engine, vocab: int, c: int, inp: int, out: int, seed: int) -> d
     return run_prompts(engine, [torch.randint(0, vocab, (inp,), generator=g).tolist() for _ in range(c)], out)[0]
 
 
+class GcPauses:
+    """The garbage collector's pauses while in a ``with`` block (gc.callbacks): count per generation,
+    total and longest seconds.  A full collection walks every tracked object the engine holds (each
+    request's token lists, its outputs): the host time it takes is not overlapped with anything."""
+
+    def __init__(self):
+        self.counts, self.total_s, self.max_s, self._t = [0, 0, 0], 0.0, 0.0, None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            d = time.perf_counter() - self._t
+            self.counts[info["generation"]] += 1
+            self.total_s += d
+            self.max_s = max(self.max_s, d)
+            self._t = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def record(self) -> dict:
+        return {"gc_collections": list(self.counts), "gc_pause_s": self.total_s, "gc_max_pause_s": self.max_s}
+
+
+def step_stats(times: list[float]) -> dict:
+    """Decode-step times -> mean, median, p90, max (a mean far above the median: rare long steps)."""
+    if not times:
+        return {"decode_steps": 0, "decode_step_mean_s": None}
+    t = sorted(times)
+    return {"decode_steps": len(t), "decode_step_mean_s": sum(t) / len(t), "decode_step_p50_s": t[len(t) // 2],
+            "decode_step_p90_s": t[int(0.9 * (len(t) - 1))], "decode_step_max_s": t[-1]}
+
+
 def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]:
     """Submit every prompt at once (greedy, ignore_eos, exactly ``out`` tokens each), step until all have
     finished; -> (throughput, TTFT, TPOT and preemptions of the wave; the RequestOutputs in order)."""
@@ -123,17 +161,18 @@ def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]
     steps_before = engine.runner.graph_steps
     t0 = time.perf_counter()
     ids = [engine.add_request(p, sp) for p in prompts]
-    done, decode_steps, decode_time = {}, 0, 0.0
-    while engine.has_unfinished():
-        ts = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - ts
-        if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs) and len(outs) == engine.scheduler.num_running:
-            decode_steps += 1
-            decode_time += dt
-        for o in outs:
-            if o.finished:
-                done[o.request_id] = o
+    done, step_times = {}, []
+    with GcPauses() as gcp:
+        while engine.has_unfinished():
+            ts = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - ts
+            if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs) \
+                    and len(outs) == engine.scheduler.num_running:
+                step_times.append(dt)
+            for o in outs:
+                if o.finished:
+                    done[o.request_id] = o
     wall = time.perf_counter() - t0
     outs = [done[i] for i in ids]
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -144,9 +183,10 @@ def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]
         "wall_s": wall, "output_tokens": ntok, "output_tok_per_s": ntok / wall,
         "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
         "tpot_p50_s": pct(tpot, 0.5), "tpot_p95_s": pct(tpot, 0.95),
-        "decode_step_mean_s": decode_time / decode_steps if decode_steps else None,
+        **step_stats(step_times),
         "graph_steps": engine.runner.graph_steps - steps_before,
         "preemptions": sum(o.metrics["num_preemptions"] for o in outs),
+        **gcp.record(),
     }, outs
 
 
@@ -179,6 +219,8 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
     steps_before = engine.runner.graph_steps
     t0 = time.monotonic()
     last_end = None  # when the previous step call returned, if it was a decode step
+    step_times = []
+    gcp = GcPauses().__enter__()
     while nxt < len(order) or engine.has_unfinished():
         now = time.monotonic() - t0
         while nxt < len(order) and reqs[order[nxt]].arrival_s <= now:
@@ -200,6 +242,7 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
             if last_end is not None:
                 decode_steps += 1
                 decode_time += end - last_end
+                step_times.append(end - last_end)
                 contexts.append([len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs])
             last_end = end
         else:
@@ -208,6 +251,7 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
             if o.finished:
                 done[o.request_id] = o
     wall = time.monotonic() - t0
+    gcp.__exit__(None, None, None)
     outs = list(done.values())
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     assert len(outs) == len(reqs) and ntok == sum(r.output_len for r in reqs), "every request must finish in full"
@@ -222,9 +266,9 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
         "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
         "tpot_p50_s": pct(tpot, 0.5), "tpot_p99_s": pct(tpot, 0.99),
         "preemptions": sum(o.metrics["num_preemptions"] for o in outs), "peak_running": peak,
-        "decode_steps": decode_steps, "decode_step_mean_s": step, "decode_step_floor_s": fl,
+        **step_stats(step_times), "decode_step_floor_s": fl,
         "step_over_floor": step / fl if step and fl else None,
-        "graph_steps": engine.runner.graph_steps - steps_before,
+        "graph_steps": engine.runner.graph_steps - steps_before, **gcp.record(),
     }
 
 
@@ -284,7 +328,13 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
             if (inp, c) in args.skip:
                 continue
             t = time.perf_counter()
-            r = _recorded(functools.partial(run_kvq_wave, engine, vocab, c, inp, out, seed=c * 7 + inp))
+            if args.gc_off:
+                gc.disable()
+            try:
+                r = _recorded(functools.partial(run_kvq_wave, engine, vocab, c, inp, out, seed=c * 7 + inp))
+            finally:
+                gc.enable()
+            r["gc_off"] = args.gc_off
             ctx = inp + out // 2
             r["roofline_step_s"] = roofline_step_s(weight_bytes, plan.bytes_per_token, c, ctx, bw)
             run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c, **r}
@@ -295,8 +345,11 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                 print(f"[{system} {fmt}] {inp}/{out} c={c}: {r['output_tok_per_s']:.0f} tok/s, TTFT p50 "
                       f"{r['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms "
                       f"(roofline {1e3 * (r['roofline_step_s'] or 0):.2f} ms), "
-                      f"step {1e3 * (r['decode_step_mean_s'] or 0):.2f}"
-                      f" ms, preempt {r['preemptions']} [{time.perf_counter() - t:.0f}s]", flush=True)
+                      f"step {1e3 * (r['decode_step_mean_s'] or 0):.2f} ms (p50 "
+                      f"{1e3 * (r.get('decode_step_p50_s') or 0):.2f}, max "
+                      f"{1e3 * (r.get('decode_step_max_s') or 0):.0f})"
+                      f", preempt {r['preemptions']}, gc {r['gc_collections']} {r['gc_pause_s']:.2f} s "
+                      f"[{time.perf_counter() - t:.0f}s]", flush=True)
     engine.shutdown()
     del engine
     gc.collect()
@@ -398,6 +451,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--gc-off", action="store_true", help="diagnostic: Python's garbage collector disabled during "
+                   "each timed wave (what its pauses cost; recorded as gc_off)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (GPUs) the engine is split over; the pool of each holds kv_cache_memory / "
                         "gpu_memory_utilization's share of its own GPU")
