@@ -488,6 +488,8 @@ class PhaseResult:
     duration_s: float
     max_requests: int
     sent: int = 0
+    sent_while_down: int = 0  # connections refused while the server was down on purpose
+    started_at: float = 0.0  # time.monotonic() when the phase's load began
     accepted: int = 0  # answered with an HTTP status
     counts: dict = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     status_counts: dict = field(default_factory=dict)
@@ -652,20 +654,33 @@ class Soak:
         """Requests ``server`` completed, those that ended after ``after`` only."""
         return sum(1 for name, t in self.completions if name == server and t > after)
 
+    def down_allowance(self, res: PhaseResult) -> int:
+        """Requests of a phase that may be refused while its server is down on purpose (they count toward
+        its cap): enough to show the refusals, not so many that nothing is left for the restarted server."""
+        return max(self.args.concurrency, res.max_requests // 20)
+
+    async def at_progress(self, res: PhaseResult, frac: float) -> None:
+        """Wait until ``frac`` of the phase has passed: of its duration, or of its request cap, whichever
+        comes first (on a fast machine the cap ends a phase long before its duration)."""
+        while time.monotonic() < res.started_at + frac * res.duration_s and res.sent < frac * res.max_requests:
+            await asyncio.sleep(0.02)
+
     async def drive(self, res: PhaseResult, slot: str, kind: str, until: dict) -> None:
         """``--concurrency`` clients sending to ``slot``'s current server until ``until["t"]`` (a fault may
-        move it), ``until["stop"]`` or the phase's request cap; a client whose server is down waits a little."""
+        move it), ``until["stop"]`` or the phase's request cap; a client whose server is down waits a little
+        (and once the phase's :meth:`down_allowance` is spent, waits without sending)."""
         async def client_loop() -> None:
             while time.monotonic() < until["t"] and res.sent < res.max_requests and not until.get("stop"):
                 proc = self.servers.get(slot)
-                if proc is None:  # (being replaced)
-                    await asyncio.sleep(0.05)
+                if proc is None or (proc.exit_code() is not None and res.sent_while_down >= self.down_allowance(res)):
+                    await asyncio.sleep(0.05)  # (being replaced)
                     continue
                 plan = self.mix.plan(kind, proc.model)
                 res.sent += 1
                 out = await execute(self.client, proc.url, plan)
                 self.record(res, plan, out, proc)
                 if out.status is None and not out.left:  # the server is down: wait for it as a client would
+                    res.sent_while_down += 1
                     await asyncio.sleep(random.uniform(0.5, 1.0))
                 elif out.status in (429, 503):  # (Retry-After): no hot loop against a full or stopping server
                     await asyncio.sleep(random.uniform(0.2, 0.5))
@@ -752,7 +767,7 @@ class Soak:
             self.prestart(ph, keep={**procs, **{s: None for p2 in later[:later.index(ph)] for s in self.spec(p2)}})
         self.rss = {}
         sampler = asyncio.ensure_future(self.sample_rss())
-        t0 = time.monotonic()
+        t0 = res.started_at = time.monotonic()
         until = {"t": t0 + res.duration_s}
         try:
             await getattr(self, f"phase_{res.name}")(res, procs, until, before, later[0] if later else None)
@@ -767,7 +782,7 @@ class Soak:
     async def phase_mixed(self, res, procs, until, before, nxt) -> None:
         main = procs["main"]
         load = asyncio.ensure_future(self.drive(res, "main", "mixed", until))
-        await asyncio.sleep(res.duration_s * 0.3)
+        await self.at_progress(res, 0.3)
         res.evidence["burst_429"] = await self.burst(res, main)
         await load
         await self.settle_and_check(res, main)
@@ -779,9 +794,9 @@ class Soak:
         old, ev = procs["main"], res.evidence
         until["t"] = float("inf")  # the clients go on through the drain and the restart (set below)
         load = asyncio.ensure_future(self.drive(res, "main", "mixed", until))
-        await asyncio.sleep(res.duration_s * 0.2)
+        await self.at_progress(res, 0.2)
         burst = asyncio.ensure_future(self.burst(res, old))
-        await asyncio.sleep(res.duration_s * 0.25)
+        await self.at_progress(res, 0.45)
         ev["live_at_sigterm"] = (await self.status(old))["requests"]["live_requests"]
         old.stopping_at = time.monotonic()
         old.signal(signal.SIGTERM)
@@ -847,7 +862,8 @@ class Soak:
         while time.monotonic() < t0 + res.duration_s + 30:
             kv = (await self.status(decode))["kv_transfer"]
             pending = kv.get("pending") or 0
-            if time.monotonic() > t0 + 0.35 * res.duration_s and kv["fills"]["filled"] and pending:
+            if (time.monotonic() > t0 + 0.35 * res.duration_s or res.sent >= 0.35 * res.max_requests) \
+                    and kv["fills"]["filled"] and pending:
                 break
             await asyncio.sleep(0.01)
         at_kill = await scrape(self.client, decode.url)
@@ -888,7 +904,8 @@ class Soak:
         # the kill: at 40% of the phase, once the server has completed a request (within the phase)
         t0 = time.monotonic()
         while time.monotonic() < t0 + res.duration_s and \
-                (time.monotonic() < t0 + 0.4 * res.duration_s or not self.completed(tp.name)):
+                ((time.monotonic() < t0 + 0.4 * res.duration_s and res.sent < 0.4 * res.max_requests)
+                 or not self.completed(tp.name)):
             await asyncio.sleep(0.05)
         ranks = tp_rank_pids(tp.pid)
         if not ranks:
