@@ -33,7 +33,7 @@ from kvq.engine.connector import ConnectorContext, ConnectorOutput, KVConnector,
 from kvq.engine.detokenizer import IncrementalDetokenizer
 from kvq.engine.errors import RequestError, request_error
 from kvq.engine.executor import make_executor
-from kvq.engine.outputs import CompletionOutput, RequestOutput
+from kvq.engine.outputs import CompletionOutput, RequestOutput, TokenIds
 from kvq.engine.prompt_logprobs import PromptLogprobs, PromptRows, score
 from kvq.engine.sampler import Sampler, SamplingTensors, SeedState
 from kvq.engine.sampling_params import SamplingParams
@@ -445,12 +445,14 @@ class LLMEngine:
         self._texts[seq.seq_id] = detok.text
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        ids = seq.output_token_ids
         m = {"ttft": seq.ttft(), "tpot": seq.tpot(), "itl": seq.itls(), "num_preemptions": seq.num_preemptions}
         return RequestOutput(
             request_id=seq.seq_id,
             prompt=self._prompts.get(seq.seq_id),
             prompt_token_ids=seq.prompt_ids,
-            outputs=[CompletionOutput(0, self._texts.get(seq.seq_id, ""), list(seq.output_token_ids),
+            outputs=[CompletionOutput(0, self._texts.get(seq.seq_id, ""), list(ids) if seq.is_finished else
+                                      TokenIds(ids, len(ids)),
                                       seq.finish_reason, seq.stop_reason, self._logprobs.get(seq.seq_id))],
             finished=seq.is_finished,
             metrics=m,
