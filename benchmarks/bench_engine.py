@@ -46,6 +46,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gc_pauses import GcPauses  # noqa: E402
+
 SMOKE_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=256,
                     intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=4096,
@@ -112,35 +114,6 @@ def roofline_step_s(weight_bytes: int, kv_bytes_per_token: float, batch: int, ct
 def run_kvq_wave(engine, vocab: int, c: int, inp: int, out: int, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return run_prompts(engine, [torch.randint(0, vocab, (inp,), generator=g).tolist() for _ in range(c)], out)[0]
-
-
-class GcPauses:
-    """The garbage collector's pauses while in a ``with`` block (gc.callbacks): count per generation,
-    total and longest seconds.  A full collection walks every tracked object the engine holds (each
-    request's token lists, its outputs): the host time it takes is not overlapped with anything."""
-
-    def __init__(self):
-        self.counts, self.total_s, self.max_s, self._t = [0, 0, 0], 0.0, 0.0, None
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-        elif self._t is not None:
-            d = time.perf_counter() - self._t
-            self.counts[info["generation"]] += 1
-            self.total_s += d
-            self.max_s = max(self.max_s, d)
-            self._t = None
-
-    def __enter__(self):
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self._callback)
-
-    def record(self) -> dict:
-        return {"gc_collections": list(self.counts), "gc_pause_s": self.total_s, "gc_max_pause_s": self.max_s}
 
 
 def step_stats(times: list[float]) -> dict:

@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's kvq, whatever is installed
 
 import torch  # noqa: E402
+
+from benchmarks.gc_pauses import GcPauses  # noqa: E402
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=64,
             intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
             rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=False,
@@ -106,15 +108,19 @@ def measure(eng, steps: int) -> dict:
     for t in timers.values():
         t.total = 0.0
     per_step = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        outs = eng.step()
-        per_step.append((time.perf_counter() - t) * 1e3)
-        assert len(outs) == len(eng.scheduler._seqs), "every running sequence decodes each step"
+    outs = None
+    with GcPauses() as pauses:
+        for _ in range(steps):
+            t = time.perf_counter()
+            outs = eng.step()  # held until the next step returns, as a caller holds them
+            per_step.append((time.perf_counter() - t) * 1e3)
+            assert len(outs) == len(eng.scheduler._seqs), "every running sequence decodes each step"
     n = len(eng.scheduler._seqs)
     q = statistics.quantiles(per_step, n=10)
-    return {"sequences": n, "steps": steps, "ms_per_step": {"median": statistics.median(per_step), "p90": q[-1],
+    return {"sequences": n, "steps": steps, "ms_per_step": {"mean": statistics.fmean(per_step),
+                                                            "median": statistics.median(per_step), "p90": q[-1],
                                                             "min": min(per_step), "max": max(per_step)},
+            **pauses.record(),
             "breakdown_ms_per_step": {k: t.total * 1e3 / steps for k, t in timers.items()},
             "samples_ms": [round(x, 3) for x in per_step]}
 
@@ -150,8 +156,9 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(doc, indent=2))
     b = res["breakdown_ms_per_step"]
     print(f"[{args.label}] {res['sequences']} sequences x {args.prompt} prompt tokens, {args.kv_cache_dtype}: "
-          f"{res['ms_per_step']['median']:.2f} ms per decode step (median of {args.steps}, max "
-          f"{res['ms_per_step']['max']:.1f}); "
+          f"{res['ms_per_step']['median']:.2f} ms per decode step (median of {args.steps}; mean "
+          f"{res['ms_per_step']['mean']:.2f}, max {res['ms_per_step']['max']:.1f}; GC {res['gc_pause_s']:.2f} s in "
+          f"{res['gc_collections']} collections); "
           + ", ".join(f"{k} {v:.2f}" for k, v in b.items()))
     print(f"wrote {path}")
     return 0

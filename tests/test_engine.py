@@ -149,7 +149,8 @@ def test_profile_step_runs_through_the_runner(tmp_path):
 
 
 def test_freeze_gc_option(tmp_path):
-    """freeze_gc=True freezes the collector's view of the built engine (the CUDA default); off on the CPU."""
+    """freeze_gc=True freezes the collector's view of the built engine and raises its first threshold
+    (the CUDA default); off on the CPU."""
     import gc
     import json
 
@@ -162,13 +163,17 @@ def test_freeze_gc_option(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     kw = dict(model=str(tmp_path), load_format="dummy", device="cpu", kv_cache_memory="4MiB", progress=False)
     gc.unfreeze()
+    before = gc.get_threshold()
     try:
+        gc.set_threshold(700, 10, 10)
         LLMEngine(EngineConfig(**kw))
-        assert gc.get_freeze_count() == 0  # CPU default: off
-        LLMEngine(EngineConfig(freeze_gc=True, **kw))
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() == 0 and gc.get_threshold() == (700, 10, 10)  # CPU default: off
+        LLMEngine(EngineConfig(freeze_gc=True, max_num_seqs=1024, **kw))
+        # frozen, and one step's outputs (~5 tracked objects per running request) below the first threshold
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == (20 * 1024, 10, 10)
     finally:
         gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 @pytest.mark.parametrize("fmt", ["int4_kivi", "fp8_per_block"])

@@ -54,7 +54,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     seed: int = 0
     progress: bool = True
-    freeze_gc: bool | None = None  # gc.freeze() once built (default: on CUDA), see LLMEngine
+    freeze_gc: bool | None = None  # gc.freeze() once built, a higher gen-0 threshold (default: on CUDA); LLMEngine
     # schedule and launch step N+1 before step N's results are read (default: on CUDA, where the device
     # runs one step while the host prepares the next; off on the CPU, where nothing overlaps)
     async_scheduling: bool | None = None

@@ -41,6 +41,7 @@ from kvq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvq.engine.sequence import Sequence
 from kvq.units import format_bytes
 
+GC_THRESHOLD0 = 10_000  # the collector's first threshold while an engine serves (freeze_gc)
 logger = logging.getLogger("kvq")
 
 @dataclass
@@ -140,11 +141,18 @@ class LLMEngine:
         }
         # Everything built so far (model, tokenizer, graphs: ~10^5-10^6 tracked objects) lives as long
         # as the engine; frozen, the collector stops re-scanning it, which otherwise stalls a step for
-        # ~170 ms every few dozen steps at 256 sequences (benchmarks/bench_host_step.py).  Off by
-        # default on the CPU, where tests build many short-lived engines.
+        # ~170 ms every few dozen steps at 256 sequences (benchmarks/bench_host_step.py).  And the
+        # collector's first threshold is raised above what one step keeps alive at once (an output of
+        # ~5 tracked objects per running request, held by the caller until the next step): at the
+        # default 700 a step of 512 requests tripped 3-4 collections, every tenth of which cascaded
+        # into the older generations and every 120th walked every request's token lists -- 8 s of
+        # pauses in an 83 s wave on the H200 (docs/engine.md).  Both process-wide; off by default on
+        # the CPU, where tests build many short-lived engines.
         if cfg.freeze_gc if cfg.freeze_gc is not None else self.device.type == "cuda":
             gc.collect()
             gc.freeze()
+            t0, t1, t2 = gc.get_threshold()
+            gc.set_threshold(max(t0, GC_THRESHOLD0, 20 * cfg.max_num_seqs), t1, t2)
         logger.info("%s", self.describe())
         self.executor.ready()
 
