@@ -86,6 +86,15 @@ bench-capacity:
 soak:
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/soak.py --duration 140 --out docs/results/soak_cpu.json
 
+# the same soak at a 2048-request scale on one GPU with int4_kivi (what docs/results/soak_h200.json ran; needs the
+# default model installed, see docs/eval.md "On the H200", and NIXL for the nixl phase; tp needs two GPUs)
+.PHONY: soak-gpu
+soak-gpu:
+	$(PY) benchmarks/soak.py --phases mixed,sigterm,preempt,host_faults,nixl --pool 8GiB --small-pool 48MiB \
+	  --cpu-offload-gb 1 --long-chars 4000 12000 --max-requests 2048 --concurrency 32 --duration 200 \
+	  --time-limit 420 --startup-timeout 180 --out docs/results/soak_h200.json \
+	  -- --kv-cache-dtype int4_kivi --max-model-len 8192 --max-num-seqs 32 --max-queue-len 64
+
 bench-server:
 	bash scripts/gpu.sh bench-server --spawn --num-requests 256 --concurrency 64 --input-len 512 --output-len 128 \
 	  --disconnect-fraction 0.1 --time-limit 90 --label "H200, dummy Llama-3-8B, fp8_e4m3 KV" \
