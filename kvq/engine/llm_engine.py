@@ -145,7 +145,7 @@ class LLMEngine:
         # collector's first threshold is raised above what one step keeps alive at once (an output of
         # ~5 tracked objects per running request, held by the caller until the next step): at the
         # default 700 a step of 512 requests tripped 3-4 collections, every tenth of which cascaded
-        # into the older generations and every 120th walked every request's token lists -- 8 s of
+        # into the older generations and about every 130th walked every request's token lists -- 8 s of
         # pauses in an 83 s wave on the H200 (docs/engine.md).  Both process-wide; off by default on
         # the CPU, where tests build many short-lived engines.
         if cfg.freeze_gc if cfg.freeze_gc is not None else self.device.type == "cuda":

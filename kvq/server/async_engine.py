@@ -351,7 +351,8 @@ class AsyncEngine:
     def _recover(self, exc: Exception) -> None:
         """``step()`` raised: fail every live request, discard the in-flight step, check integrity.
         A failed executor (a tensor-parallel rank died) cannot recover: its requests end as a shutdown's
-        (HTTP 503 ``server_shutdown``, a stream's error event), later ones get 503, and the server,
+        (HTTP 503 ``server_shutdown``; a stream's last chunk with finish_reason "abort", then [DONE]), later
+        ones get 503, and the server,
         which reads the same failure (kvq.server.launch), stops."""
         failure = self.engine.executor.failure
         if failure:
