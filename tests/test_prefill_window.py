@@ -86,12 +86,28 @@ def test_prefill_reads_each_querys_window_exact(fmt, sink, res, backend):
     """Two sequences, a prompt then a long chunk (its early queries read blocks that its late
     queries read quantized, and blocks the chunk itself writes quantized): each query's output
     equals the plain per-query definition."""
+    _check_windows(fmt, sink, res, backend, ({"a": 64, "b": 32}, {"a": 96, "b": 64}))
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("fmt", ["int4_kivi", "int8_per_token_head"])
+def test_triton_window_split_meets_the_definition_on_long_chunks(fmt, split, monkeypatch):
+    """The Triton kernel's two schedules of a windowed prefill (kvq.attention.triton.prefill
+    WINDOW_SPLIT): chunks long enough that a query tile (64 queries) has key tiles every query reads
+    quantized, tiles its queries read differently, tiles every query reads exact, and sink tiles."""
+    from kvq.attention.triton import prefill
+
+    monkeypatch.setattr(prefill, "WINDOW_SPLIT", split)
+    _check_windows(fmt, 4, 32, "triton", ({"a": 256, "b": 96}, {"a": 160, "b": 224}))
+
+
+def _check_windows(fmt, sink, res, backend, chunks, num_q: int = 96):
     kernels = _kernels(backend)
     gen = torch.Generator().manual_seed(3)
-    h = make_harness(fmt, kernels, sink=sink, residual=res, num_q=96, num_hp=64, device=DEV)
+    h = make_harness(fmt, kernels, sink=sink, residual=res, num_q=num_q, num_hp=64, device=DEV)
     layer, pol, bs = h.layer, h.plan.window_policy, h.plan.block_size
     exact = {}
-    for chunk in ({"a": 64, "b": 32}, {"a": 96, "b": 64}):  # block-aligned (KIVI blocks are 32)
+    for chunk in chunks:  # block-aligned (KIVI blocks are 32)
         sids = list(chunk)
         ops = []
         for sid in sids:

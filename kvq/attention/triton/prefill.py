@@ -14,6 +14,8 @@ positions.  Same contract as :func:`kvq.attention.reference.paged_attention`:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,84 @@ from kvq.attention.triton import dequant, store
 from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype, layer_args
 from kvq.attention.triton.tiles import DENSE, load_tile, tile_channel
 from kvq.cache.pool import LayerKV
+
+#: Windowed prefill: split each query tile's keys into runs that every query reads the same way
+#: (quantized, exact, or mixed) so the loops have uniform bodies, instead of deciding per key tile.
+#: Same results (tests/test_prefill_window.py runs both); off until timed on the H200 against the
+#: per-tile decision (``KVQ_PREFILL_WINDOW_SPLIT=1`` turns it on for that A/B).
+WINDOW_SPLIT = os.environ.get("KVQ_PREFILL_WINDOW_SPLIT", "0") == "1"
+
+
+@triton.jit
+def _prefill_tile(
+    q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T, qk_scale,
+    kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_hb, s_hh, s_ht,
+    D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
+    K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, MODE: tl.constexpr,
+):
+    """One tile of ``BLOCK_N`` keys from ``t0`` for a tile of queries: online-softmax update.
+    MODE 0: keys through ``table``; 1: through ``tableq`` (every query of the tile reads them
+    quantized); 2: both pages, picked per (query, key) by the window rule; 3: decided per tile
+    (``tableq`` if no query reads a key of it exact, both pages only where queries differ)."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    valid = t < kv_end
+    off = t % PAGE
+    if MODE == 1:
+        bid = tl.load(tableq + t // PAGE, mask=valid, other=0)
+    else:
+        bid = tl.load(table + t // PAGE, mask=valid, other=0)
+    exact = (t[None, :] < SINK_T) | (t[None, :] >= win[:, None])
+    both = False
+    if MODE >= 2:
+        bidq = tl.load(tableq + t // PAGE, mask=valid, other=0)
+    if MODE == 3:
+        seen = rmask[:, None] & valid[None, :] & (t[None, :] <= qpos[:, None])
+        n_seen = tl.sum(tl.sum(seen.to(tl.int32), axis=1), axis=0)
+        n_exact = tl.sum(tl.sum((seen & exact).to(tl.int32), axis=1), axis=0)
+        bid = tl.where(n_exact == 0, bidq, bid)  # no query of the tile reads it exact: quantized pages
+        both = (tl.max((bidq != bid).to(tl.int32), axis=0) > 0) & (n_exact < n_seen)
+    k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
+                        bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
+    s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
+    if MODE == 2:
+        kq, kq_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh,
+                              s_ht, bidq, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
+        s = tl.where(exact, s, tl.dot(q, tl.trans(kq)) * (kq_sc * qk_scale)[None, :])
+    if MODE == 3:
+        if both:  # some queries read the tile exact, others quantized: both pages, picked per pair
+            kq, kq_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh,
+                                  s_ht, bidq, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
+            s = tl.where(exact, s, tl.dot(q, tl.trans(kq)) * (kq_sc * qk_scale)[None, :])
+    causal = valid[None, :] & (t[None, :] <= qpos[:, None])
+    s = tl.where(causal, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
+                        bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
+    pv = p * v_sc[None, :]
+    if MODE == 2:
+        vq, vq_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
+                              s_ht, bidq, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
+        acc = (acc * alpha[:, None] + tl.dot(tl.where(exact, pv, 0.0).to(DOT), v)
+               + tl.dot(tl.where(exact, 0.0, p * vq_sc[None, :]).to(DOT), vq))
+    elif MODE == 3:
+        if both:
+            vq, vq_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
+                                  s_ht, bidq, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
+            acc = (acc * alpha[:, None] + tl.dot(tl.where(exact, pv, 0.0).to(DOT), v)
+                   + tl.dot(tl.where(exact, 0.0, p * vq_sc[None, :]).to(DOT), vq))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv.to(DOT), v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pv.to(DOT), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -35,6 +115,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
     K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -61,48 +142,50 @@ def _prefill_kernel(
     # (they differ only for blocks the step reads both ways); each query reads a key exact
     # iff it is a sink or inside its recent window (kvq.cache.window.exact_from)
     win = tl.maximum(qpos - RESID, 0) // PAGE * PAGE
-    for t0 in range(0, kv_end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        valid = t < kv_end
-        bid = tl.load(table + t // PAGE, mask=valid, other=0)
-        off = t % PAGE
-        if WINDOW:
-            bidq = tl.load(tableq + t // PAGE, mask=valid, other=0)
-            exact = (t[None, :] < SINK_T) | (t[None, :] >= win[:, None])
-            seen = rmask[:, None] & valid[None, :] & (t[None, :] <= qpos[:, None])
-            n_seen = tl.sum(tl.sum(seen.to(tl.int32), axis=1), axis=0)
-            n_exact = tl.sum(tl.sum((seen & exact).to(tl.int32), axis=1), axis=0)
-            bid = tl.where(n_exact == 0, bidq, bid)  # no query of the tile reads it exact: quantized pages
-            both = (tl.max((bidq != bid).to(tl.int32), axis=0) > 0) & (n_exact < n_seen)
-        k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
-                            bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
-        s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
-        if WINDOW:
-            if both:  # some queries read the tile exact, others quantized: both pages, picked per pair
-                kq, kq_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh,
-                                      s_ht, bidq, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
-                s = tl.where(exact, s, tl.dot(q, tl.trans(kq)) * (kq_sc * qk_scale)[None, :])
-        causal = valid[None, :] & (t[None, :] <= qpos[:, None])
-        s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
-                            bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
-        pv = p * v_sc[None, :]
-        if WINDOW:
-            if both:
-                vq, vq_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                      s_ht, bidq, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
-                acc = (acc * alpha[:, None] + tl.dot(tl.where(exact, pv, 0.0).to(DOT), v)
-                       + tl.dot(tl.where(exact, 0.0, p * vq_sc[None, :]).to(DOT), vq))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pv.to(DOT), v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(DOT), v)
-        m_i = m_new
+    if WINDOW and SPLIT:
+        # key tiles by what the tile's queries read (``win`` grows with the query): the tiles holding
+        # sinks, and those between the first and the last query's window start, differ per query
+        # (both pages, mode 2); below the first window start every query reads them quantized (1),
+        # from the last one on exact (0): uniform loop bodies
+        q_first = n - q_len + mt * BLOCK_M
+        q_last = tl.minimum(n, n - q_len + (mt + 1) * BLOCK_M) - 1
+        win_lo = tl.maximum(q_first - RESID, 0) // PAGE * PAGE
+        win_hi = tl.maximum(q_last - RESID, 0) // PAGE * PAGE
+        a = tl.minimum(tl.cdiv(SINK_T, BLOCK_N) * BLOCK_N, kv_end)
+        bq = tl.minimum(tl.maximum(a, win_lo // BLOCK_N * BLOCK_N), kv_end)
+        ce = tl.minimum(tl.maximum(bq, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), kv_end)
+        for t0 in range(0, a, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
+                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
+                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
+                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 2)
+        for t0 in range(a, bq, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
+                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
+                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
+                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 1)
+        for t0 in range(bq, ce, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
+                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
+                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
+                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 2)
+        for t0 in range(ce, kv_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
+                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
+                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
+                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 0)
+    elif WINDOW:
+        for t0 in range(0, kv_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
+                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
+                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
+                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 3)
+    else:
+        for t0 in range(0, kv_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
+                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
+                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
+                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 0)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * s_ot + hq * s_oh + tile_channel(d, V_PER, D)[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -189,6 +272,7 @@ def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, ha
         GROUP=Hq // num_kv_heads, D=q.shape[2], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
         K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=bool(has_hp), DOT=dot, WINDOW=tableq is not None,
+        SPLIT=WINDOW_SPLIT,
     )
 
 
