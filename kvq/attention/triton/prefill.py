@@ -142,50 +142,32 @@ def _prefill_kernel(
     # (they differ only for blocks the step reads both ways); each query reads a key exact
     # iff it is a sink or inside its recent window (kvq.cache.window.exact_from)
     win = tl.maximum(qpos - RESID, 0) // PAGE * PAGE
+    # the keys in runs [0, r0), [r0, r1), [r1, r2), [r2, kv_end), each read one way (_prefill_tile's MODE);
+    # without SPLIT the first three are empty
+    r0 = 0
+    r1 = 0
+    r2 = 0
     if WINDOW and SPLIT:
-        # key tiles by what the tile's queries read (``win`` grows with the query): the tiles holding
-        # sinks, and those between the first and the last query's window start, differ per query
-        # (both pages, mode 2); below the first window start every query reads them quantized (1),
-        # from the last one on exact (0): uniform loop bodies
+        # by what the tile's queries read (``win`` grows with the query): the tiles holding sinks, and
+        # those between the first and the last query's window start, differ per query (both pages);
+        # below the first window start every query reads them quantized, from the last one on exact
         q_first = n - q_len + mt * BLOCK_M
         q_last = tl.minimum(n, n - q_len + (mt + 1) * BLOCK_M) - 1
         win_lo = tl.maximum(q_first - RESID, 0) // PAGE * PAGE
         win_hi = tl.maximum(q_last - RESID, 0) // PAGE * PAGE
-        a = tl.minimum(tl.cdiv(SINK_T, BLOCK_N) * BLOCK_N, kv_end)
-        bq = tl.minimum(tl.maximum(a, win_lo // BLOCK_N * BLOCK_N), kv_end)
-        ce = tl.minimum(tl.maximum(bq, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), kv_end)
-        for t0 in range(0, a, BLOCK_N):
+        r0 = tl.minimum(tl.cdiv(SINK_T, BLOCK_N) * BLOCK_N, kv_end)
+        r1 = tl.minimum(tl.maximum(r0, win_lo // BLOCK_N * BLOCK_N), kv_end)
+        r2 = tl.minimum(tl.maximum(r1, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), kv_end)
+    for run in tl.static_range(4):
+        lo = 0 if run == 0 else r0 if run == 1 else r1 if run == 2 else r2
+        hi = r0 if run == 0 else r1 if run == 1 else r2 if run == 2 else kv_end
+        for t0 in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
                                           qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
                                           s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 2)
-        for t0 in range(a, bq, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
-                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
-                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 1)
-        for t0 in range(bq, ce, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
-                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
-                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 2)
-        for t0 in range(ce, kv_end, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
-                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
-                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 0)
-    elif WINDOW:
-        for t0 in range(0, kv_end, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
-                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
-                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 3)
-    else:
-        for t0 in range(0, kv_end, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
-                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
-                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT, 0)
+                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT,
+                                          2 if run == 0 else 1 if run == 1 else 2 if run == 2 else
+                                          0 if SPLIT or not WINDOW else 3)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * s_ot + hq * s_oh + tile_channel(d, V_PER, D)[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
