@@ -188,7 +188,11 @@ class TPGroup:
         from multiprocessing.connection import wait
 
         if self.workers and wait_s > 0:
-            wait([p.sentinel for p in self.workers], timeout=wait_s)
+            ready = wait([p.sentinel for p in self.workers], timeout=wait_s)
+            until = time.monotonic() + 1.0  # its sentinel closes as it dies; its exit status comes a moment later
+            for p in self.workers:
+                while p.sentinel in ready and p.exitcode is None and time.monotonic() < until:
+                    time.sleep(0.01)
         dead = [(rank, p) for rank, p in enumerate(self.workers, start=1) if not p.is_alive()]
         return ", ".join(f"rank {rank} (pid {p.pid}) {describe_exit(p.exitcode)}" for rank, p in dead) or None
 

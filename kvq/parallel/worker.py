@@ -63,7 +63,9 @@ class BroadcastRunner:
     def failed(self, e: Exception) -> RuntimeError:
         """A rank died or hung: every rank is stopped, and the error says which (a dead rank by its
         number and how it ended; else the collective's error and the exit codes)."""
-        dead = self.group.dead_ranks(wait_s=0.5)  # a collective can fail a moment before its peer is reaped
+        # a collective fails as soon as a dead peer's sockets close, which can come a second or more before
+        # its process is reaped on a loaded machine (seen: 0.5 s was not enough on 2 busy cores)
+        dead = self.group.dead_ranks(wait_s=2.0)
         why = f"tensor parallel: a rank failed: {dead}" if dead else \
             (f"tensor parallel: a rank failed ({type(e).__name__}: {_first_line(e)}); worker exit codes "
              f"{self.group.worker_exit_codes()}")
