@@ -188,50 +188,48 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
     prompts = [torch.randint(0, vocab, (r.input_len,), generator=g).tolist() for r in reqs]
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
     done, nxt, peak = {}, 0, 0
-    decode_steps, decode_time, contexts = 0, 0.0, []
+    contexts, step_times = [], []
     steps_before = engine.runner.graph_steps
     t0 = time.monotonic()
     last_end = None  # when the previous step call returned, if it was a decode step
-    step_times = []
-    gcp = GcPauses().__enter__()
-    while nxt < len(order) or engine.has_unfinished():
-        now = time.monotonic() - t0
-        while nxt < len(order) and reqs[order[nxt]].arrival_s <= now:
-            r = reqs[order[nxt]]
-            rid = engine.add_request(prompts[order[nxt]], SamplingParams(max_tokens=r.output_len, ignore_eos=True,
-                                                                       temperature=0.0))
-            engine.scheduler.get(rid).arrival_time = t0 + r.arrival_s  # queued since its arrival
-            nxt += 1
-        if not engine.has_unfinished():
-            time.sleep(min(0.002, max(0.0, reqs[order[nxt]].arrival_s - now)))
-            last_end = None
-            continue
-        peak = max(peak, engine.scheduler.num_running)
-        outs = engine.step()
-        end = time.perf_counter()
-        # a decode step's time: from the previous decode step's return to this one's (with asynchronous
-        # scheduling the host's work between calls overlaps the device's step, so the call alone is less)
-        if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs) and len(outs) == engine.scheduler.num_running:
-            if last_end is not None:
-                decode_steps += 1
-                decode_time += end - last_end
-                step_times.append(end - last_end)
-                contexts.append([len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs])
-            last_end = end
-        else:
-            last_end = None
-        for o in outs:
-            if o.finished:
-                done[o.request_id] = o
+    with GcPauses() as gcp:
+        while nxt < len(order) or engine.has_unfinished():
+            now = time.monotonic() - t0
+            while nxt < len(order) and reqs[order[nxt]].arrival_s <= now:
+                r = reqs[order[nxt]]
+                sp = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+                rid = engine.add_request(prompts[order[nxt]], sp)
+                engine.scheduler.get(rid).arrival_time = t0 + r.arrival_s  # queued since its arrival
+                nxt += 1
+            if not engine.has_unfinished():
+                time.sleep(min(0.002, max(0.0, reqs[order[nxt]].arrival_s - now)))
+                last_end = None
+                continue
+            peak = max(peak, engine.scheduler.num_running)
+            outs = engine.step()
+            end = time.perf_counter()
+            # a decode step's time: from the previous decode step's return to this one's (with asynchronous
+            # scheduling the host's work between calls overlaps the device's step, so the call alone is less)
+            decode = len(outs) == engine.scheduler.num_running and all(len(o.outputs[0].token_ids) > 1 for o in outs)
+            if outs and decode:
+                if last_end is not None:
+                    step_times.append(end - last_end)
+                    contexts.append([len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs])
+                last_end = end
+            else:
+                last_end = None
+            for o in outs:
+                if o.finished:
+                    done[o.request_id] = o
     wall = time.monotonic() - t0
-    gcp.__exit__(None, None, None)
     outs = list(done.values())
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     assert len(outs) == len(reqs) and ntok == sum(r.output_len for r in reqs), "every request must finish in full"
     ttft = [o.metrics["ttft"] for o in outs]
     tpot = [o.metrics["tpot"] for o in outs]
-    step = decode_time / decode_steps if decode_steps else None
-    fl = sum(floor(c) for c in contexts) / decode_steps if decode_steps and floor is not None else None
+    stats = step_stats(step_times)
+    step, n = stats["decode_step_mean_s"], stats["decode_steps"]
+    fl = sum(floor(c) for c in contexts) / n if n and floor is not None else None
     return {
         "scenario": sc.name, "description": sc.description, "requests": len(reqs),
         "input_tokens": sum(r.input_len for r in reqs), "wall_s": wall, "output_tokens": ntok,
@@ -239,7 +237,7 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
         "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
         "tpot_p50_s": pct(tpot, 0.5), "tpot_p99_s": pct(tpot, 0.99),
         "preemptions": sum(o.metrics["num_preemptions"] for o in outs), "peak_running": peak,
-        **step_stats(step_times), "decode_step_floor_s": fl,
+        **stats, "decode_step_floor_s": fl,
         "step_over_floor": step / fl if step and fl else None,
         "graph_steps": engine.runner.graph_steps - steps_before, **gcp.record(),
     }

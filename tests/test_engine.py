@@ -9,6 +9,7 @@ import torch
 
 from kvq.engine.llm import LLM
 from kvq.engine.sampling_params import SamplingParams
+from tests.tiny_model import write_tiny
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -132,16 +133,12 @@ def test_cli_generate_streams_text():
 def test_profile_step_runs_through_the_runner(tmp_path):
     """The memory profiler's step (largest prefill, max_num_seqs scored rows) goes through a
     ModelRunner like every other forward; on the CPU it runs, only the peak is CUDA's."""
-    import json
 
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
 
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=128,
-               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
-               torch_dtype="float32")
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", kv_cache_dtype="int4_kivi",
+    model = write_tiny(tmp_path, vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    eng = LLMEngine(EngineConfig(model=model, load_format="dummy", device="cpu", kv_cache_dtype="int4_kivi",
                                  max_num_seqs=3, max_num_batched_tokens=100, kv_cache_memory="8MiB", progress=False))
     runner, step, seqs = eng.profile_step()
     logits, rows = runner.execute(step, seqs)
@@ -152,16 +149,10 @@ def test_freeze_gc_option(tmp_path):
     """freeze_gc=True freezes the collector's view of the built engine and raises its first threshold
     (the CUDA default); off on the CPU."""
     import gc
-    import json
 
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
 
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
-               intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False,
-               torch_dtype="float32")
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    kw = dict(model=str(tmp_path), load_format="dummy", device="cpu", kv_cache_memory="4MiB", progress=False)
+    kw = dict(model=write_tiny(tmp_path), load_format="dummy", device="cpu", kv_cache_memory="4MiB", progress=False)
     gc.unfreeze()
     before = gc.get_threshold()
     try:
@@ -181,17 +172,12 @@ def test_seals_run_inside_the_forward_like_apply_ops(tmp_path, monkeypatch, fmt)
     """A step whose ops are all seals hands them to the forward, each layer sealing just
     before its own K/V write; the tokens and every pool byte equal those of running the
     ops first (the old order), and seals really happened."""
-    import json
 
     from kvq.engine import model_runner
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.engine.sampling_params import SamplingParams
 
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
-               intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
-               torch_dtype="float32")
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    write_tiny(tmp_path, num_hidden_layers=2, max_position_embeddings=256)
 
     def run(in_forward: bool):
         if not in_forward:

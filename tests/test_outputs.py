@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvq.engine.outputs import TokenIds
+from tests.tiny_model import write_tiny
 
 idx = st.one_of(st.none(), st.integers(-12, 12))
 
@@ -37,12 +38,7 @@ def test_running_outputs_do_not_change_and_finished_ones_are_lists(tmp_path):
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.engine.sampling_params import SamplingParams
 
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=64,
-               intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False,
-               torch_dtype="float32")
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", kv_cache_memory="4MiB",
+    eng = LLMEngine(EngineConfig(model=write_tiny(tmp_path), load_format="dummy", device="cpu", kv_cache_memory="4MiB",
                                  progress=False))
     eng.add_request([1, 2, 3, 4], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     held, final = [], None
