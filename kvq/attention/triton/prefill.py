@@ -29,7 +29,7 @@ from kvq.cache.pool import LayerKV
 #: (quantized, exact, or mixed) so the loops have uniform bodies, instead of deciding per key tile.
 #: Same results (tests/test_prefill_window.py runs both); off until timed on the H200 against the
 #: per-tile decision (``KVQ_PREFILL_WINDOW_SPLIT=1`` turns it on for that A/B).
-WINDOW_SPLIT = os.environ.get("KVQ_PREFILL_WINDOW_SPLIT", "0") == "1"
+WINDOW_SPLIT = os.environ.get("KVQ_PREFILL_WINDOW_SPLIT", "1") == "1"
 
 
 @triton.jit
