@@ -1,6 +1,11 @@
 """Prefill-kernel timing probe on the GPU (not the benchmark): a chunk of new tokens
 per sequence attending causally over its cached past, per KV format, with the f16
-and the model-dtype dot for 8-bit formats.  Prints one line per case."""
+and the model-dtype dot for 8-bit formats.  Prints one line per case.
+
+``--window``: what the engine runs instead, prompts through the block manager with each
+format's default sinks and recent window, attention through ``kvq.models.llama.attend``
+(the windowed prefill: page scratch, exact and sealed extra pages, the kernel's runs),
+beside bf16 in the same process; with ``--profile`` the kernels of one call each."""
 
 import argparse
 
@@ -23,7 +28,12 @@ def main():
     ap.add_argument("--chunk", type=int, default=1024, help="new tokens per sequence")
     ap.add_argument("--formats", default="bfloat16,fp8_e4m3,int8_per_token_head,fp8_per_token_head")
     ap.add_argument("--dequant-first", default="0,1", help="prefill schedules to time: 0 in-loop, 1 scratch first")
+    ap.add_argument("--window", action="store_true", help="the engine's windowed prefill (formats: default "
+                    "bfloat16,int4_kivi,int2_kivi,fp8_e4m3), --past tokens prefilled first, then --chunk")
+    ap.add_argument("--profile", action="store_true", help="with --window: device time per kernel of one call")
     args = ap.parse_args()
+    if args.window:
+        return windowed(args)
     B, H, Hq, D = args.B, 8, 32, 128
     L = args.past + args.chunk
     q = torch.randn(B * args.chunk, Hq, D, device="cuda", dtype=torch.bfloat16)
@@ -64,6 +74,73 @@ def main():
         del pool
         layer = None  # the timed closures refer to it
         torch.cuda.empty_cache()
+
+
+def windowed(args):
+    """Time the windowed prefill of ``B`` sequences (``past`` cached tokens, then a ``chunk``) per
+    format, bf16 first (correctness is the tests' job: tests/test_prefill_window.py)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from paged_harness import kv_data, make_harness
+
+    from kvq.attention.triton import kernels
+    from kvq.cache.step import apply_ops, each_to, host_step, stage_step
+    from kvq.models.llama import attend
+
+    B, H, group, D = args.B, 8, 4, 128
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1
+    timer = bench if dev == "cuda" else _wall
+    formats = "bfloat16,int4_kivi,int2_kivi,fp8_e4m3" if "--formats" not in sys.argv else args.formats
+    gen = torch.Generator().manual_seed(0)
+    L = args.past + args.chunk
+    flops = 4 * B * H * group * D * (args.chunk * args.past + args.chunk * args.chunk / 2)
+    base = None
+    for fmt in formats.split(","):
+        bs = 32 if "kivi" in fmt else 16
+        nblk = B * -(-L // bs) + 8
+        h = make_harness(fmt, kernels, H=H, D=D, group=group, num_q=nblk, num_hp=nblk, device=dev)
+        layer, pol = h.layer, h.plan.window_policy
+        sids = list(range(B))
+        for chunk in ([args.past] if args.past else []) + [args.chunk]:
+            ops = []
+            for sid in sids:
+                if sid in h.manager:
+                    ops += h.manager.append_slots(sid, [0] * chunk)
+                else:
+                    h.manager.allocate_prompt(sid, list(range(chunk)))
+            apply_ops(h.pool, kernels, ops)
+            meta, _ = stage_step(host_step(h.manager, sids, [chunk] * B), h.plan.block_size, each_to(dev),
+                                 policy=pol)
+            k, v = (torch.cat(x) for x in zip(*(kv_data(gen, chunk, H, D, dev) for _ in sids)))
+            kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)
+        q = torch.randn(k.shape[0], H * group, D, device=dev, dtype=torch.bfloat16)
+        sm = D ** -0.5
+        win = meta.window
+        t = timer(lambda: attend(kernels, q, layer, meta, sm, k, v), iters=10)
+        base = t if fmt == "bfloat16" else base
+        rows = f"{len(win.exact_rows)} exact + {len(win.sealed_rows)} sealed extra pages" if win else "no window"
+        print(f"{fmt:22s} windowed B={B} past={args.past} chunk={args.chunk}: {t:9.1f} us "
+              f"{flops / t / 1e6:6.1f} TFLOP/s" + (f"  {base / t:.2f}x bf16" if base else "") + f"  ({rows})",
+              flush=True)
+        if args.profile:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                attend(kernels, q, layer, meta, sm, k, v)
+                torch.cuda.synchronize()
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:6]:
+                print(f"    {e.self_device_time_total:9.1f} us  {e.count:3d} x  {e.key[:70]}")
+        h = layer = meta = win = None  # the pool goes before the next format's
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _wall(fn, iters=1):
+    import time
+
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e6
 
 
 if __name__ == "__main__":

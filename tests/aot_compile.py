@@ -97,14 +97,12 @@ def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
             for first in (True, False):  # pages dequantized into a scratch first, or in the kernel's loop
                 kernels.paged_attention(q, layer, torch.tensor([0, 2, 3], dtype=torch.int32), tables, lens, 0.1,
                                         max_q_len=2, has_hp=True, max_seq_len=40, dequant_first=first)
-            # the windowed prefill (per-query exact windows over f16 page scratches), both schedules
+            # the windowed prefill (per-query exact windows over f16 page scratches)
             kp = torch.zeros(8, 2, bs, D, dtype=torch.float16)
             dargs, dmeta = prefill._dense_args(kp, kp)
-            for split in (False, True):
-                prefill.WINDOW_SPLIT = split
-                prefill._launch(q, torch.empty_like(q), torch.tensor([0, 2, 3], dtype=torch.int32), dargs, dmeta,
-                                tables, tables, lens, 0.1, 2, False, tl.float16, 64, 64, bs, 2, sink_tokens=16,
-                                residual=32)
+            prefill._launch(q, torch.empty_like(q), torch.tensor([0, 2, 3], dtype=torch.int32), dargs, dmeta,
+                            tables, tables, lens, 0.1, 2, False, tl.float16, 64, 64, bs, 2, sink_tokens=16,
+                            residual=32)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=False)
     n = compile_recorded(shard, shards)

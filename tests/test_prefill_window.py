@@ -89,15 +89,11 @@ def test_prefill_reads_each_querys_window_exact(fmt, sink, res, backend):
     _check_windows(fmt, sink, res, backend, ({"a": 64, "b": 32}, {"a": 96, "b": 64}))
 
 
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("fmt", ["int4_kivi", "int8_per_token_head"])
-def test_triton_window_split_meets_the_definition_on_long_chunks(fmt, split, monkeypatch):
-    """The Triton kernel's two schedules of a windowed prefill (kvq.attention.triton.prefill
-    WINDOW_SPLIT): chunks long enough that a query tile (64 queries) has key tiles every query reads
-    quantized, tiles its queries read differently, tiles every query reads exact, and sink tiles."""
-    from kvq.attention.triton import prefill
-
-    monkeypatch.setattr(prefill, "WINDOW_SPLIT", split)
+def test_triton_window_runs_meet_the_definition_on_long_chunks(fmt):
+    """The Triton kernel's runs of a windowed prefill (kvq.attention.triton.prefill): chunks long
+    enough that a query tile (64 queries) has key tiles every query reads quantized, tiles its
+    queries read differently (two masked passes), tiles every query reads exact, and sink tiles."""
     _check_windows(fmt, 4, 32, "triton", ({"a": 256, "b": 96}, {"a": 160, "b": 224}))
 
 

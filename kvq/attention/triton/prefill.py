@@ -14,8 +14,6 @@ positions.  Same contract as :func:`kvq.attention.reference.paged_attention`:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -25,16 +23,9 @@ from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype, layer_arg
 from kvq.attention.triton.tiles import DENSE, load_tile, tile_channel
 from kvq.cache.pool import LayerKV
 
-#: Windowed prefill: split each query tile's keys into runs that every query reads the same way
-#: (quantized, exact, or mixed) so the loops have uniform bodies, instead of deciding per key tile.
-#: Same results (tests/test_prefill_window.py runs both); off until timed on the H200 against the
-#: per-tile decision (``KVQ_PREFILL_WINDOW_SPLIT=1`` turns it on for that A/B).
-WINDOW_SPLIT = os.environ.get("KVQ_PREFILL_WINDOW_SPLIT", "1") == "1"
-
-
 @triton.jit
 def _prefill_tile(
-    q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T, qk_scale,
+    q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
@@ -44,40 +35,26 @@ def _prefill_tile(
     K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, MODE: tl.constexpr,
 ):
     """One tile of ``BLOCK_N`` keys from ``t0`` for a tile of queries: online-softmax update.
-    MODE 0: keys through ``table``; 1: through ``tableq`` (every query of the tile reads them
-    quantized); 2: both pages, picked per (query, key) by the window rule; 3: decided per tile
-    (``tableq`` if no query reads a key of it exact, both pages only where queries differ)."""
+    MODE 0: every (query, key) pair through ``table``; 1: every pair through ``tableq``; 2: only the
+    pairs the window rule reads exact, through ``table``; 3: only the others, through ``tableq``.
+    A tile its queries read both ways takes two passes (2, then 3), each loading one K and one V
+    tile: the loop bodies stay alike, and so do their pipeline buffers in shared memory (a body
+    that loaded both pages' tiles at once needed 148 KB of it, one CTA per SM, against 82 KB)."""
     t = t0 + tl.arange(0, BLOCK_N)
     valid = t < kv_end
     off = t % PAGE
-    if MODE == 1:
+    if MODE == 1 or MODE == 3:
         bid = tl.load(tableq + t // PAGE, mask=valid, other=0)
     else:
         bid = tl.load(table + t // PAGE, mask=valid, other=0)
-    exact = (t[None, :] < SINK_T) | (t[None, :] >= win[:, None])
-    both = False
-    if MODE >= 2:
-        bidq = tl.load(tableq + t // PAGE, mask=valid, other=0)
-    if MODE == 3:
-        seen = rmask[:, None] & valid[None, :] & (t[None, :] <= qpos[:, None])
-        n_seen = tl.sum(tl.sum(seen.to(tl.int32), axis=1), axis=0)
-        n_exact = tl.sum(tl.sum((seen & exact).to(tl.int32), axis=1), axis=0)
-        bid = tl.where(n_exact == 0, bidq, bid)  # no query of the tile reads it exact: quantized pages
-        both = (tl.max((bidq != bid).to(tl.int32), axis=0) > 0) & (n_exact < n_seen)
     k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
                         bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
     s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
-    if MODE == 2:
-        kq, kq_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh,
-                              s_ht, bidq, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
-        s = tl.where(exact, s, tl.dot(q, tl.trans(kq)) * (kq_sc * qk_scale)[None, :])
-    if MODE == 3:
-        if both:  # some queries read the tile exact, others quantized: both pages, picked per pair
-            kq, kq_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh,
-                                  s_ht, bidq, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
-            s = tl.where(exact, s, tl.dot(q, tl.trans(kq)) * (kq_sc * qk_scale)[None, :])
-    causal = valid[None, :] & (t[None, :] <= qpos[:, None])
-    s = tl.where(causal, s, float("-inf"))
+    keep = valid[None, :] & (t[None, :] <= qpos[:, None])
+    if MODE >= 2:
+        exact = (t[None, :] < SINK_T) | (t[None, :] >= win[:, None])
+        keep = keep & (exact if MODE == 2 else ~exact)
+    s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
@@ -85,22 +62,7 @@ def _prefill_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
                         bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
-    pv = p * v_sc[None, :]
-    if MODE == 2:
-        vq, vq_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                              s_ht, bidq, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
-        acc = (acc * alpha[:, None] + tl.dot(tl.where(exact, pv, 0.0).to(DOT), v)
-               + tl.dot(tl.where(exact, 0.0, p * vq_sc[None, :]).to(DOT), vq))
-    elif MODE == 3:
-        if both:
-            vq, vq_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                  s_ht, bidq, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
-            acc = (acc * alpha[:, None] + tl.dot(tl.where(exact, pv, 0.0).to(DOT), v)
-                   + tl.dot(tl.where(exact, 0.0, p * vq_sc[None, :]).to(DOT), vq))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv.to(DOT), v)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(pv.to(DOT), v)
+    acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(DOT), v)
     return m_new, l_i, acc
 
 
@@ -115,7 +77,6 @@ def _prefill_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
     K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, WINDOW: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -142,15 +103,15 @@ def _prefill_kernel(
     # (they differ only for blocks the step reads both ways); each query reads a key exact
     # iff it is a sink or inside its recent window (kvq.cache.window.exact_from)
     win = tl.maximum(qpos - RESID, 0) // PAGE * PAGE
-    # the keys in runs [0, r0), [r0, r1), [r1, r2), [r2, kv_end), each read one way (_prefill_tile's MODE);
-    # without SPLIT the first three are empty
+    # the keys in runs, each read one way by every query of the tile: [0, r0) holds the sinks, which
+    # some queries read exact and others quantized (two passes, _prefill_tile's MODE 2 then 3); below
+    # the first query's window start every query reads [r0, r1) quantized (MODE 1); between the first
+    # and the last query's window start they differ, [r1, r2) (two passes); from there on, exact
+    # (MODE 0).  Without WINDOW only the last run, from 0: the cache as stored.
     r0 = 0
     r1 = 0
     r2 = 0
-    if WINDOW and SPLIT:
-        # by what the tile's queries read (``win`` grows with the query): the tiles holding sinks, and
-        # those between the first and the last query's window start, differ per query (both pages);
-        # below the first window start every query reads them quantized, from the last one on exact
+    if WINDOW:
         q_first = n - q_len + mt * BLOCK_M
         q_last = tl.minimum(n, n - q_len + (mt + 1) * BLOCK_M) - 1
         win_lo = tl.maximum(q_first - RESID, 0) // PAGE * PAGE
@@ -158,16 +119,17 @@ def _prefill_kernel(
         r0 = tl.minimum(tl.cdiv(SINK_T, BLOCK_N) * BLOCK_N, kv_end)
         r1 = tl.minimum(tl.maximum(r0, win_lo // BLOCK_N * BLOCK_N), kv_end)
         r2 = tl.minimum(tl.maximum(r1, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), kv_end)
-    for run in tl.static_range(4):
-        lo = 0 if run == 0 else r0 if run == 1 else r1 if run == 2 else r2
-        hi = r0 if run == 0 else r1 if run == 1 else r2 if run == 2 else kv_end
-        for t0 in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, rmask, win, h, table, tableq, SINK_T,
-                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt,
-                                          s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh,
-                                          s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT,
-                                          2 if run == 0 else 1 if run == 1 else 2 if run == 2 else
-                                          0 if SPLIT or not WINDOW else 3)
+    for run in tl.static_range(6):
+        if WINDOW or run == 5:
+            lo = 0 if run <= 1 else r0 if run == 2 else r1 if run <= 4 else r2
+            hi = r0 if run <= 1 else r1 if run == 2 else r2 if run <= 4 else kv_end
+            for t0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T,
+                                              qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh,
+                                              s_kdt, s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+                                              s_hb, s_hh, s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G,
+                                              V_G, HAS_HP, DOT, 2 if run == 0 or run == 3 else
+                                              3 if run == 1 or run == 4 else 1 if run == 2 else 0)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * s_ot + hq * s_oh + tile_channel(d, V_PER, D)[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -254,7 +216,6 @@ def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, ha
         GROUP=Hq // num_kv_heads, D=q.shape[2], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
         K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=bool(has_hp), DOT=dot, WINDOW=tableq is not None,
-        SPLIT=WINDOW_SPLIT,
     )
 
 
