@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gc_pauses import GcPauses  # noqa: E402
+from benchmarks.jit_compiles import JitCompiles  # noqa: E402
 
 SMOKE_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=256,
                     intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -125,6 +126,15 @@ def step_stats(times: list[float]) -> dict:
             "decode_step_p90_s": t[int(0.9 * (len(t) - 1))], "decode_step_max_s": t[-1]}
 
 
+def other_step_stats(times: list[float]) -> dict:
+    """Times of the step calls that were not pure decode steps (prefill chunks, with or without
+    decodes beside them) -> count, total, mean, max: where TTFT goes."""
+    if not times:
+        return {"other_steps": 0, "other_step_total_s": 0.0}
+    return {"other_steps": len(times), "other_step_total_s": sum(times), "other_step_mean_s": sum(times) / len(times),
+            "other_step_max_s": max(times)}
+
+
 def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]:
     """Submit every prompt at once (greedy, ignore_eos, exactly ``out`` tokens each), step until all have
     finished; -> (throughput, TTFT, TPOT and preemptions of the wave; the RequestOutputs in order)."""
@@ -134,8 +144,8 @@ def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]
     steps_before = engine.runner.graph_steps
     t0 = time.perf_counter()
     ids = [engine.add_request(p, sp) for p in prompts]
-    done, step_times = {}, []
-    with GcPauses() as gcp:
+    done, step_times, other_times = {}, [], []
+    with GcPauses() as gcp, JitCompiles() as jit:
         while engine.has_unfinished():
             ts = time.perf_counter()
             outs = engine.step()
@@ -143,6 +153,8 @@ def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]
             if outs and all(len(o.outputs[0].token_ids) > 1 for o in outs) \
                     and len(outs) == engine.scheduler.num_running:
                 step_times.append(dt)
+            else:
+                other_times.append(dt)
             for o in outs:
                 if o.finished:
                     done[o.request_id] = o
@@ -159,7 +171,7 @@ def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]
         **step_stats(step_times),
         "graph_steps": engine.runner.graph_steps - steps_before,
         "preemptions": sum(o.metrics["num_preemptions"] for o in outs),
-        **gcp.record(),
+        **other_step_stats(other_times), **gcp.record(), **jit.record(),
     }, outs
 
 
@@ -188,11 +200,11 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
     prompts = [torch.randint(0, vocab, (r.input_len,), generator=g).tolist() for r in reqs]
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
     done, nxt, peak = {}, 0, 0
-    contexts, step_times = [], []
+    contexts, step_times, other_times = [], [], []
     steps_before = engine.runner.graph_steps
     t0 = time.monotonic()
     last_end = None  # when the previous step call returned, if it was a decode step
-    with GcPauses() as gcp:
+    with GcPauses() as gcp, JitCompiles() as jit:
         while nxt < len(order) or engine.has_unfinished():
             now = time.monotonic() - t0
             while nxt < len(order) and reqs[order[nxt]].arrival_s <= now:
@@ -206,6 +218,7 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
                 last_end = None
                 continue
             peak = max(peak, engine.scheduler.num_running)
+            ts = time.perf_counter()
             outs = engine.step()
             end = time.perf_counter()
             # a decode step's time: from the previous decode step's return to this one's (with asynchronous
@@ -218,6 +231,7 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
                 last_end = end
             else:
                 last_end = None
+                other_times.append(end - ts)
             for o in outs:
                 if o.finished:
                     done[o.request_id] = o
@@ -239,7 +253,8 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
         "preemptions": sum(o.metrics["num_preemptions"] for o in outs), "peak_running": peak,
         **stats, "decode_step_floor_s": fl,
         "step_over_floor": step / fl if step and fl else None,
-        "graph_steps": engine.runner.graph_steps - steps_before, **gcp.record(),
+        "graph_steps": engine.runner.graph_steps - steps_before, **other_step_stats(other_times), **gcp.record(),
+        **jit.record(),
     }
 
 
@@ -319,8 +334,10 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                       f"step {1e3 * (r['decode_step_mean_s'] or 0):.2f} ms (p50 "
                       f"{1e3 * (r.get('decode_step_p50_s') or 0):.2f}, max "
                       f"{1e3 * (r.get('decode_step_max_s') or 0):.0f})"
-                      f", preempt {r['preemptions']}, gc {r['gc_collections']} {r['gc_pause_s']:.2f} s "
-                      f"[{time.perf_counter() - t:.0f}s]", flush=True)
+                      f", preempt {r['preemptions']}, gc {r['gc_collections']} {r['gc_pause_s']:.2f} s, other steps "
+                      f"{r['other_steps']} {r['other_step_total_s']:.1f} s (max {_ms(r.get('other_step_max_s'))} ms)"
+                      f", jit {r['jit_compiles']} {r['jit_compile_s']:.1f} s [{time.perf_counter() - t:.0f}s]",
+                      flush=True)
     engine.shutdown()
     del engine
     gc.collect()

@@ -77,6 +77,8 @@ def test_bench_engine_serves_every_request_of_each_load(tmp_path):
         assert "error" not in r, r
         assert r["output_tokens"] > 0 and r["output_tok_per_s"] > 0 and r["peak_running"] >= 1
         assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["decode_steps"] > 0
+        assert r["other_steps"] > 0 and 0 < r["other_step_total_s"] < r["wall_s"]  # the prefill steps
+        assert r["jit_compiles"] == 0  # the CPU interpreter compiles nothing (on CUDA: compiles in the wave)
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_engine.py"), "--smoke", "--scenarios", "chat"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and "decode_heavy, prefill_heavy, mixed" in bad.stderr
@@ -103,3 +105,34 @@ def test_capacity_report_tables_and_plot_from_a_results_file(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts/capacity_report.py"), "--json", str(empty)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no scenario runs" in bad.stderr
+
+
+def test_jit_compiles_records_what_tritons_hooks_report():
+    """benchmarks/jit_compiles.py through Triton's own hook knobs, called as Triton's JIT calls them
+    around a compile (keyword arguments, ``fn`` naming the kernel): counted per kernel while the
+    block runs, the hooks restored after, a caller's own hook left alone."""
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    from benchmarks.jit_compiles import JitCompiles
+
+    rt = knobs.runtime
+    info = JitFunctionInfo("kvq.attention.triton.prefill", "_prefill_kernel", None)
+    with JitCompiles() as jit:
+        for _ in range(2):
+            assert rt.jit_cache_hook(key=None, repr="", fn=info, compile={}, is_manual_warmup=False,
+                                     already_compiled=False) is False  # compile as usual
+            rt.jit_post_compile_hook(key=None, repr="", fn=info, compile={}, is_manual_warmup=False,
+                                     already_compiled=False)
+    rec = jit.record()
+    assert rec["jit_compiles"] == 2 and rec["jit_compiled"] == {"_prefill_kernel": 2}
+    assert 0 <= rec["jit_compile_max_s"] <= rec["jit_compile_s"]
+    assert rt.jit_cache_hook is None and rt.jit_post_compile_hook is None
+    mine = lambda **kw: False  # noqa: E731
+    rt.jit_cache_hook = mine
+    try:
+        with JitCompiles() as jit:
+            assert rt.jit_cache_hook is mine
+        assert jit.record()["jit_compiles"] == 0 and rt.jit_cache_hook is mine
+    finally:
+        rt.jit_cache_hook = None
