@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""The capacity-bound serving table and plot, read from bench_engine --scenarios results only.
+"""The capacity-bound serving table and plot, read from bench_engine results only.
 
     python scripts/capacity_report.py                      # docs/results/bench_capacity.json
     python scripts/capacity_report.py --json F --png P     # another results file / picture
 
-Prints a Markdown table per load (benchmarks/scenarios.py): each format's output tokens/s and its
-multiple of bf16's, TTFT and TPOT p50/p99, preemptions, peak running sequences, and the mean decode
-step against its floor; writes a bar chart of tokens/s per load and format.  Nothing here measures
+Prints a Markdown table per load: for --scenarios results (benchmarks/scenarios.py) each format's
+output tokens/s and its multiple of bf16's, TTFT and TPOT p50/p99, preemptions, peak running
+sequences, and the mean decode step against its floor; for a file of waves (bench_engine
+--workloads, e.g. docs/results/bench_engine_pressure_h200.json) one table per workload and
+concurrency with TTFT/TPOT p50/p95, the decode step against the bytes-only roofline and the time in
+prefill steps.  Writes a bar chart of tokens/s per load and format.  Nothing here measures
 anything: every number is a field of the results file, which names its device and date.
 """
 
@@ -57,8 +60,40 @@ def tables(data: dict) -> str:
     return "\n".join(out)
 
 
+def wave_load(r: dict) -> str:
+    return f"{r['input_len']}/{r['output_len']} c{r['concurrency']}"
+
+
+def wave_tables(data: dict) -> str:
+    """Markdown: one table per (input, output, concurrency) of ``data["runs"]``."""
+    runs = [dict(r, scenario=wave_load(r)) for r in data.get("runs", [])]
+    out = []
+    for load in dict.fromkeys(r["scenario"] for r in runs):
+        mine = [r for r in runs if r["scenario"] == load]
+        base = next((r for r in mine if r["kv_cache_dtype"] == BASELINE and "error" not in r), None)
+        out += [f"**{load}** (all requests at once)", "",
+                "| format | tok/s | x bf16 | TTFT p50 / p95 s | TPOT p50 / p95 ms | preemptions "
+                "| decode step ms (roofline) | other steps s |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in mine:
+            if "error" in r:
+                out.append(f"| `{r['kv_cache_dtype']}` | error: {r['error']} | | | | | | |")
+                continue
+            ratio = f"{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}x" if base else "-"
+            other = r.get("other_step_total_s")
+            if other is None and r.get("decode_step_mean_s") is not None:  # files from before it was recorded
+                other = r["wall_s"] - r["decode_steps"] * r["decode_step_mean_s"]
+            out.append(f"| `{r['kv_cache_dtype']}` | {r['output_tok_per_s']:.0f} | {ratio} | "
+                       f"{_s(r['ttft_p50_s'])} / {_s(r['ttft_p95_s'])} | {_ms(r['tpot_p50_s'])} / "
+                       f"{_ms(r['tpot_p95_s'])} | {r['preemptions']} | {_ms(r['decode_step_mean_s'])} "
+                       f"({_ms(r.get('roofline_step_s'))}) | {_s(other)} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def plot(data: dict, path: Path) -> None:
-    """Output tokens/s per load, one bar per format."""
+    """Output tokens/s per load as a multiple of bf16's (each bar labelled with its tokens/s),
+    one bar per format; absolute tokens/s when a load has no bf16 run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,18 +101,31 @@ def plot(data: dict, path: Path) -> None:
 
     runs = [r for r in data.get("scenarios", []) if "error" not in r]
     loads = [x for x in LOADS if any(r["scenario"] == x for r in runs)]
+    if not runs:  # a file of waves
+        runs = [dict(r, scenario=wave_load(r)) for r in data.get("runs", []) if "error" not in r]
+        loads = list(dict.fromkeys(r["scenario"] for r in runs))
+    tok = {(r["scenario"], r["kv_cache_dtype"]): r["output_tok_per_s"] for r in runs}
+    relative = all((x, BASELINE) in tok for x in loads)
     fmts = list(dict.fromkeys(r["kv_cache_dtype"] for r in runs))
     fig, ax = plt.subplots(figsize=(8, 3.6))
     width = 0.8 / max(1, len(fmts))
     for j, f in enumerate(fmts):
-        ys = [next((r["output_tok_per_s"] for r in runs if r["scenario"] == x and r["kv_cache_dtype"] == f), 0)
-              for x in loads]
-        ax.bar([i + j * width for i in range(len(loads))], ys, width, label=f)
+        xs = [i + j * width for i, x in enumerate(loads) if (x, f) in tok]
+        vals = [tok[(x, f)] for x in loads if (x, f) in tok]
+        ys = [v / tok[(x, BASELINE)] for x, v in zip([x for x in loads if (x, f) in tok], vals)] if relative else vals
+        bars = ax.bar(xs, ys, width, label=f)
+        ax.bar_label(bars, [f"{v:.0f}" for v in vals], fontsize=6, rotation=90, padding=2)
     ax.set_xticks([i + width * (len(fmts) - 1) / 2 for i in range(len(loads))], loads)
-    ax.set_ylabel("output tokens/s")
+    if relative:
+        ax.axhline(1.0, color="#888888", lw=0.8)
+        ax.set_ylabel("output tokens/s, x bf16")
+        ax.set_ylim(0, max(tok[k] / tok[(k[0], BASELINE)] for k in tok) * 1.25)
+    else:
+        ax.set_ylabel("output tokens/s")
     meta = data.get("meta", {})
-    ax.set_title(f"Capacity-bound serving, {meta.get('model', '?')} on {meta.get('device', '?')}")
-    ax.legend(fontsize=8)
+    ax.set_title(f"Capacity-bound serving, {meta.get('model', '?')} on {meta.get('device', '?')} "
+                 f"(bar labels: tokens/s)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -86,16 +134,16 @@ def plot(data: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=str(DEFAULT_JSON), help="bench_engine --scenarios output")
+    p.add_argument("--json", default=str(DEFAULT_JSON), help="bench_engine output (--scenarios, or waves)")
     p.add_argument("--png", default=None, help="the plot (default: beside the JSON, .png)")
     args = p.parse_args(argv)
     src = Path(args.json)
     if not src.is_file():
         p.error(f"{src}: no such file (run `make bench-capacity` on the GPU machine first)")
     data = json.loads(src.read_text())
-    if not data.get("scenarios"):
-        p.error(f"{src}: no scenario runs in it (bench_engine.py --scenarios writes them)")
-    print(tables(data))
+    if not data.get("scenarios") and not data.get("runs"):
+        p.error(f"{src}: no runs in it (bench_engine.py writes them)")
+    print(tables(data) if data.get("scenarios") else wave_tables(data))
     png = Path(args.png) if args.png else src.with_suffix(".png")
     plot(data, png)
     print(f"wrote {png}")

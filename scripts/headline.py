@@ -15,20 +15,20 @@ ROOT = Path(__file__).resolve().parent.parent
 RES = ROOT / "docs" / "results"
 SOURCES = {
     "decode": "docs/results/bench_decode.json",
-    "engine": "docs/results/bench_engine_async.json",
-    "engine_kivi": "docs/results/bench_engine_issue10_h200.json",
+    "pressure": "docs/results/bench_engine_pressure_h200.json",
     "eval": "docs/results/eval_h200/results.json",
 }
 SHAPE = "4x131072"  # decode: 4 sequences of 128K tokens, Llama-3-8B heads (Hq 32, Hkv 8, D 128), page 16
 NAMES = {"auto": "bfloat16", "int4_kivi:s4": "int4_kivi", "int2_kivi:s4": "int2_kivi"}  # KIVI: default windows
 BIN = 8192  # quality and capacity on the default model at this context length
-ROWS = [  # (format as evaluated, decode format, engine format)
-    ("auto", "bfloat16", "bfloat16"),
-    ("fp8_e4m3:r128:s4", "fp8_e4m3", "fp8_e4m3"),
-    ("int8_per_token_head:r128:s4", "int8_per_token_head", None),
-    ("int4_kivi:s4", "int4_kivi", "int4_kivi"),
-    ("int2_kivi:s4", "int2_kivi", None),
+ROWS = [  # (format as evaluated, decode and engine format)
+    ("auto", "bfloat16"),
+    ("fp8_e4m3:r128:s4", "fp8_e4m3"),
+    ("int8_per_token_head:r128:s4", "int8_per_token_head"),
+    ("int4_kivi:s4", "int4_kivi"),
+    ("int2_kivi:s4", "int2_kivi"),
 ]
+LOADS = ((1024, 2048, 512), (7936, 256, 256))  # serving under memory pressure: input, output, concurrency
 
 
 def load(key: str) -> dict:
@@ -40,12 +40,10 @@ def collect() -> dict:
     bf16_us = dec[("kvq-triton", "bfloat16")]
     ev = load("eval")
     recs = {(r["kv_cache_dtype"]["requested"], r["context_length_bin"]): r for r in ev["records"]}
-    eng = {(r["system"], r["kv_cache_dtype"], r["concurrency"]): r["output_tok_per_s"]
-           for r in load("engine")["runs"] if r["input_len"] == 1024 and r["output_len"] == 256}
-    kivi_b = next(c for c in load("engine_kivi")["calls"] if c["label"].startswith("B:"))
-    kivi = {r["kv_cache_dtype"]: r["output_tok_per_s"] for r in kivi_b["runs"]}
+    eng = {(r["kv_cache_dtype"], r["input_len"], r["output_len"], r["concurrency"]): r
+           for r in load("pressure")["runs"] if "error" not in r}
     rows = []
-    for ev_name, dec_name, eng_name in ROWS:
+    for ev_name, dec_name in ROWS:
         r = recs[(ev_name, BIN)]
         q = r["quality_by_bin"][str(BIN)]
         cap = r["kv_cache_capacity"]
@@ -60,12 +58,13 @@ def collect() -> dict:
             "dppl_pct": 100 * q["ppl_rel_change"],
             "status": r["status"],
         }
-        if eng_name == "int4_kivi":  # measured in its own call, beside a bf16 run of the same call
-            row["e2e_c64"] = kivi["int4_kivi"]
-            row["e2e_x_bf16"] = kivi["int4_kivi"] / kivi["bfloat16"]
-        elif eng_name:
-            row["e2e_c64"] = eng[("kvq-async", eng_name, 64)]
-            row["e2e_x_bf16"] = row["e2e_c64"] / eng[("kvq-async", "bfloat16", 64)]
+        for load_ in LOADS:
+            r_, base_ = eng.get((dec_name, *load_)), eng[("bfloat16", *load_)]
+            if r_ is not None:
+                row["serving"] = row.get("serving", []) + [{
+                    "load": "%d/%d c%d" % load_, "tok_per_s": r_["output_tok_per_s"],
+                    "x_bf16": r_["output_tok_per_s"] / base_["output_tok_per_s"],
+                    "ttft_p50_x_bf16": r_["ttft_p50_s"] / base_["ttft_p50_s"]}]
         rows.append(row)
     return {
         "sources": SOURCES,
@@ -73,7 +72,6 @@ def collect() -> dict:
         "decode_shape": SHAPE,
         "flashinfer_tc_fp8_us": dec[("flashinfer-tc", "fp8_e4m3")],
         "flashinfer_tc_bf16_us": dec[("flashinfer-tc", "bfloat16")],
-        "hf_static_c64": eng[("hf_generate_static", "bfloat16", 64)],
         "eval_bin": BIN,
         "eval_date": ev["meta"]["date"],
         "rows": rows,
@@ -81,16 +79,18 @@ def collect() -> dict:
 
 
 def markdown(h: dict) -> str:
-    out = ["| KV format | capacity at 8K vs bf16 | decode, 4x128K (x bf16) | serving, 1024/256 c64 tok/s (x bf16) "
-           "| quality at 8K: KL, Δppl |", "| --- | --- | --- | --- | --- |"]
+    loads = ["%d/%d c%d" % x for x in LOADS]
+    out = ["| KV format | capacity at 8K vs bf16 | decode, 4x128K (x bf16) | "
+           + " | ".join(f"serving {x} tok/s (x bf16)" for x in loads) + " | quality at 8K: KL, Δppl |",
+           "| --- | --- | --- | " + "--- | " * len(loads) + "--- |"]
     for r in h["rows"]:
-        e2e = f"{r['e2e_c64']:.0f} ({r['e2e_x_bf16']:.2f}x)" if "e2e_c64" in r else "–"
+        got = {s["load"]: s for s in r.get("serving", [])}
+        e2e = [f"{got[x]['tok_per_s']:.0f} ({got[x]['x_bf16']:.2f}x)" if x in got else "–" for x in loads]
         bad = " (regressed)" if r["status"] == "quality_regressed" else ""
         out.append(f"| `{r['format']}` | {r['capacity_x']:.2f}x | {r['decode_us']:.0f} µs ({r['decode_x_bf16']:.2f}x) "
-                   f"| {e2e} | {r['kl']:.4f}, {r['dppl_pct']:+.2f}%{bad} |")
+                   f"| {' | '.join(e2e)} | {r['kl']:.4f}, {r['dppl_pct']:+.2f}%{bad} |")
     out.append(f"| FlashInfer 0.7.0 (tensor cores) | – | bf16 {h['flashinfer_tc_bf16_us']:.0f} µs, fp8 "
-               f"{h['flashinfer_tc_fp8_us']:.0f} µs | HF transformers `generate`, static cache: "
-               f"{h['hf_static_c64']:.0f} | – |")
+               f"{h['flashinfer_tc_fp8_us']:.0f} µs | " + "– | " * len(loads) + "– |")
     return "\n".join(out)
 
 

@@ -104,7 +104,27 @@ def test_capacity_report_tables_and_plot_from_a_results_file(tmp_path):
     empty.write_text(json.dumps({"meta": {}, "runs": [], "scenarios": []}))
     bad = subprocess.run([sys.executable, str(ROOT / "scripts/capacity_report.py"), "--json", str(empty)],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "no scenario runs" in bad.stderr
+    assert bad.returncode == 2 and "no runs" in bad.stderr
+
+
+def test_capacity_report_reads_a_file_of_waves(tmp_path):
+    """The same report from bench_engine --workloads runs (the committed H200 file's form): one table
+    per workload and concurrency, each format's multiple of bf16's tokens/s, and the picture."""
+    out = tmp_path / "waves.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_engine.py"), "--smoke", "--formats",
+                        "bfloat16,int4_kivi", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = subprocess.run([sys.executable, str(ROOT / "scripts/capacity_report.py"), "--json", str(out),
+                          "--png", str(tmp_path / "w.png")], capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    for c in {r["concurrency"] for r in runs}:
+        mine = {r["kv_cache_dtype"]: r for r in runs if r["concurrency"] == c}
+        ratio = mine["int4_kivi"]["output_tok_per_s"] / mine["bfloat16"]["output_tok_per_s"]
+        assert f"**64/8 c{c}**" in rep.stdout
+        assert f"| `int4_kivi` | {mine['int4_kivi']['output_tok_per_s']:.0f} | {ratio:.2f}x |" in rep.stdout
+    assert (tmp_path / "w.png").stat().st_size > 1000
 
 
 def test_jit_compiles_records_what_tritons_hooks_report():
