@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gc_pauses import GcPauses  # noqa: E402
-from benchmarks.jit_compiles import JitCompiles  # noqa: E402
+from benchmarks.jit_compiles import JitCompiles, allocator_counts, counts_since  # noqa: E402
 
 SMOKE_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=256,
                     intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -145,6 +145,7 @@ def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]
     t0 = time.perf_counter()
     ids = [engine.add_request(p, sp) for p in prompts]
     done, step_times, other_times = {}, [], []
+    alloc = allocator_counts()
     with GcPauses() as gcp, JitCompiles() as jit:
         while engine.has_unfinished():
             ts = time.perf_counter()
@@ -171,7 +172,7 @@ def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]
         **step_stats(step_times),
         "graph_steps": engine.runner.graph_steps - steps_before,
         "preemptions": sum(o.metrics["num_preemptions"] for o in outs),
-        **other_step_stats(other_times), **gcp.record(), **jit.record(),
+        **other_step_stats(other_times), **gcp.record(), **jit.record(), **counts_since(alloc),
     }, outs
 
 
@@ -182,6 +183,11 @@ def _recorded(run, **fields) -> dict:
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         return {**fields, "error": f"{type(e).__name__}: {e}"}
+
+
+def _alloc(r: dict) -> str:
+    a = r.get("allocator")
+    return f", alloc retries {a['alloc_retries']} mallocs {a['cuda_mallocs']}" if a else ""
 
 
 def _ms(v: float | None) -> str:
@@ -204,6 +210,7 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
     steps_before = engine.runner.graph_steps
     t0 = time.monotonic()
     last_end = None  # when the previous step call returned, if it was a decode step
+    alloc = allocator_counts()
     with GcPauses() as gcp, JitCompiles() as jit:
         while nxt < len(order) or engine.has_unfinished():
             now = time.monotonic() - t0
@@ -254,7 +261,7 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
         **stats, "decode_step_floor_s": fl,
         "step_over_floor": step / fl if step and fl else None,
         "graph_steps": engine.runner.graph_steps - steps_before, **other_step_stats(other_times), **gcp.record(),
-        **jit.record(),
+        **jit.record(), **counts_since(alloc),
     }
 
 
@@ -336,7 +343,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                       f"{1e3 * (r.get('decode_step_max_s') or 0):.0f})"
                       f", preempt {r['preemptions']}, gc {r['gc_collections']} {r['gc_pause_s']:.2f} s, other steps "
                       f"{r['other_steps']} {r['other_step_total_s']:.1f} s (max {_ms(r.get('other_step_max_s'))} ms)"
-                      f", jit {r['jit_compiles']} {r['jit_compile_s']:.1f} s [{time.perf_counter() - t:.0f}s]",
+                      f", jit {r['jit_compiles']} {r['jit_compile_s']:.1f} s{_alloc(r)} "
+                      f"[{time.perf_counter() - t:.0f}s]",
                       flush=True)
     engine.shutdown()
     del engine

@@ -1,4 +1,5 @@
-"""Triton kernels compiled (or loaded from Triton's disk cache) during a benchmark's timed part."""
+"""Host stalls inside a benchmark's timed part: Triton kernels compiled (or loaded from Triton's disk
+cache) and the CUDA caching allocator's retries and cudaMalloc/cudaFree calls."""
 
 from __future__ import annotations
 
@@ -48,3 +49,22 @@ class JitCompiles:
     def record(self) -> dict:
         return {"jit_compiles": sum(self.names.values()), "jit_compile_s": self.total_s,
                 "jit_compile_max_s": self.max_s, "jit_compiled": dict(self.names.most_common())}
+
+
+def allocator_counts() -> dict:
+    """The CUDA caching allocator's counters that cost a step host time: retries (a failed cudaMalloc,
+    then every cached block freed and the malloc tried again), cudaMalloc and cudaFree calls.  Empty
+    without CUDA; the difference of two calls is what happened in between."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    st = torch.cuda.memory_stats()
+    return {"alloc_retries": st.get("num_alloc_retries", 0), "cuda_mallocs": st.get("num_device_alloc", 0),
+            "cuda_frees": st.get("num_device_free", 0)}
+
+
+def counts_since(before: dict) -> dict:
+    """``allocator_counts()`` now minus ``before``, as ``{"allocator": {...}}`` (empty without CUDA)."""
+    after = allocator_counts()
+    return {"allocator": {k: after[k] - before.get(k, 0) for k in after}} if after else {}
