@@ -60,11 +60,23 @@ def _signature(fn, bound):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-warps", type=int, default=4)
-    p.add_argument("--num-stages", type=int, default=3)
+    p.add_argument("--tiles", default=None, help="comma-separated BLOCK_MxBLOCK_NxWARPSxSTAGES launches to compile "
+                   "(default: the one kvq launches, kvq.attention.triton.prefill.TILE), e.g. 64x64x4x3,128x64x8x3")
     args = p.parse_args(argv)
     JITFunction.run = aot_compile._record
     from kvq.attention.triton import prefill
+
+    t = prefill.TILE
+    tiles = [tuple(int(x) for x in c.split("x")) for c in args.tiles.split(",")] if args.tiles else \
+        [(t["block_m"], t["block_n"], t["num_warps"], t["num_stages"])]
+    print(f"Triton {triton.__version__}, sm_90")
+    for tile in tiles:
+        _report(prefill, *tile)
+    return 0
+
+
+def _report(prefill, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+    aot_compile.recorded.clear()
 
     D, H, group = 128, 8, 4
     q = torch.zeros(3, H * group, D, dtype=torch.bfloat16)
@@ -77,15 +89,16 @@ def main(argv=None) -> int:
         dargs, dmeta = prefill._dense_args(kp, kp)
         dot = tl.float16 if dtype == torch.float16 else tl.bfloat16
         prefill._launch(q, torch.empty_like(q), cu, dargs, dmeta, tables, tables if window else None, lens, 0.1, 2,
-                        False, dot, 64, 64, page, H, sink_tokens=4 if window else 0, residual=128 if window else 0)
+                        False, dot, block_m, block_n, page, H, sink_tokens=4 if window else 0,
+                        residual=128 if window else 0)
         names.append(name)
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    print(f"Triton {triton.__version__}, sm_90, num_warps {args.num_warps}, num_stages {args.num_stages}")
+    print(f"BLOCK_M {block_m}, BLOCK_N {block_n}, {num_warps} warps, {num_stages} stages")
     for (fn, bound), name in zip(aot_compile.recorded, names):
         sig, consts, attrs = _signature(fn, bound)
         ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=args.num_warps, num_stages=args.num_stages))
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
         cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvq_{fn.__name__}_{os.getpid()}.cubin"
         cubin.write_bytes(ck.asm["cubin"])
         use = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True,
@@ -93,10 +106,9 @@ def main(argv=None) -> int:
         cubin.unlink()
         res = dict(kv.split(":") for line in use.splitlines() if "REG:" in line for kv in line.split())
         smem = ck.metadata.shared
-        ctas = min(228 * 1024 // max(1, smem + 1024), 65536 // (32 * args.num_warps * -(-int(res["REG"]) // 8) * 8))
+        ctas = min(228 * 1024 // max(1, smem + 1024), 65536 // (32 * num_warps * -(-int(res["REG"]) // 8) * 8))
         print(f"{name:42s} shared {smem / 1024:6.1f} KB  registers {res['REG']:>3s}  stack {res['STACK']:>4s} B"
               f"  -> {ctas} CTA(s) per SM")
-    return 0
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--window", action="store_true", help="the engine's windowed prefill (formats: default "
                     "bfloat16,int4_kivi,int2_kivi,fp8_e4m3), --past tokens prefilled first, then --chunk")
     ap.add_argument("--profile", action="store_true", help="with --window: device time per kernel of one call")
+    ap.add_argument("--tiles", default=None, help="with --window: BLOCK_MxBLOCK_NxWARPSxSTAGES launches to time, "
+                    "comma-separated (default: kvq.attention.triton.prefill.TILE), e.g. 64x64x4x3,128x64x8x3")
     args = ap.parse_args()
     if args.window:
         return windowed(args)
@@ -85,7 +87,7 @@ def windowed(args):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from paged_harness import kv_data, make_harness
 
-    from kvq.attention.triton import kernels
+    from kvq.attention.triton import kernels, prefill
     from kvq.cache.step import apply_ops, each_to, host_step, stage_step
     from kvq.models.llama import attend
 
@@ -96,7 +98,10 @@ def windowed(args):
     gen = torch.Generator().manual_seed(0)
     L = args.past + args.chunk
     flops = 4 * B * H * group * D * (args.chunk * args.past + args.chunk * args.chunk / 2)
-    base = None
+    default = dict(prefill.TILE)
+    tiles = [tuple(int(x) for x in c.split("x")) for c in args.tiles.split(",")] if args.tiles else \
+        [tuple(default[k] for k in ("block_m", "block_n", "num_warps", "num_stages"))]
+    base = {}
     for fmt in formats.split(","):
         bs = 32 if "kivi" in fmt else 16
         nblk = B * -(-L // bs) + 8
@@ -118,12 +123,15 @@ def windowed(args):
         q = torch.randn(k.shape[0], H * group, D, device=dev, dtype=torch.bfloat16)
         sm = D ** -0.5
         win = meta.window
-        t = timer(lambda: attend(kernels, q, layer, meta, sm, k, v), iters=10)
-        base = t if fmt == "bfloat16" else base
         rows = f"{len(win.exact_rows)} exact + {len(win.sealed_rows)} sealed extra pages" if win else "no window"
-        print(f"{fmt:22s} windowed B={B} past={args.past} chunk={args.chunk}: {t:9.1f} us "
-              f"{flops / t / 1e6:6.1f} TFLOP/s" + (f"  {base / t:.2f}x bf16" if base else "") + f"  ({rows})",
-              flush=True)
+        for tile in tiles:
+            prefill.TILE.update(zip(("block_m", "block_n", "num_warps", "num_stages"), tile))
+            t = timer(lambda: attend(kernels, q, layer, meta, sm, k, v), iters=10)
+            base[tile] = t if fmt == "bfloat16" else base.get(tile)
+            x = f"  {base[tile] / t:.2f}x bf16" if base.get(tile) else ""
+            print(f"{fmt:22s} {'x'.join(map(str, tile)):11s} B={B} past={args.past} chunk={args.chunk}: {t:9.1f} us "
+                  f"{flops / t / 1e6:6.1f} TFLOP/s{x}  ({rows})", flush=True)
+        prefill.TILE.update(default)
         if args.profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 attend(kernels, q, layer, meta, sm, k, v)

@@ -23,6 +23,12 @@ from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype, layer_arg
 from kvq.attention.triton.tiles import DENSE, load_tile, tile_channel
 from kvq.cache.pool import LayerKV
 
+#: The launch's tiles: queries per program (block_m), keys per loop iteration (block_n), warps,
+#: pipeline stages.  One place, so that scripts/probe_prefill.py --tiles can time others in the
+#: same process and scripts/kernel_resources.py can show what each takes of an SM.
+TILE = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
 @triton.jit
 def _prefill_tile(
     q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
@@ -144,8 +150,8 @@ def paged_attention(
     sm_scale: float,
     max_q_len: int | None = None,
     has_hp: bool | None = None,
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
     dot_f16: bool | None = None,
     max_seq_len: int | None = None,
     dequant_first: bool | None = None,
@@ -174,6 +180,7 @@ def paged_attention(
     T, Hq, D = q.shape
     H = layer.num_kv_heads
     assert Hq % H == 0 and D == layer.head_dim, (Hq, H, D)
+    block_m, block_n = block_m or TILE["block_m"], block_n or TILE["block_n"]
     assert cu_seqlens_q.dtype == torch.int32 and block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     B = seq_lens.shape[0]
     if max_q_len is None:
@@ -216,6 +223,7 @@ def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, ha
         GROUP=Hq // num_kv_heads, D=q.shape[2], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
         K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=bool(has_hp), DOT=dot, WINDOW=tableq is not None,
+        num_warps=TILE["num_warps"], num_stages=TILE["num_stages"],
     )
 
 
