@@ -35,7 +35,7 @@ test: install-test
 	  -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-engine bench-capacity bench-server bench-offload bench-kv-transfer disagg-check
+.PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-engine bench-capacity bench-pressure bench-server bench-offload bench-kv-transfer disagg-check
 gpu-test:
 	bash scripts/gpu.sh test
 
@@ -76,6 +76,16 @@ bench-engine:
 # capacity-bound serving (benchmarks/scenarios.py): loads that need more KV than bf16's pool holds, on dummy
 # Llama-3-8B; about 6 minutes of H200 per format, so one device call per format (merged into one JSON)
 CAPACITY_FORMATS ?= bfloat16 fp8_e4m3 int8_per_token_head int4_kivi int2_kivi
+# issue 30's loads under memory pressure, one process per format (H200, about 100-130 s per format and load;
+# the device allows 600 s a call, so call it per format: make bench-pressure PRESSURE_FORMATS=int4_kivi);
+# merges into docs/results/bench_engine_pressure_h200.json, then the table and plot (scripts/capacity_report.py)
+PRESSURE_FORMATS ?= bfloat16 fp8_e4m3 int8_per_token_head int4_kivi int2_kivi
+PRESSURE_OUT ?= docs/results/bench_engine_pressure_h200.json
+bench-pressure:
+	for f in $(PRESSURE_FORMATS); do for w in "1024x2048 --concurrency 512" "7936x256 --concurrency 256"; do \
+	  bash scripts/gpu.sh bench-engine --formats $$f --workloads $$w --out $(PRESSURE_OUT) || exit 1; done; done
+	python3 scripts/capacity_report.py --json $(PRESSURE_OUT)
+
 bench-capacity:
 	for f in $(CAPACITY_FORMATS); do bash scripts/gpu.sh bench-engine --scenarios decode_heavy,prefill_heavy,mixed \
 	  --formats $$f --out docs/results/bench_capacity.json || exit 1; done

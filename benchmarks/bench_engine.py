@@ -105,6 +105,24 @@ class Results:
         self.path.write_text(json.dumps(self.data, indent=2))
 
 
+def tree_commit() -> str:
+    """The commit the timed code came from: ``KVQ_COMMIT`` when set (a copied tree whose git state is
+    not its own, as on the device machine), else git's HEAD, "-dirty" with uncommitted changes."""
+    import os
+    import subprocess
+
+    if os.environ.get("KVQ_COMMIT"):
+        return os.environ["KVQ_COMMIT"]
+    git = ["git", "-C", str(ROOT)]
+    try:
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head or "unknown") + ("-dirty" if dirty else "")
+
+
 def roofline_step_s(weight_bytes: int, kv_bytes_per_token: float, batch: int, ctx: int, bw: float | None):
     if not bw:
         return None
@@ -307,7 +325,7 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
             floor = StepFloor(plan, weight_bytes, gemm_flops_per_token, bw) if bw else None
             t = time.perf_counter()
             r = _recorded(functools.partial(run_scenario, engine, vocab, sc, seed=17, floor=floor), scenario=sc.name)
-            res.add_scenario({"system": system, "kv_cache_dtype": fmt, **r})
+            res.add_scenario({"system": system, "kv_cache_dtype": fmt, "commit": args.commit, **r})
             if "error" in r:
                 print(f"[{system} {fmt}] {sc.name}: {r['error']}", flush=True)
             else:
@@ -330,7 +348,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
             r["gc_off"] = args.gc_off
             ctx = inp + out // 2
             r["roofline_step_s"] = roofline_step_s(weight_bytes, plan.bytes_per_token, c, ctx, bw)
-            run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c, **r}
+            run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c,
+                   "commit": args.commit, **r}
             res.add(run)
             if "error" in r:
                 print(f"[{system} {fmt}] {inp}/{out} c={c}: {r['error']}", flush=True)
@@ -504,6 +523,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(device)
     import transformers
 
+    args.commit = tree_commit()
     meta = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__,

@@ -119,6 +119,7 @@ def test_capacity_report_reads_a_file_of_waves(tmp_path):
                           "--png", str(tmp_path / "w.png")], capture_output=True, text=True, timeout=300)
     assert rep.returncode == 0, rep.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
+    assert all(r["commit"] and r["commit"] != "unknown" for r in runs)  # the tree the numbers came from
     for c in {r["concurrency"] for r in runs}:
         mine = {r["kv_cache_dtype"]: r for r in runs if r["concurrency"] == c}
         ratio = mine["int4_kivi"]["output_tok_per_s"] / mine["bfloat16"]["output_tok_per_s"]
