@@ -25,7 +25,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 _TYPES = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
-    torch.uint8: "u8", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
+    torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
 }
 recorded: list[tuple[JITFunction, dict]] = []
 
@@ -105,6 +105,11 @@ def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
                             residual=32)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=False)
+    from kvq.models.sampling_triton import sample_rows
+
+    for all_greedy in (True, False):  # the sampler's one-pass kernel, float32 logits as the models return them
+        sample_rows(torch.zeros(2, 1000), torch.ones(2), torch.zeros(2, dtype=torch.bool),
+                    torch.zeros(2, dtype=torch.int64), all_greedy=all_greedy)
     n = compile_recorded(shard, shards)
     print(f"{n} kernel variants compiled for sm_90")
 
