@@ -149,6 +149,39 @@ def test_cuda_seal_matches_reference(fmt, cfg):
     _backend_matches_reference(fmt, cfg, "cuda")
 
 
+@pytest.mark.skipif(not GPU, reason="the CUDA backend needs a GPU")
+@pytest.mark.parametrize("fmt", ["int4_kivi", "int2_kivi"])
+def test_cuda_kivi_seal_is_exact_at_rounding_ties(fmt):
+    """seal.cu computes KIVI codes with a reciprocal product and falls back to the division where
+    the product lies near a half-integer: K/V whose quotients are exact ties (values at half steps
+    of a group's scale) and near-ties (a few units in the last place off), beside random groups,
+    give the reference's bytes."""
+    if _cuda_reason():
+        pytest.skip(_cuda_reason())
+    D, H, bs = 128, 2, 32
+    hr = make_harness(fmt, _kernels("torch"), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device="cuda")
+    hc = make_harness(fmt, _kernels("cuda"), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device="cuda")
+    qmax = 15.0 if fmt == "int4_kivi" else 3.0
+    g = torch.Generator().manual_seed(4)
+    steps = torch.arange(bs * D, dtype=torch.float32).reshape(bs, D) % (2 * qmax + 1) / 2  # 0, 0.5, ..., qmax
+    for blk in range(4):  # per block a scale: powers of two (exact quotients) and 0.37 (rounded ones)
+        scale = (2.0 ** (blk - 2)) if blk < 3 else 0.37
+        x = steps * scale
+        x[0], x[-1] = 0.0, qmax * scale  # each K channel's group spans [0, qmax * scale]
+        x[:, 0], x[:, -1] = 0.0, qmax * scale  # and each V row's first and last group
+        tie = x.bfloat16().float()
+        nudged = (tie.view(torch.int32) + torch.randint(-2, 3, tie.shape, generator=g, dtype=torch.int32))
+        block = torch.where(torch.rand(tie.shape, generator=g) < 0.5, tie, nudged.view(torch.float32))
+        for h in (hr, hc):
+            h.layer.k_hp[blk] = block.bfloat16().to("cuda")[None].expand(H, -1, -1)
+            h.layer.v_hp[blk] = (block.flip(1) * 1.5).bfloat16().to("cuda")[None].expand(H, -1, -1)
+    for h in (hr, hc):
+        h.layer.k_hp[4:] = torch.randn(4, H, bs, D, generator=g).bfloat16().to("cuda")
+        h.layer.v_hp[4:] = torch.randn(4, H, bs, D, generator=g).bfloat16().to("cuda")
+        h.kernels.seal_blocks(h.layer, torch.arange(8, device="cuda"), torch.arange(8, device="cuda"))
+    _pools_equal(hr.pool, hc.pool)
+
+
 def _backend_matches_reference(fmt, cfg, backend):
     if "kivi" in fmt and cfg["block_size"] == 16:
         cfg = dict(cfg, block_size=32)

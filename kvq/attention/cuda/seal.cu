@@ -3,7 +3,8 @@
 // that are sealed per block: KIVI K (scale and zero per channel over 32 tokens), KIVI V
 // (per token over 32 channels) and per-block scales (FP8 e4m3 / e5m2, INT8).  Bit for
 // bit the reference's arithmetic (kvq.formats.reference.quantize): fp32 values,
-// correctly rounded divisions, round-half-even codes, scales rounded to their dtype
+// correctly rounded divisions (KIVI codes: a reciprocal product wherever it provably
+// rounds the same, see kivi_codes), round-half-even codes, scales rounded to their dtype
 // before the codes are computed with them, saturating FP8 conversions.
 //
 // Compiled at run time (NVRTC) with these macros, set by seal.py:
@@ -106,6 +107,27 @@ __device__ __forceinline__ u32 kivi_code(float x, float s, float z) {
     return u32(fminf(fmaxf(rintf(__fdiv_rn(x - z, s)), 0.f), float(QMAX)));
 }
 
+// The codes of a KIVI group of N values, the same as kivi_code's without a division per value:
+// y = fl(fl(x - z) * fl(1 / s)) is within |q| 2^-22.9 of q = (x - z) / s and fl(q) within
+// |q| 2^-24, so both round to the same integer wherever y lies farther than max(|y|, 1) 2^-20
+// from a half-integer.  A group with any value that close (about one value in 2^19 on real
+// K/V; exact ties among them) is computed again with the correctly rounded division.
+template <int QMAX, int N>
+__device__ __forceinline__ void kivi_codes(const float (&x)[N], float s, float z, u32 (&c)[N]) {
+    const float r = __frcp_rn(s);
+    bool near = false;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const float y = __fmul_rn(__fsub_rn(x[i], z), r), k = rintf(y);
+        near |= 0.5f - fabsf(y - k) < fmaxf(fabsf(y), 1.f) * 0x1p-20f;
+        c[i] = u32(fminf(fmaxf(k, 0.f), float(QMAX)));
+    }
+    if (near) {  // unrolled like the loop above: the codes stay in registers
+#pragma unroll
+        for (int i = 0; i < N; ++i) c[i] = kivi_code<QMAX>(x[i], s, z);
+    }
+}
+
 // KIVI K: groups of 32 tokens, a scale and zero point per channel (rows of f16 [PAGE / 32][D]).
 template <int BITS, int QMAX>
 __device__ void seal_kivi_k(const u16* src, i64 s_tok, u8* data, u16* scale, u16* zero, u8* codes) {
@@ -115,8 +137,10 @@ __device__ void seal_kivi_k(const u16* src, i64 s_tok, u8* data, u16* scale, u16
 #pragma unroll
             for (int r = 0; r < 32; ++r) x[r] = to_f32(src[(gr * 32 + r) * s_tok + c]);
             group_params<QMAX>(x, scale + gr * D + c, zero + gr * D + c, s, z);
+            u32 code[32];
+            kivi_codes<QMAX>(x, s, z, code);
 #pragma unroll
-            for (int r = 0; r < 32; ++r) codes[(gr * 32 + r) * D + c] = u8(kivi_code<QMAX>(x[r], s, z));
+            for (int r = 0; r < 32; ++r) codes[(gr * 32 + r) * D + c] = u8(code[r]);
         }
     }
     __syncthreads();
@@ -143,14 +167,12 @@ __device__ void seal_kivi_v(const u16* src, i64 s_tok, u8* data, u16* scale, u16
         }
         float s, z;
         group_params<QMAX>(x, scale + r * NG + g, zero + r * NG + g, s, z);
+        u32 code[32];
+        kivi_codes<QMAX>(x, s, z, code);
 #pragma unroll
-        for (int i = 0; i < 32; i += 4) {
-            u32 word = 0;
-#pragma unroll
-            for (int b = 0; b < 4; ++b)
-                word |= kivi_code<QMAX>(x[i + b], s, z) << (8 * b);
-            *reinterpret_cast<u32*>(codes + r * D + 32 * g + i) = word;
-        }
+        for (int i = 0; i < 32; i += 4)
+            *reinterpret_cast<u32*>(codes + r * D + 32 * g + i) =
+                code[i] | (code[i + 1] << 8) | (code[i + 2] << 16) | (code[i + 3] << 24);
     }
     __syncthreads();
     pack_store<BITS>(codes, data);
