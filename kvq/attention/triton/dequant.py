@@ -72,7 +72,7 @@ def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_tb", "NB"])  # widths change step to step: no recompile
 def _dequant_kernel(
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,

@@ -72,7 +72,7 @@ def _prefill_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_tb"])  # the table width changes step to step: no recompile
 def _prefill_kernel(
     q_ptr, s_qt, s_qh, o_ptr, s_ot, s_oh, cu_ptr,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,

@@ -106,7 +106,7 @@ def _quant_store(
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER), mask=m2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the step's token count: no recompile when it is 1 or 16k
 def _write_kernel(
     k_ptr, v_ptr, s_xt, s_xh, T,  # new tokens [T, H, D]
     slots_ptr,
