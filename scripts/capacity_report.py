@@ -34,61 +34,59 @@ def _s(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _load_tables(runs: list[dict], loads, title, columns: list[str], cells, lead: str | None = None) -> str:
+    """One Markdown table per load: format, the run's field ``lead`` if any, tok/s, x bf16, then
+    ``columns``, whose cells ``cells(run)`` gives (a run with an error is named instead)."""
+    out = []
+    for load in loads:
+        mine = [r for r in runs if r["scenario"] == load]
+        base = next((r for r in mine if r["kv_cache_dtype"] == BASELINE and "error" not in r), None)
+        head = ["format", *([lead] if lead else []), "tok/s", "x bf16", *columns]
+        out += [f"**{load}** ({title(mine)})", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for r in mine:
+            if "error" in r:
+                out.append(f"| `{r['kv_cache_dtype']}` | error: {r['error']} |" + " |" * (len(head) - 2))
+                continue
+            ratio = f"{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}x" if base else "-"
+            out.append(" | ".join([f"| `{r['kv_cache_dtype']}`", *([r[lead]] if lead else []),
+                                   f"{r['output_tok_per_s']:.0f}", ratio, *cells(r)]) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def tables(data: dict) -> str:
     """Markdown: one table per load present in ``data["scenarios"]`` (runs with an error are named)."""
     runs = data.get("scenarios", [])
-    out = []
-    for load in [x for x in LOADS if any(r["scenario"] == x for r in runs)] + sorted(
-            {r["scenario"] for r in runs} - set(LOADS)):
-        mine = [r for r in runs if r["scenario"] == load]
-        base = next((r for r in mine if r["kv_cache_dtype"] == BASELINE and "error" not in r), None)
-        desc = next((r.get("description") for r in mine if r.get("description")), "")
-        out += [f"**{load}** ({desc})", "",
-                "| format | system | tok/s | x bf16 | TTFT p50 / p99 s | TPOT p50 / p99 ms | preemptions "
-                "| peak running | decode step ms (floor) |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in mine:
-            if "error" in r:
-                out.append(f"| `{r['kv_cache_dtype']}` | {r['system']} | error: {r['error']} | | | | | | |")
-                continue
-            ratio = f"{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}x" if base else "-"
-            step = f"{_ms(r['decode_step_mean_s'])} ({_ms(r.get('decode_step_floor_s'))})"
-            out.append(f"| `{r['kv_cache_dtype']}` | {r['system']} | {r['output_tok_per_s']:.0f} | {ratio} | "
-                       f"{_s(r['ttft_p50_s'])} / {_s(r['ttft_p99_s'])} | {_ms(r['tpot_p50_s'])} / "
-                       f"{_ms(r['tpot_p99_s'])} | {r['preemptions']} | {r['peak_running']} | {step} |")
-        out.append("")
-    return "\n".join(out)
+    loads = [x for x in LOADS if any(r["scenario"] == x for r in runs)] + sorted(
+        {r["scenario"] for r in runs} - set(LOADS))
+    return _load_tables(
+        runs, loads, lambda mine: next((r.get("description") for r in mine if r.get("description")), ""),
+        ["TTFT p50 / p99 s", "TPOT p50 / p99 ms", "preemptions", "peak running", "decode step ms (floor)"],
+        lambda r: [f"{_s(r['ttft_p50_s'])} / {_s(r['ttft_p99_s'])}",
+                   f"{_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p99_s'])}", str(r["preemptions"]), str(r["peak_running"]),
+                   f"{_ms(r['decode_step_mean_s'])} ({_ms(r.get('decode_step_floor_s'))})"], lead="system")
 
 
 def wave_load(r: dict) -> str:
     return f"{r['input_len']}/{r['output_len']} c{r['concurrency']}"
 
 
+def _other_steps_s(r: dict):
+    other = r.get("other_step_total_s")
+    if other is None and r.get("decode_step_mean_s") is not None:  # files from before it was recorded
+        other = r["wall_s"] - r["decode_steps"] * r["decode_step_mean_s"]
+    return other
+
+
 def wave_tables(data: dict) -> str:
     """Markdown: one table per (input, output, concurrency) of ``data["runs"]``."""
     runs = [dict(r, scenario=wave_load(r)) for r in data.get("runs", [])]
-    out = []
-    for load in dict.fromkeys(r["scenario"] for r in runs):
-        mine = [r for r in runs if r["scenario"] == load]
-        base = next((r for r in mine if r["kv_cache_dtype"] == BASELINE and "error" not in r), None)
-        out += [f"**{load}** (all requests at once)", "",
-                "| format | tok/s | x bf16 | TTFT p50 / p95 s | TPOT p50 / p95 ms | preemptions "
-                "| decode step ms (roofline) | other steps s |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for r in mine:
-            if "error" in r:
-                out.append(f"| `{r['kv_cache_dtype']}` | error: {r['error']} | | | | | | |")
-                continue
-            ratio = f"{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}x" if base else "-"
-            other = r.get("other_step_total_s")
-            if other is None and r.get("decode_step_mean_s") is not None:  # files from before it was recorded
-                other = r["wall_s"] - r["decode_steps"] * r["decode_step_mean_s"]
-            out.append(f"| `{r['kv_cache_dtype']}` | {r['output_tok_per_s']:.0f} | {ratio} | "
-                       f"{_s(r['ttft_p50_s'])} / {_s(r['ttft_p95_s'])} | {_ms(r['tpot_p50_s'])} / "
-                       f"{_ms(r['tpot_p95_s'])} | {r['preemptions']} | {_ms(r['decode_step_mean_s'])} "
-                       f"({_ms(r.get('roofline_step_s'))}) | {_s(other)} |")
-        out.append("")
-    return "\n".join(out)
+    return _load_tables(
+        runs, dict.fromkeys(r["scenario"] for r in runs), lambda mine: "all requests at once",
+        ["TTFT p50 / p95 s", "TPOT p50 / p95 ms", "preemptions", "decode step ms (roofline)", "other steps s"],
+        lambda r: [f"{_s(r['ttft_p50_s'])} / {_s(r['ttft_p95_s'])}", f"{_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p95_s'])}",
+                   str(r["preemptions"]), f"{_ms(r['decode_step_mean_s'])} ({_ms(r.get('roofline_step_s'))})",
+                   _s(_other_steps_s(r))])
 
 
 def plot(data: dict, path: Path) -> None:

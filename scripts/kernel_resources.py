@@ -35,29 +35,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import aot_compile  # noqa: E402
 
 
-def _signature(fn, bound):
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        v = bound[name]
-        if i in fn.constexprs:
-            sig[name], consts[(i,)] = "constexpr", v
-            continue
-        if isinstance(v, torch.Tensor):
-            sig[name] = "*" + aot_compile._TYPES[v.dtype]
-        elif isinstance(v, bool):
-            sig[name] = "i1"
-        elif isinstance(v, int):
-            sig[name] = "i64" if abs(v) >= 2**31 else "i32"
-        elif isinstance(v, float):
-            sig[name] = "fp32"
-        else:
-            sig[name], consts[(i,)] = "constexpr", v
-            continue
-        if isinstance(v, torch.Tensor) or (sig[name] in ("i32", "i64") and v % 16 == 0):
-            attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT's specialization tells the compiler
-    return sig, consts, attrs
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiles", default=None, help="comma-separated BLOCK_MxBLOCK_NxWARPSxSTAGES launches to compile "
@@ -95,7 +72,7 @@ def _report(prefill, block_m: int, block_n: int, num_warps: int, num_stages: int
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     print(f"BLOCK_M {block_m}, BLOCK_N {block_n}, {num_warps} warps, {num_stages} stages")
     for (fn, bound), name in zip(aot_compile.recorded, names):
-        sig, consts, attrs = _signature(fn, bound)
+        sig, consts, attrs = aot_compile.launch_signature(fn, bound, hints=True)
         ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))

@@ -36,29 +36,42 @@ def _record(self, *args, grid, warmup, **kwargs):
     recorded.append((self, bound))
 
 
+def launch_signature(fn: JITFunction, bound: dict, hints: bool = False) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of a recorded launch for ``triton.compile``; ``hints``: the
+    16-byte divisibility a real launch tells the compiler for its pointers and for integers that
+    are multiples of 16, unless the kernel does not specialize on them (what decides vectorized
+    loads and pipelining)."""
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        val = bound[name]
+        if i in fn.constexprs:
+            sig[name] = "constexpr"
+            consts[(i,)] = val
+        elif isinstance(val, torch.Tensor):
+            sig[name] = "*" + _TYPES[val.dtype]
+        elif isinstance(val, bool):
+            sig[name] = "i1"
+        elif isinstance(val, int):
+            sig[name] = "i64" if abs(val) >= 2**31 else "i32"
+        elif isinstance(val, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "constexpr"
+            consts[(i,)] = val
+            continue
+        if hints and (isinstance(val, torch.Tensor) or (sig[name] in ("i32", "i64") and val % 16 == 0
+                                                        and not fn.params[i].do_not_specialize)):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+
+
 def compile_recorded(shard: int = 0, shards: int = 1) -> int:
     """Compile every distinct recorded launch whose index among the distinct ones is ``shard``
     modulo ``shards`` (shards run in parallel processes); -> how many this shard compiled."""
     seen = set()
     mine = 0
     for fn, bound in recorded:
-        sig, consts = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            val = bound[name]
-            if i in fn.constexprs:
-                sig[name] = "constexpr"
-                consts[(i,)] = val
-            elif isinstance(val, torch.Tensor):
-                sig[name] = "*" + _TYPES[val.dtype]
-            elif isinstance(val, bool):
-                sig[name] = "i1"
-            elif isinstance(val, int):
-                sig[name] = "i64" if abs(val) >= 2**31 else "i32"
-            elif isinstance(val, float):
-                sig[name] = "fp32"
-            else:
-                sig[name] = "constexpr"
-                consts[(i,)] = val
+        sig, consts, _ = launch_signature(fn, bound)
         key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in consts.items())))
         if key in seen:
             continue
