@@ -250,8 +250,9 @@ class Sampler:
         if logits.is_cuda and logits.stride(1) == 1:
             from kvq.models.sampling_triton import sample_rows
 
-            token_ids = sample_rows(logits, st.temperature, st.greedy, self._row_seeds(st, steps, logits.device),
-                                    all_greedy=st.all_greedy)
+            seeds = (torch.empty(st.batch_size, dtype=torch.int64, device=logits.device) if st.all_greedy
+                     else self._row_seeds(st, steps, logits.device))  # greedy rows read no noise
+            token_ids = sample_rows(logits, st.temperature, st.greedy, seeds, all_greedy=st.all_greedy)
             if st.needs_sort:  # rows with a cut: the exponential race after their sort; the others keep the kernel's
                 logits32 = logits.float()
                 token_ids = torch.where(st.cut, self._draw(logits32, st, steps), token_ids)
