@@ -149,18 +149,18 @@ def test_cuda_seal_matches_reference(fmt, cfg):
     _backend_matches_reference(fmt, cfg, "cuda")
 
 
-@pytest.mark.skipif(not GPU, reason="the CUDA backend needs a GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("fmt", ["int4_kivi", "int2_kivi"])
-def test_cuda_kivi_seal_is_exact_at_rounding_ties(fmt):
-    """seal.cu computes KIVI codes with a reciprocal product and falls back to the division where
-    the product lies near a half-integer: K/V whose quotients are exact ties (values at half steps
-    of a group's scale) and near-ties (a few units in the last place off), beside random groups,
-    give the reference's bytes."""
-    if _cuda_reason():
-        pytest.skip(_cuda_reason())
+def test_kivi_seal_is_exact_at_rounding_ties(fmt, backend):
+    """Block seals on K/V whose quotients are exact ties (values at half steps of a group's scale)
+    and near-ties (a few bf16 units in the last place off), beside random groups, give the
+    reference's bytes: the Triton seal, and seal.cu, which computes KIVI codes with a reciprocal
+    product and falls back to the division where the product lies near a half-integer."""
+    if backend == "cuda" and (not GPU or _cuda_reason()):
+        pytest.skip("the CUDA backend needs a GPU" if not GPU else _cuda_reason())
     D, H, bs = 128, 2, 32
-    hr = make_harness(fmt, _kernels("torch"), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device="cuda")
-    hc = make_harness(fmt, _kernels("cuda"), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device="cuda")
+    hr = make_harness(fmt, _kernels("torch"), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device=DEV)
+    hc = make_harness(fmt, _kernels(backend), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device=DEV)
     qmax = 15.0 if fmt == "int4_kivi" else 3.0
     g = torch.Generator().manual_seed(4)
     steps = torch.arange(bs * D, dtype=torch.float32).reshape(bs, D) % (2 * qmax + 1) / 2  # 0, 0.5, ..., qmax
@@ -169,16 +169,17 @@ def test_cuda_kivi_seal_is_exact_at_rounding_ties(fmt):
         x = steps * scale
         x[0], x[-1] = 0.0, qmax * scale  # each K channel's group spans [0, qmax * scale]
         x[:, 0], x[:, -1] = 0.0, qmax * scale  # and each V row's first and last group
-        tie = x.bfloat16().float()
-        nudged = (tie.view(torch.int32) + torch.randint(-2, 3, tie.shape, generator=g, dtype=torch.int32))
-        block = torch.where(torch.rand(tie.shape, generator=g) < 0.5, tie, nudged.view(torch.float32))
+        tie = x.bfloat16()  # the hp blocks hold bf16: near-ties are a few bf16 ulps off
+        delta = torch.randint(-2, 3, tie.shape, generator=g, dtype=torch.int16) * (tie > 0)  # 0 stays 0
+        nudged = tie.view(torch.int16) + delta
+        block = torch.where(torch.rand(tie.shape, generator=g) < 0.5, tie, nudged.view(torch.bfloat16)).float()
         for h in (hr, hc):
-            h.layer.k_hp[blk] = block.bfloat16().to("cuda")[None].expand(H, -1, -1)
-            h.layer.v_hp[blk] = (block.flip(1) * 1.5).bfloat16().to("cuda")[None].expand(H, -1, -1)
+            h.layer.k_hp[blk] = block.bfloat16().to(DEV)[None].expand(H, -1, -1)
+            h.layer.v_hp[blk] = (block.flip(1) * 1.5).bfloat16().to(DEV)[None].expand(H, -1, -1)
+    k_rand, v_rand = (torch.randn(4, H, bs, D, generator=g).bfloat16().to(DEV) for _ in range(2))
     for h in (hr, hc):
-        h.layer.k_hp[4:] = torch.randn(4, H, bs, D, generator=g).bfloat16().to("cuda")
-        h.layer.v_hp[4:] = torch.randn(4, H, bs, D, generator=g).bfloat16().to("cuda")
-        h.kernels.seal_blocks(h.layer, torch.arange(8, device="cuda"), torch.arange(8, device="cuda"))
+        h.layer.k_hp[4:], h.layer.v_hp[4:] = k_rand, v_rand
+        h.kernels.seal_blocks(h.layer, torch.arange(8, device=DEV), torch.arange(8, device=DEV))
     _pools_equal(hr.pool, hc.pool)
 
 
