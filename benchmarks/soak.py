@@ -6,7 +6,8 @@ It starts `kvq serve` processes itself (loopback only: every server binds 127.0.
 goes there), drives them with a real HTTP client (httpx: streaming and JSON, completions and chat,
 n > 1, stop strings, short and long prompts, logprobs and echo, clients that leave mid-stream or
 mid-request, a few deliberately invalid bodies, bursts over the admission limit) and injects one
-fault per phase, each phase bounded in time and in requests:
+fault per phase, each phase bounded in time and in requests (preempt and host_faults run on, 30 s at
+most, until their fault has happened: a slow machine sends fewer requests in the same time):
 
     phase        server(s)                                  fault
     mixed        main                                       none (the baseline; a burst over the queue limit)
@@ -825,13 +826,33 @@ class Soak:
         if ev["completed_after_restart"] == 0:
             res.failures.append("no request completed on the restarted server")
 
+    async def drive_until_seen(self, res: PhaseResult, slot: str, kind: str, until: dict, seen) -> None:
+        """:meth:`drive`, with the phase's end moved on (1 s at a time, 30 s past it at most) while the
+        fault it is there to cause has not happened yet (``await seen()`` false): a slow machine sends
+        fewer requests in the phase's time, too few to fill a small pool or to meet a 50% copy failure."""
+        load = asyncio.ensure_future(self.drive(res, slot, kind, until))
+        cap = until["t"] + 30.0
+        while not load.done():
+            await asyncio.sleep(0.25)
+            if until["t"] - 0.5 <= time.monotonic() and until["t"] < cap and res.sent < res.max_requests \
+                    and not await seen():
+                until["t"] = min(until["t"] + 1.0, cap)
+        await load
+
     async def phase_preempt(self, res, procs, until, before, nxt) -> None:
-        main = procs["main"]
-        await self.drive(res, "main", "long", until)
+        main, b = procs["main"], before["main"]
+
+        async def preemptions() -> tuple[int, int]:
+            m = await scrape(self.client, main.url)
+            return (int(metric(m, "kvq_num_preemptions_total") - metric(b, "kvq_num_preemptions_total")),
+                    int(metric(m, "kvq_requests_swapped_total") - metric(b, "kvq_requests_swapped_total")))
+
+        async def seen() -> bool:
+            return sum(await preemptions()) > 0
+
+        await self.drive_until_seen(res, "main", "long", until, seen)
         await self.settle_and_check(res, main)
-        m, b = await scrape(self.client, main.url), before["main"]
-        recompute = int(metric(m, "kvq_num_preemptions_total") - metric(b, "kvq_num_preemptions_total"))
-        swapped = int(metric(m, "kvq_requests_swapped_total") - metric(b, "kvq_requests_swapped_total"))
+        recompute, swapped = await preemptions()
         n = recompute + swapped  # (--preemption-mode swap: preempted requests go to the host tier)
         res.evidence.update(preemptions=n, recompute=recompute, swapped=swapped,
                             pool_blocks=(await self.status(main))["kv_pool"].get("q_blocks"))
@@ -839,12 +860,20 @@ class Soak:
             res.failures.append("no preemption: the pool was not too small for the load (--small-pool)")
 
     async def phase_host_faults(self, res, procs, until, before, nxt) -> None:
-        main = procs["main"]
-        await self.drive(res, "main", "shared", until)
+        main, b = procs["main"], before["main"]
+
+        async def counts() -> dict:
+            m = await scrape(self.client, main.url)
+            return {k: int(metric(m, f"kvq_kv_cpu_{k}_total") - metric(b, f"kvq_kv_cpu_{k}_total"))
+                    for k in ("offload_failed", "reload_failed", "offload_blocks", "reload_blocks", "tier_hits")}
+
+        async def seen() -> bool:
+            c = await counts()
+            return c["offload_failed"] + c["reload_failed"] > 0 and c["offload_blocks"] > 0
+
+        await self.drive_until_seen(res, "main", "shared", until, seen)
         await self.settle_and_check(res, main)
-        m, b = await scrape(self.client, main.url), before["main"]
-        ev = {k: int(metric(m, f"kvq_kv_cpu_{k}_total") - metric(b, f"kvq_kv_cpu_{k}_total"))
-              for k in ("offload_failed", "reload_failed", "offload_blocks", "reload_blocks", "tier_hits")}
+        ev = await counts()
         res.evidence.update(ev, tier_stats=(await self.status(main))["cpu_offload"]["prefix_tier_stats"])
         if ev["offload_failed"] + ev["reload_failed"] == 0:
             res.failures.append("no host-tier copy failed (KVQ_FAULT_HOST_COPY)")
