@@ -183,6 +183,59 @@ def test_kivi_seal_is_exact_at_rounding_ties(fmt, backend):
     _pools_equal(hr.pool, hc.pool)
 
 
+def _reciprocal_traps(qmax: float, scale_dtype: torch.dtype) -> tuple[float, torch.Tensor]:
+    """(A, X): a bf16 maximum A and the bf16 values x in (0, A] whose code under the scale that A
+    gives, s = fl(A / qmax) in ``scale_dtype``, differs between rne(fl(x * fl(1 / s))) and the
+    reference's rne(fl(x / s)): the values a division-free quantizer gets wrong without its
+    fallback (float32 CPU arithmetic is IEEE, like the GPU's and the interpreter's)."""
+    x_all = torch.arange(0x3C00, 0x4300, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    for a in x_all.flip(0):
+        s = (a / torch.tensor(qmax)).to(scale_dtype).float()
+        x = x_all[x_all <= a]
+        bad = x[torch.round(x * (1 / s)) != torch.round(x / s)]
+        if bad.numel():
+            return float(a), bad
+    raise AssertionError(f"no bf16 value in [2^-7, 128) is a trap for qmax {qmax} and {scale_dtype} scales")
+
+
+def _trap_kv(T: int, D: int, qmax: float, scale_dtype, symmetric: bool) -> torch.Tensor:
+    """[T, D] bf16: the traps of :func:`_reciprocal_traps` (and their negatives where codes are
+    symmetric), with every row's 32-channel groups and every channel's 32-token groups pinned to
+    [0, A] (KIVI: minimum 0, maximum A) or to A in magnitude (per token): the quantizer's scale
+    is the one the traps were found for."""
+    a, traps = _reciprocal_traps(qmax, scale_dtype)
+    x = traps.repeat(T * D // traps.numel() + 1)[:T * D].reshape(T, D)
+    if symmetric:
+        x = x * torch.where(torch.arange(D) % 3 == 1, -1.0, 1.0)
+    x[:, 0::32], x[:, 31::32] = 0.0, a
+    x[0::32], x[31::32] = 0.0, a
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("fmt", ["int8_per_token_head", "int4_kivi", "int2_kivi", "int4_per_token"])
+def test_writes_are_exact_at_reciprocal_traps(fmt, backend):
+    """Token writes (and a prefill's whole-block seals) give the reference's bytes on K/V built from
+    values whose code a reciprocal product gets wrong: the Triton write computes integer codes
+    with one and falls back to the correctly rounded division for a tile with a value near a
+    half-integer (without the fallback the per-token and KIVI rows fail)."""
+    if backend == "cuda" and (not GPU or _cuda_reason()):
+        pytest.skip("the CUDA backend needs a GPU" if not GPU else _cuda_reason())
+    D, H, bs = 128, 2, 32
+    hr = make_harness(fmt, _kernels("torch"), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device=DEV)
+    hc = make_harness(fmt, _kernels(backend), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device=DEV)
+    t = hr.layer.fmt.v
+    sdt = getattr(torch, t.scale_dtype)
+    T = 4 * bs
+    k = _trap_kv(T, D, float(t.qmax), sdt, t.family != "kivi")[:, None].expand(T, H, D).contiguous().to(DEV)
+    v = k.flip(0).contiguous()
+    slots = torch.arange(T, device=DEV)
+    full = torch.tensor([[b, b * bs] for b in range(4)], device=DEV)
+    for h in (hr, hc):
+        h.kernels.write_kv(h.layer, k, v, slots, full)
+    _pools_equal(hr.pool, hc.pool)
+
+
 def _backend_matches_reference(fmt, cfg, backend):
     if "kivi" in fmt and cfg["block_size"] == 16:
         cfg = dict(cfg, block_size=32)
