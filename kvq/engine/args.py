@@ -146,7 +146,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(docs/engine.md, Parallelism); default 1")
     g.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="seconds a tensor-parallel rank may keep the others waiting before the engine fails "
-                        "(default 600)")
+                        "(default 600; at start, while ranks load weights, at least 600)")
     g.add_argument("--cpu-prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="keep finished requests' computed blocks in host memory by prefix hash and load them back "
                         "on a device prefix miss (default: on when --cpu-offload-gb > 0 and prefix caching is on)")

@@ -1,11 +1,15 @@
 """The ranks of a tensor-parallel engine and what they say to each other, over torch.distributed.
 
-Two process groups, both with ``timeout`` seconds for a rank that hangs: the compute group (NCCL on
+Two process groups with ``timeout`` seconds for a rank that hangs: the compute group (NCCL on
 CUDA, gloo on the CPU) carries the all-reduces of the row-parallel layers and the gather of the LM
 head's logits; the control group (gloo) carries rank 0's step messages to the other ranks, and,
 while the engine idles, a heartbeat every quarter of the timeout, so that a waiting rank hears
 from rank 0 in time and rank 0 finds out about a rank that stopped answering.  A rank that dies
 closes its sockets, so the others' next collective fails at once rather than at the timeout.
+A third group (gloo) carries the start's agreements (the pool every rank can hold, each rank's
+pool bytes) with :data:`STARTUP_TIMEOUT_S` at least: ranks reach them after loading their weights
+and profiling memory, which may take one rank longer than the step timeout (a busy host, a slow
+disk) without it hanging.
 
 Failure is one state, :attr:`TPGroup.failure` (the first reason wins), set by whoever sees it
 first: rank 0's watchdog over the processes it spawned (a rank that exits while the group is open:
@@ -43,6 +47,8 @@ logger = logging.getLogger("kvq")
 
 #: Seconds a collective of the compute group waits for a rank before the engine fails.
 DEFAULT_TIMEOUT_S = 600.0
+#: Seconds the start's agreements wait at least (loading weights is not a hang).
+STARTUP_TIMEOUT_S = 600.0
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -53,7 +59,7 @@ def torchrun_env() -> tuple[int, int, int] | None:
 
 
 class TPGroup:
-    """This process's rank and its two process groups."""
+    """This process's rank and its three process groups."""
 
     def __init__(self, rank: int, world: int, local_rank: int, device: torch.device, timeout_s: float,
                  workers: list | None = None, launched_by: str = "kvq"):
@@ -64,6 +70,8 @@ class TPGroup:
         self.launched_by = launched_by
         self.compute = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.startup = dist.new_group(backend="gloo",
+                                      timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)))
         self.control_lock = threading.RLock()  # rank 0: one exchange on the control group at a time
         self.closed = False
         self._stopping = False  # rank 0 is telling the others to stop: their exits are expected
@@ -128,14 +136,15 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
     def min_int(self, n: int) -> int:
+        """The least of every rank's ``n`` (a start agreement: on the startup group)."""
         t = torch.tensor([n], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.startup)
         return int(t.item())
 
     def all_ints(self, n: int) -> list[int]:
-        """Every rank's ``n``, in rank order."""
+        """Every rank's ``n``, in rank order (a start agreement: on the startup group)."""
         parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(parts, torch.tensor([n], dtype=torch.int64), group=self.control)
+        dist.all_gather(parts, torch.tensor([n], dtype=torch.int64), group=self.startup)
         return [int(p.item()) for p in parts]
 
     # -- rank 0's messages -------------------------------------------------------------------------
