@@ -44,7 +44,7 @@ def _quotient_rne(num, s, QMAX: tl.constexpr):
     y = num * tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     k = _rne(y)
     far = tl.abs(y - k) <= BAND
-    if tl.min(tl.reshape(far.to(tl.int32), (far.numel,), can_reorder=True), axis=0) == 0:
+    if tl.min(tl.reshape(far.to(tl.int32), (far.numel,)), axis=0) == 0:
         k = _rne(tl.math.div_rn(num, s + tl.zeros_like(num)))
     return k
 
@@ -159,12 +159,15 @@ def _write_kernel(
     qs = tl.where(slot >= 0, slot, 0)
     blk = qs // PAGE
     off = qs % PAGE
-    if K_DIRECT:
-        _quant_store(xk, kd, ks, kz, kst, h, blk * s_kdb + h * s_kdh + off * s_kdt,
-                     blk * s_ksb + h * s_ksh + off * s_kst, is_q, TB, D, K_FMT, K_PER, K_G, K_QMAX)
-    if V_DIRECT:
-        _quant_store(xv, vd, vs, vz, vst, h, blk * s_vdb + h * s_vdh + off * s_vdt,
-                     blk * s_vsb + h * s_vsh + off * s_vst, is_q, TB, D, V_FMT, V_PER, V_G, V_QMAX)
+    # a tile with no q row (a decode step of a windowed format: every new token goes to its hp
+    # block) skips the quantization: it would only compute codes for masked-off rows
+    if tl.max(is_q.to(tl.int32), axis=0) > 0:
+        if K_DIRECT:
+            _quant_store(xk, kd, ks, kz, kst, h, blk * s_kdb + h * s_kdh + off * s_kdt,
+                         blk * s_ksb + h * s_ksh + off * s_kst, is_q, TB, D, K_FMT, K_PER, K_G, K_QMAX)
+        if V_DIRECT:
+            _quant_store(xv, vd, vs, vz, vst, h, blk * s_vdb + h * s_vdh + off * s_vdt,
+                         blk * s_vsb + h * s_vsh + off * s_vst, is_q, TB, D, V_FMT, V_PER, V_G, V_QMAX)
 
 
 @triton.jit
