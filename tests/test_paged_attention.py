@@ -149,6 +149,31 @@ def test_cuda_seal_matches_reference(fmt, cfg):
     _backend_matches_reference(fmt, cfg, "cuda")
 
 
+@pytest.mark.skipif(not GPU, reason="the CUDA backend needs a GPU")
+@pytest.mark.parametrize("fmt", ["int4_kivi", "fp8_per_block"])
+def test_cuda_seal_walks_a_padded_pair_list(fmt):
+    """seal.cu's CTAs walk a pair list longer than its slots (kvq.attention.cuda.seal.PAIR_SLOTS) with
+    padding rows (q block -1) among the real ones: every real pair sealed like the reference's, and
+    no padding row touches a block."""
+    if _cuda_reason():
+        pytest.skip(_cuda_reason())
+    from kvq.attention.cuda import seal
+
+    D, H, bs, n = 128, 2, 32, 3 * seal.PAIR_SLOTS + 5
+    hr = make_harness(fmt, _kernels("torch"), H=H, D=D, group=2, block_size=bs, num_q=n, num_hp=n, device=DEV)
+    hc = make_harness(fmt, _kernels("cuda"), H=H, D=D, group=2, block_size=bs, num_q=n, num_hp=n, device=DEV)
+    g = torch.Generator().manual_seed(6)
+    hp_k, hp_v = (torch.randn(n, H, bs, D, generator=g).bfloat16().to(DEV) for _ in range(2))
+    real = torch.arange(n, device=DEV) % 3 != 1  # every third row is padding
+    pairs = torch.stack([torch.arange(n, device=DEV), torch.where(real, torch.randperm(n, device=DEV), -1)], 1)
+    for h in (hr, hc):
+        h.layer.k_hp.copy_(hp_k)
+        h.layer.v_hp.copy_(hp_v)
+    reference.seal_blocks(hr.layer, pairs[real, 0], pairs[real, 1])
+    seal.seal_pairs(hc.layer, pairs)
+    _pools_equal(hr.pool, hc.pool)
+
+
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("fmt", ["int4_kivi", "int2_kivi"])
 def test_kivi_seal_is_exact_at_rounding_ties(fmt, backend):

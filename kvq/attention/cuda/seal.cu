@@ -16,7 +16,10 @@
 //   K_QMAX, V_QMAX   the codes' largest magnitude (float literal)
 //   NT               threads per CTA
 //
-// Grid (tiles, KV heads, roles).  One CTA quantizes one head's tile of one role:
+// Grid (tile slots, KV heads, roles): a CTA walks tiles blockIdx.x, + gridDim.x, ... below `n` (a
+// decode step's list is padded to the batch with q block -1, and its few real seals come first: a
+// grid of the padded length spent most of its CTAs reading a -1).  One CTA quantizes one head's
+// tile of one role at a time:
 //   KIVI K: a thread per channel keeps its 32 values of a group in registers (min, max,
 //           scale, zero, codes); KIVI V: a thread per (token, channel group) reads its 32
 //           values as four 16-byte loads; per block: a CTA-wide absmax, then codes.
@@ -233,16 +236,19 @@ extern "C" __global__ void __launch_bounds__(NT) kvq_seal(
     const u16* __restrict__ ksrc, const u16* __restrict__ vsrc,                 // ... origin src_ids[i] * s_src
     i64 s_src, i64 s_head, i64 s_tok,
     u8* __restrict__ kd, u8* __restrict__ ks, u8* __restrict__ kz,
-    u8* __restrict__ vd, u8* __restrict__ vs, u8* __restrict__ vz, int H, int role0) {
+    u8* __restrict__ vd, u8* __restrict__ vs, u8* __restrict__ vz, int H, int role0, i64 n) {
     __shared__ __align__(16) u8 smem[PAGE * D];
-    const i64 dst = dst_ids[(i64)blockIdx.x * s_ids];
-    if (dst < 0) return;  // padding
     const int h = blockIdx.y;
-    const i64 origin = src_ids[(i64)blockIdx.x * s_ids] * s_src + h * s_head;
-    const i64 bh = dst * H + h;
-    if (blockIdx.z + role0 == 0) {
-        seal_role<K_FMT, K_BITS, K_KIND, K_QMAX>(ksrc + origin, s_tok, bh, kd, ks, kz, smem);
-    } else {
-        seal_role<V_FMT, V_BITS, V_KIND, V_QMAX>(vsrc + origin, s_tok, bh, vd, vs, vz, smem);
+    for (i64 i = blockIdx.x; i < n; i += gridDim.x) {  // the same i in every thread: the syncs below are safe
+        const i64 dst = dst_ids[i * s_ids];
+        if (dst < 0) continue;  // padding
+        const i64 origin = src_ids[i * s_ids] * s_src + h * s_head;
+        const i64 bh = dst * H + h;
+        if (blockIdx.z + role0 == 0) {
+            seal_role<K_FMT, K_BITS, K_KIND, K_QMAX>(ksrc + origin, s_tok, bh, kd, ks, kz, smem);
+        } else {
+            seal_role<V_FMT, V_BITS, V_KIND, V_QMAX>(vsrc + origin, s_tok, bh, vd, vs, vz, smem);
+        }
+        __syncthreads();  // the next tile's codes go to the same shared memory
     }
 }

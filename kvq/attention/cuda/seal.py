@@ -23,6 +23,9 @@ _SOURCE = Path(__file__).with_name("seal.cu")
 NT = 128
 _KIND = {"float8_e4m3fn": 0, "float8_e5m2": 1, "int8": 2}
 KIVI_GROUP = 32
+#: Tile slots of a launch over a list that may be padded (seal_pairs: a decode step's list, one slot
+#: per sequence of the batch, its real seals first): CTAs walk the list in strides of this many.
+PAIR_SLOTS = 64
 
 
 def role_code(t: TensorFormat) -> tuple[int, int, int, int] | None:
@@ -71,7 +74,8 @@ def _kernel(d: int, page: int, bf16: bool, k: tuple, v: tuple):
 
 
 def _launch(layer: LayerKV, src_ids: torch.Tensor, dst_ids: torch.Tensor, ksrc: torch.Tensor, vsrc: torch.Tensor,
-            s_src: int, s_head: int, s_tok: int, roles: tuple[int, int]) -> None:
+            s_src: int, s_head: int, s_tok: int, roles: tuple[int, int], slots: int | None = None) -> None:
+    """``slots``: CTAs along the list (each walks every ``slots``-th tile); default one per tile."""
     import cupy
     import numpy as np
 
@@ -84,11 +88,12 @@ def _launch(layer: LayerKV, src_ids: torch.Tensor, dst_ids: torch.Tensor, ksrc: 
     dev = src_ids.device
     stream = _cupy_stream(torch.cuda.current_stream(dev).cuda_stream)
     with cupy.cuda.Device(dev.index or 0), stream:
-        kern((dst_ids.shape[0], layer.num_kv_heads, roles[1] - roles[0]), (NT,), (
+        n = dst_ids.shape[0]
+        kern((min(n, slots or n), layer.num_kv_heads, roles[1] - roles[0]), (NT,), (
             _ptr(src_ids), _ptr(dst_ids), np.int32(src_ids.stride(0)), _ptr(ksrc), _ptr(vsrc),
             np.int64(s_src), np.int64(s_head), np.int64(s_tok),
             _ptr(k["data"]), _ptr(ks), _ptr(kz), _ptr(v["data"]), _ptr(vs), _ptr(vz),
-            np.int32(layer.num_kv_heads), np.int32(roles[0])))
+            np.int32(layer.num_kv_heads), np.int32(roles[0]), np.int64(n)))
 
 
 def seal_pairs(layer: LayerKV, pairs: torch.Tensor) -> None:
@@ -99,7 +104,8 @@ def seal_pairs(layer: LayerKV, pairs: torch.Tensor) -> None:
     pairs = pairs.to(torch.int64)
     hp = layer.k_hp
     assert hp.is_contiguous() and layer.v_hp.stride() == hp.stride()
-    _launch(layer, pairs[:, 0], pairs[:, 1], hp, layer.v_hp, hp.stride(0), hp.stride(1), hp.stride(2), (0, 2))
+    _launch(layer, pairs[:, 0], pairs[:, 1], hp, layer.v_hp, hp.stride(0), hp.stride(1), hp.stride(2), (0, 2),
+            PAIR_SLOTS)
 
 
 def seal_blocks(layer: LayerKV, src_hp: torch.Tensor, dst_q: torch.Tensor) -> None:
