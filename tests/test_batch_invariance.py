@@ -39,9 +39,19 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0)
 ])
 def test_one_prompt_alone_and_batched_gives_the_same_tokens(fmt, kw):
     # A 32-token step budget cuts the longer prompts into chunks, differently alone and batched.
-    llm = LLM("default", kv_cache_dtype=fmt, kv_cache_memory="64MiB", max_num_seqs=8, max_num_batched_tokens=32,
-              progress=False, **kw)
+    # Formats sealed per block (KIVI K, per-block scales) cut chunks on block boundaries (32 tokens
+    # here): with 32, a prompt of more than 31 tokens waits until no sequence decodes (the decodes
+    # take part of the budget), so the long prompts of "batched" ran one after another; 64 runs them
+    # together (checked below: all six prompts running at once).
+    block_sealed = fmt in ("fp8_per_block", "int4_kivi", "int2_kivi")
+    llm = LLM("default", kv_cache_dtype=fmt, kv_cache_memory="64MiB", max_num_seqs=8,
+              max_num_batched_tokens=64 if block_sealed else 32, progress=False, **kw)
+    running = []
+    step = llm.engine.step
+    llm.engine.step = lambda: running.append(len(llm.engine.scheduler._running)) or step()
     batched = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert max(running) == len(PROMPTS), running  # the batched run had every prompt in flight at once
+    llm.engine.step = step
     for i in (1, 3, 5):
         alone = llm.generate([PROMPTS[i]], GREEDY, use_tqdm=False)[0].outputs[0]
         assert alone.token_ids == batched[i].token_ids, (fmt, kw, i, alone.text, batched[i].text)
