@@ -33,8 +33,6 @@ def main():
     ap.add_argument("--profile", action="store_true", help="with --window: device time per kernel of one call")
     ap.add_argument("--tiles", default=None, help="with --window: BLOCK_MxBLOCK_NxWARPSxSTAGES launches to time, "
                     "comma-separated (default: kvq.attention.triton.prefill.TILE), e.g. 64x64x4x3,128x64x8x3")
-    ap.add_argument("--loops", default=None, help="with --window: the windowed kernel's schedules to time, "
-                    "comma-separated: one (its runs as one loop, the default), six (a loop per run)")
     args = ap.parse_args()
     if args.window:
         return windowed(args)
@@ -103,12 +101,6 @@ def windowed(args):
     default = dict(prefill.TILE)
     tiles = [tuple(int(x) for x in c.split("x")) for c in args.tiles.split(",")] if args.tiles else \
         [tuple(default[k] for k in ("block_m", "block_n", "num_warps", "num_stages"))]
-    loops = {"one": True, "six": False}
-    bad = [x for x in (args.loops or "").split(",") if x and x not in loops]
-    if bad:
-        raise SystemExit(f"--loops: {bad[0]!r} is not one of {sorted(loops)}")
-    tiles = [t + ((loops[x],) if args.loops else (default["one_loop"],)) for t in tiles
-             for x in (args.loops.split(",") if args.loops else ["one"])]
     base = {}
     for fmt in formats.split(","):
         bs = 32 if "kivi" in fmt else 16
@@ -133,12 +125,11 @@ def windowed(args):
         win = meta.window
         rows = f"{len(win.exact_rows)} exact + {len(win.sealed_rows)} sealed extra pages" if win else "no window"
         for tile in tiles:
-            prefill.TILE.update(zip(("block_m", "block_n", "num_warps", "num_stages", "one_loop"), tile))
+            prefill.TILE.update(zip(("block_m", "block_n", "num_warps", "num_stages"), tile))
             t = timer(lambda: attend(kernels, q, layer, meta, sm, k, v), iters=10)
             base[tile] = t if fmt == "bfloat16" else base.get(tile)
             x = f"  {base[tile] / t:.2f}x bf16" if base.get(tile) else ""
-            name = "x".join(map(str, tile[:4])) + ("" if tile[4] else " six loops")
-            print(f"{fmt:22s} {name:11s} B={B} past={args.past} chunk={args.chunk}: {t:9.1f} us "
+            print(f"{fmt:22s} {'x'.join(map(str, tile)):11s} B={B} past={args.past} chunk={args.chunk}: {t:9.1f} us "
                   f"{flops / t / 1e6:6.1f} TFLOP/s{x}  ({rows})", flush=True)
         prefill.TILE.update(default)
         if args.profile:

@@ -26,14 +26,12 @@ from kvq.cache.pool import LayerKV
 #: The launch's tiles: queries per program (block_m), keys per loop iteration (block_n), warps,
 #: pipeline stages.  One place, so that scripts/probe_prefill.py --tiles can time others in the
 #: same process and scripts/kernel_resources.py can show what each takes of an SM.
-#: ``one_loop``: the windowed kernel walks its runs of keys (sinks, quantized, both ways, exact) in
-#: one loop with the pass as a runtime value, not in six loops (the plain kernel has one run).
-TILE = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3, "one_loop": True}
+TILE = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
 def _prefill_tile(
-    q, m_i, l_i, acc, t0, mode, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
+    q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
@@ -47,15 +45,11 @@ def _prefill_tile(
     pairs the window rule reads exact, through ``table``; 3: only the others, through ``tableq``.
     A tile its queries read both ways takes two passes (2, then 3), each loading one K and one V
     tile: the loop bodies stay alike, and so do their pipeline buffers in shared memory (a body
-    that loaded both pages' tiles at once needed 148 KB of it, one CTA per SM, against 82 KB).
-    MODE -1: the pass is ``mode``, a runtime value (the kernel's ONE_LOOP schedule)."""
+    that loaded both pages' tiles at once needed 148 KB of it, one CTA per SM, against 82 KB)."""
     t = t0 + tl.arange(0, BLOCK_N)
     valid = t < kv_end
     off = t % PAGE
-    if MODE < 0:  # the pass is a runtime value (``mode``, 0-3 as above): one loop for every run
-        bid = tl.where((mode == 1) | (mode == 3), tl.load(tableq + t // PAGE, mask=valid, other=0),
-                       tl.load(table + t // PAGE, mask=valid, other=0))
-    elif MODE == 1 or MODE == 3:
+    if MODE == 1 or MODE == 3:
         bid = tl.load(tableq + t // PAGE, mask=valid, other=0)
     else:
         bid = tl.load(table + t // PAGE, mask=valid, other=0)
@@ -63,10 +57,7 @@ def _prefill_tile(
                         bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
     s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
     keep = valid[None, :] & (t[None, :] <= qpos[:, None])
-    if MODE < 0:
-        exact = (t[None, :] < SINK_T) | (t[None, :] >= win[:, None])
-        keep = keep & ((mode < 2) | (exact == (mode == 2)))
-    elif MODE >= 2:
+    if MODE >= 2:
         exact = (t[None, :] < SINK_T) | (t[None, :] >= win[:, None])
         keep = keep & (exact if MODE == 2 else ~exact)
     s = tl.where(keep, s, float("-inf"))
@@ -92,7 +83,6 @@ def _prefill_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
     K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, WINDOW: tl.constexpr,
-    ONE_LOOP: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -135,35 +125,17 @@ def _prefill_kernel(
         r0 = tl.minimum(tl.cdiv(SINK_T, BLOCK_N) * BLOCK_N, kv_end)
         r1 = tl.minimum(tl.maximum(r0, win_lo // BLOCK_N * BLOCK_N), kv_end)
         r2 = tl.minimum(tl.maximum(r1, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), kv_end)
-    if WINDOW and ONE_LOOP:
-        # the same runs as one pipelined loop over (tile, pass) steps: [0, r0) and [r1, r2) tile by
-        # tile, each tile's two passes in a row; [r0, r1) and [r2, kv_end) one pass per tile (six
-        # loops of a few iterations each refill and drain the load pipeline six times)
-        a = 2 * tl.cdiv(r0, BLOCK_N)
-        bq = a + tl.cdiv(r1 - r0, BLOCK_N)
-        c = bq + 2 * tl.cdiv(r2 - r1, BLOCK_N)
-        for v in range(0, c + tl.cdiv(kv_end - r2, BLOCK_N)):
-            t0 = tl.where(v < a, (v // 2) * BLOCK_N, tl.where(v < bq, r0 + (v - a) * BLOCK_N, tl.where(
-                v < c, r1 + ((v - bq) // 2) * BLOCK_N, r2 + (v - c) * BLOCK_N)))
-            mode = tl.where(v < a, 2 + v % 2, tl.where(v < bq, 1, tl.where(v < c, 2 + (v - bq) % 2, 0)))
-            m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, mode, kv_end, qpos, win, h, table, tableq, SINK_T,
-                                          qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh,
-                                          s_kdt, s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
-                                          s_hb, s_hh, s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G,
-                                          V_G, HAS_HP, DOT, -1)
-    else:
-        for run in tl.static_range(6):
-            if WINDOW or run == 5:
-                lo = 0 if run <= 1 else r0 if run == 2 else r1 if run <= 4 else r2
-                hi = r0 if run <= 1 else r1 if run == 2 else r2 if run <= 4 else kv_end
-                for t0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, 0, kv_end, qpos, win, h, table, tableq,
-                                                  SINK_T, qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
-                                                  s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt,
-                                                  s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht, D, PAGE, BLOCK_N, K_FMT,
-                                                  K_PER, V_FMT, V_PER, K_G, V_G, HAS_HP, DOT,
-                                                  2 if run == 0 or run == 3 else 3 if run == 1 or run == 4 else
-                                                  1 if run == 2 else 0)
+    for run in tl.static_range(6):
+        if WINDOW or run == 5:
+            lo = 0 if run <= 1 else r0 if run == 2 else r1 if run <= 4 else r2
+            hi = r0 if run <= 1 else r1 if run == 2 else r2 if run <= 4 else kv_end
+            for t0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T,
+                                              qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh,
+                                              s_kdt, s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+                                              s_hb, s_hh, s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G,
+                                              V_G, HAS_HP, DOT, 2 if run == 0 or run == 3 else
+                                              3 if run == 1 or run == 4 else 1 if run == 2 else 0)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * s_ot + hq * s_oh + tile_channel(d, V_PER, D)[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -251,7 +223,7 @@ def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, ha
         GROUP=Hq // num_kv_heads, D=q.shape[2], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
         K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=bool(has_hp), DOT=dot, WINDOW=tableq is not None,
-        ONE_LOOP=TILE["one_loop"], num_warps=TILE["num_warps"], num_stages=TILE["num_stages"],
+        num_warps=TILE["num_warps"], num_stages=TILE["num_stages"],
     )
 
 
