@@ -31,33 +31,12 @@ def _safe(s):
 
 
 @triton.jit
-def _quotient_rne(num, s, QMAX: tl.constexpr):
-    """rne(fl(num / s)) for every element (``s`` broadcasts against ``num``) wherever the code
-    clamped to +-QMAX depends on it, without a division per element: y = fl(num * fl(1 / s)) lies
-    within |q| 2^-22.9 of q = num / s and fl(q) within |q| 2^-24, so both round to the same
-    integer wherever y is farther than max(|y|, 1) 2^-20 from a half-integer (the argument of
-    seal.cu's kivi_codes; tests/test_seal_rounding.py).  Only |y| <= QMAX + 1 matters (beyond,
-    both clamp to QMAX), so one bound serves every value: (QMAX + 1) 2^-20.  A tile holding a
-    value that close to a half-integer, or a non-finite y (NaN fails the test), is computed again
-    with the correctly rounded division: one branch per tile, not per value."""
-    BAND: tl.constexpr = 0.5 - (QMAX + 1.0) * 0.00000095367431640625
-    y = num * tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-    k = _rne(y)
-    far = tl.abs(y - k) <= BAND
-    if tl.min(tl.reshape(far.to(tl.int32), (far.numel,)), axis=0) == 0:
-        k = _rne(tl.math.div_rn(num, s + tl.zeros_like(num)))
-    return k
-
-
-@triton.jit
-def _codes(x, s, data_ptr, QMAX: tl.constexpr):
-    """Values and their scale (broadcast) -> stored values: FP8 saturating cast of fl(x / s), or
-    int8 codes rne(fl(x / s)) clamped to +-QMAX."""
+def _codes(y, data_ptr, QMAX: tl.constexpr):
+    """Scaled values -> stored values (FP8 saturating cast, or int8 codes)."""
     if data_ptr.dtype.element_ty.is_fp8():
-        y = tl.math.div_rn(x, s + tl.zeros_like(x))
         return to_fp8(tl.minimum(tl.maximum(y, -QMAX), QMAX), data_ptr.dtype.element_ty)
     else:
-        return tl.minimum(tl.maximum(_quotient_rne(x, s, QMAX), -QMAX), QMAX).to(tl.int8)
+        return tl.minimum(tl.maximum(_rne(y), -QMAX), QMAX).to(tl.int8)
 
 
 @triton.jit
@@ -84,20 +63,21 @@ def _quant_store(
         tl.store(data_ptr + d_row[:, None] + p[None, :], x.to(data_ptr.dtype.element_ty), mask=m2)
     elif FMT == FP8_STATIC:
         s = tl.load(static_ptr + head)
-        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(x, s + tl.zeros((1, 1), tl.float32), data_ptr, QMAX),
+        codes = _codes(tl.math.div_rn(x, s + tl.zeros_like(x)), data_ptr, QMAX)
+        tl.store(data_ptr + d_row[:, None] + p[None, :], codes,
                  mask=m2)
     elif FMT == TOKEN_SCALE:
         amax = tl.max(tl.abs(x), axis=1)
         sc = tl.math.div_rn(amax, QMAX + tl.zeros_like(amax)).to(scale_ptr.dtype.element_ty)
         tl.store(scale_ptr + s_row, sc, mask=rmask)
-        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(x, _safe(sc.to(tl.float32))[:, None], data_ptr, QMAX),
-                 mask=m2)
+        y = tl.math.div_rn(x, _safe(sc.to(tl.float32))[:, None] + tl.zeros_like(x))
+        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX), mask=m2)
     elif FMT == BLOCK_SCALE:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         sc = tl.math.div_rn(amax, QMAX).to(scale_ptr.dtype.element_ty)
         tl.store(scale_ptr + tl.min(s_row, axis=0), sc)
-        tl.store(data_ptr + d_row[:, None] + p[None, :],
-                 _codes(x, _safe(sc.to(tl.float32)) + tl.zeros((1, 1), tl.float32), data_ptr, QMAX))
+        y = tl.math.div_rn(x, _safe(sc.to(tl.float32)) + tl.zeros_like(x))
+        tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX))
     elif FMT == KIVI_K:  # groups of G rows, one scale/zero per channel
         g = tl.reshape(x, (R // G, G, D))
         mn = tl.min(g, axis=1)
@@ -108,8 +88,8 @@ def _quant_store(
         soff = tl.min(s_row, axis=0) + gi[:, None] * D + p[None, :]
         tl.store(scale_ptr + soff, sc)
         tl.store(zero_ptr + soff, zr)
-        y = _quotient_rne(g - zr.to(tl.float32)[:, None, :], _safe(sc.to(tl.float32))[:, None, :], QMAX)
-        codes = tl.reshape(tl.minimum(tl.maximum(y, 0.0), QMAX), (R, D))
+        y = tl.math.div_rn(g - zr.to(tl.float32)[:, None, :], _safe(sc.to(tl.float32))[:, None, :] + tl.zeros_like(g))
+        codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER))
     else:  # KIVI_V: per row, groups of G channels
         g = tl.reshape(x, (R, D // G, G))
@@ -121,8 +101,8 @@ def _quant_store(
         soff = s_row[:, None] + gi[None, :]
         tl.store(scale_ptr + soff, sc, mask=m2)
         tl.store(zero_ptr + soff, zr, mask=m2)
-        y = _quotient_rne(g - zr.to(tl.float32)[:, :, None], _safe(sc.to(tl.float32))[:, :, None], QMAX)
-        codes = tl.reshape(tl.minimum(tl.maximum(y, 0.0), QMAX), (R, D))
+        y = tl.math.div_rn(g - zr.to(tl.float32)[:, :, None], _safe(sc.to(tl.float32))[:, :, None] + tl.zeros_like(g))
+        codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER), mask=m2)
 
 
