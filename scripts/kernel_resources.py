@@ -38,40 +38,39 @@ import aot_compile  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiles", default=None, help="comma-separated BLOCK_MxBLOCK_NxWARPSxSTAGES launches to compile "
-                   "(default: the one kvq launches, kvq.attention.triton.prefill.TILE), e.g. 64x64x4x3,128x64x8x3")
+                   "(default: the ones kvq launches, kvq.attention.triton.prefill.TILES), e.g. 64x64x4x3,128x64x8x3")
     args = p.parse_args(argv)
     JITFunction.run = aot_compile._record
     from kvq.attention.triton import prefill
 
-    t = prefill.TILE
-    tiles = [tuple(int(x) for x in c.split("x")) for c in args.tiles.split(",")] if args.tiles else \
-        [(t["block_m"], t["block_n"], t["num_warps"], t["num_stages"])]
+    keys = ("block_m", "block_n", "num_warps", "num_stages")
+    tiles = [dict(zip(keys, (int(x) for x in c.split("x")))) for c in args.tiles.split(",")] if args.tiles else [None]
     print(f"Triton {triton.__version__}, sm_90")
     for tile in tiles:
-        _report(prefill, *tile)
+        _report(prefill, tile or prefill.TILES["dense"], tile or prefill.TILES["window"])
     return 0
 
 
-def _report(prefill, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
-    aot_compile.recorded.clear()
+def _report(prefill, dense: dict, window: dict) -> None:
+    """Compile the plain kernel over a bf16 cache with tile ``dense`` and the windowed one with ``window``."""
 
     D, H, group = 128, 8, 4
     q = torch.zeros(3, H * group, D, dtype=torch.bfloat16)
     cu = torch.tensor([0, 2, 3], dtype=torch.int32)
     tables, lens = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([40, 3], dtype=torch.int32)
-    names = []
-    for name, page, dtype, window in (("prefill, bf16 cache (page 16)", 16, torch.bfloat16, False),
-                                      ("windowed prefill, f16 scratch (page 32)", 32, torch.float16, True)):
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for name, page, dtype, window, tile in (("prefill, bf16 cache (page 16)", 16, torch.bfloat16, False, dense),
+                                            ("windowed prefill, f16 scratch (page 32)", 32, torch.float16, True,
+                                             window)):
+        aot_compile.recorded.clear()
         kp = torch.zeros(8, H, page, D, dtype=dtype)
         dargs, dmeta = prefill._dense_args(kp, kp)
         dot = tl.float16 if dtype == torch.float16 else tl.bfloat16
         prefill._launch(q, torch.empty_like(q), cu, dargs, dmeta, tables, tables if window else None, lens, 0.1, 2,
-                        False, dot, block_m, block_n, page, H, sink_tokens=4 if window else 0,
+                        False, dot, tile, page, H, sink_tokens=4 if window else 0,
                         residual=128 if window else 0)
-        names.append(name)
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    print(f"BLOCK_M {block_m}, BLOCK_N {block_n}, {num_warps} warps, {num_stages} stages")
-    for (fn, bound), name in zip(aot_compile.recorded, names):
+        (fn, bound), = aot_compile.recorded
+        num_warps, num_stages = tile["num_warps"], tile["num_stages"]
         sig, consts, attrs = aot_compile.launch_signature(fn, bound, hints=True)
         ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
@@ -84,7 +83,8 @@ def _report(prefill, block_m: int, block_n: int, num_warps: int, num_stages: int
         res = dict(kv.split(":") for line in use.splitlines() if "REG:" in line for kv in line.split())
         smem = ck.metadata.shared
         ctas = min(228 * 1024 // max(1, smem + 1024), 65536 // (32 * num_warps * -(-int(res["REG"]) // 8) * 8))
-        print(f"{name:42s} shared {smem / 1024:6.1f} KB  registers {res['REG']:>3s}  stack {res['STACK']:>4s} B"
+        print(f"{name:42s} {tile['block_m']}x{tile['block_n']}, {num_warps} warps, {num_stages} stages: "
+              f"shared {smem / 1024:6.1f} KB  registers {res['REG']:>3s}  stack {res['STACK']:>4s} B"
               f"  -> {ctas} CTA(s) per SM")
 
 

@@ -32,7 +32,8 @@ def main():
                     "bfloat16,int4_kivi,int2_kivi,fp8_e4m3), --past tokens prefilled first, then --chunk")
     ap.add_argument("--profile", action="store_true", help="with --window: device time per kernel of one call")
     ap.add_argument("--tiles", default=None, help="with --window: BLOCK_MxBLOCK_NxWARPSxSTAGES launches to time, "
-                    "comma-separated (default: kvq.attention.triton.prefill.TILE), e.g. 64x64x4x3,128x64x8x3")
+                    "comma-separated, each used for every kind of read (default: kvq.attention.triton.prefill.TILES, "
+                    "a tile per kind), e.g. 64x64x4x3,128x64x8x3")
     args = ap.parse_args()
     if args.window:
         return windowed(args)
@@ -98,9 +99,9 @@ def windowed(args):
     gen = torch.Generator().manual_seed(0)
     L = args.past + args.chunk
     flops = 4 * B * H * group * D * (args.chunk * args.past + args.chunk * args.chunk / 2)
-    default = dict(prefill.TILE)
-    tiles = [tuple(int(x) for x in c.split("x")) for c in args.tiles.split(",")] if args.tiles else \
-        [tuple(default[k] for k in ("block_m", "block_n", "num_warps", "num_stages"))]
+    default = {kind: dict(t) for kind, t in prefill.TILES.items()}
+    keys = ("block_m", "block_n", "num_warps", "num_stages")
+    tiles = [tuple(int(x) for x in c.split("x")) for c in args.tiles.split(",")] if args.tiles else [None]
     base = {}
     for fmt in formats.split(","):
         bs = 32 if "kivi" in fmt else 16
@@ -125,13 +126,16 @@ def windowed(args):
         win = meta.window
         rows = f"{len(win.exact_rows)} exact + {len(win.sealed_rows)} sealed extra pages" if win else "no window"
         for tile in tiles:
-            prefill.TILE.update(zip(("block_m", "block_n", "num_warps", "num_stages"), tile))
+            for kind in prefill.TILES:
+                prefill.TILES[kind].update(zip(keys, tile) if tile else default[kind])
             t = timer(lambda: attend(kernels, q, layer, meta, sm, k, v), iters=10)
             base[tile] = t if fmt == "bfloat16" else base.get(tile)
             x = f"  {base[tile] / t:.2f}x bf16" if base.get(tile) else ""
-            print(f"{fmt:22s} {'x'.join(map(str, tile)):11s} B={B} past={args.past} chunk={args.chunk}: {t:9.1f} us "
+            name = "x".join(map(str, tile)) if tile else "default"
+            print(f"{fmt:22s} {name:11s} B={B} past={args.past} chunk={args.chunk}: {t:9.1f} us "
                   f"{flops / t / 1e6:6.1f} TFLOP/s{x}  ({rows})", flush=True)
-        prefill.TILE.update(default)
+        for kind in prefill.TILES:
+            prefill.TILES[kind].update(default[kind])
         if args.profile:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 attend(kernels, q, layer, meta, sm, k, v)

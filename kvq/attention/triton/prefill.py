@@ -23,10 +23,20 @@ from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype, layer_arg
 from kvq.attention.triton.tiles import DENSE, load_tile, tile_channel
 from kvq.cache.pool import LayerKV
 
-#: The launch's tiles: queries per program (block_m), keys per loop iteration (block_n), warps,
-#: pipeline stages.  One place, so that scripts/probe_prefill.py --tiles can time others in the
-#: same process and scripts/kernel_resources.py can show what each takes of an SM.
-TILE = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+#: The launch's tiles per kind of read: queries per program (block_m), keys per loop iteration
+#: (block_n), warps, pipeline stages.  "dense": 16-bit pages read as they are (bf16, or a format
+#: dequantized first into an f16 scratch); "window": the windowed kernel over its f16 scratch;
+#: "stored": codes read from the pages (FP8 with a static scale).  Chosen by
+#: scripts/probe_prefill.py --window --tiles on the H200 (docs/kernels.md, session 18: 8 x 7936
+#: tokens, bf16 14.4 ms at 128x32 against 15.8 ms at 64x64; windowed int4_kivi 17.7 ms at 64x64
+#: against 19.4 ms at 128x32; fp8_e4m3 14.2 ms at 64x64 against 17.2 ms at 128x32).  One place, so
+#: that probe_prefill.py can time others in the same process and scripts/kernel_resources.py can
+#: show what each takes of an SM.
+TILES = {
+    "dense": {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 2},
+    "window": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    "stored": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+}
 
 
 @triton.jit
@@ -180,7 +190,6 @@ def paged_attention(
     T, Hq, D = q.shape
     H = layer.num_kv_heads
     assert Hq % H == 0 and D == layer.head_dim, (Hq, H, D)
-    block_m, block_n = block_m or TILE["block_m"], block_n or TILE["block_n"]
     assert cu_seqlens_q.dtype == torch.int32 and block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     B = seq_lens.shape[0]
     if max_q_len is None:
@@ -196,8 +205,9 @@ def paged_attention(
     if max_seq_len is not None:
         blocks = min(blocks, triton.cdiv(max_seq_len, PAGE))
     if window is not None and layer.fmt.is_quantized and (window.exact_rows or window.sealed_rows):
+        tile = dict(TILES["window"], **_given(block_m, block_n))
         _windowed(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len, window, k_new, v_new,
-                  block_m, block_n)
+                  tile)
         return out
     if dequant_first is None:
         dequant_first = dequant_first_default(layer)
@@ -208,14 +218,22 @@ def paged_attention(
     if dot_f16 is None:
         dot_f16 = layer.fmt.k.bits == 8 and layer.fmt.v.bits == 8 and not INTERPRET
     dot = tl.float16 if dot_f16 else _dot_dtype(q.dtype)
+    dense = meta["k_fmt"] == DENSE.value and meta["v_fmt"] == DENSE.value
+    tile = dict(TILES["dense" if dense else "stored"], **_given(block_m, block_n))
     _launch(q, out, cu_seqlens_q, args, meta, block_tables, None, seq_lens, sm_scale, max_q_len, has_hp, dot,
-            block_m, block_n, PAGE, H)
+            tile, PAGE, H)
     return out
 
 
-def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, has_hp, dot, block_m, block_n,
+def _given(block_m: int | None, block_n: int | None) -> dict:
+    """The caller's tile sizes, where given (they override the kind's)."""
+    return {k: x for k, x in (("block_m", block_m), ("block_n", block_n)) if x}
+
+
+def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, has_hp, dot, tile,
             page, num_kv_heads, sink_tokens: int = 0, residual: int = 0):
     B, Hq = lens.shape[0], q.shape[1]
+    block_m, block_n = tile["block_m"], tile["block_n"]
     grid = (B, Hq, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), cu, *args,
@@ -223,7 +241,7 @@ def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, ha
         GROUP=Hq // num_kv_heads, D=q.shape[2], PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
         K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=bool(has_hp), DOT=dot, WINDOW=tableq is not None,
-        num_warps=TILE["num_warps"], num_stages=TILE["num_stages"],
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
 
 
@@ -240,7 +258,7 @@ def _dense_args(k: torch.Tensor, v: torch.Tensor) -> tuple[list, dict]:
     return args, dict(k_fmt=DENSE.value, k_per=1, v_fmt=DENSE.value, v_per=1, k_g=1, v_g=1)
 
 
-def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, block_m, block_n):
+def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, tile):
     """Prefill with per-query exact windows (kvq.attention.reference explains the rule): the
     step's pages are dequantized into an f16 scratch with two extra kinds of page, the exact
     new K/V of q blocks this step wrote and the sealed-then-read values of hp blocks some
@@ -293,4 +311,4 @@ def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_ne
             tab_q[se[:, 0], se[:, 1]] = nb + E + torch.arange(S, dtype=torch.int32, device=dev)
         dargs, dmeta = _dense_args(kp, vp)
         _launch(q[r0:r1], out[r0:r1], g_cu, dargs, dmeta, tab_exact, tab_q, g_lens, sm_scale, max_q_len, False, dot,
-                block_m, block_n, page, H, window.sink_tokens, window.policy.residual_tokens)
+                tile, page, H, window.sink_tokens, window.policy.residual_tokens)
