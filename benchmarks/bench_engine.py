@@ -319,10 +319,11 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
     if scenarios:
         for inp in sorted({min(r.input_len, args.max_num_batched_tokens) for sc in scenarios for r in sc.requests[:1]}):
             run_kvq_wave(engine, vocab, min(8, -(-args.max_num_batched_tokens // inp) + 1), inp, 4, seed=0)
-        for sc in scenarios:
-            from benchmarks.scenarios import StepFloor
+    from benchmarks.scenarios import StepFloor
 
-            floor = StepFloor(plan, weight_bytes, gemm_flops_per_token, bw) if bw else None
+    floor = StepFloor(plan, weight_bytes, gemm_flops_per_token, bw) if bw else None
+    if scenarios:
+        for sc in scenarios:
             t = time.perf_counter()
             r = _recorded(functools.partial(run_scenario, engine, vocab, sc, seed=17, floor=floor), scenario=sc.name)
             res.add_scenario({"system": system, "kv_cache_dtype": fmt, "commit": args.commit, **r})
@@ -348,6 +349,10 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
             r["gc_off"] = args.gc_off
             ctx = inp + out // 2
             r["roofline_step_s"] = roofline_step_s(weight_bytes, plan.bytes_per_token, c, ctx, bw)
+            # the floor with the GEMMs' compute term and the hp window blocks (c sequences at ctx)
+            r["decode_step_floor_s"] = floor([ctx] * c) if floor else None
+            r["step_over_floor"] = (r.get("decode_step_mean_s") or 0) / r["decode_step_floor_s"] \
+                if r["decode_step_floor_s"] and r.get("decode_step_mean_s") else None
             run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c,
                    "commit": args.commit, **r}
             res.add(run)
@@ -356,7 +361,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
             else:
                 print(f"[{system} {fmt}] {inp}/{out} c={c}: {r['output_tok_per_s']:.0f} tok/s, TTFT p50 "
                       f"{r['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms "
-                      f"(roofline {1e3 * (r['roofline_step_s'] or 0):.2f} ms), "
+                      f"(roofline {1e3 * (r['roofline_step_s'] or 0):.2f} ms, floor "
+                      f"{1e3 * (r['decode_step_floor_s'] or 0):.2f} ms), "
                       f"step {1e3 * (r['decode_step_mean_s'] or 0):.2f} ms (p50 "
                       f"{1e3 * (r.get('decode_step_p50_s') or 0):.2f}, max "
                       f"{1e3 * (r.get('decode_step_max_s') or 0):.0f})"

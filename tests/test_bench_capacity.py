@@ -125,6 +125,18 @@ def test_capacity_report_reads_a_file_of_waves(tmp_path):
         ratio = mine["int4_kivi"]["output_tok_per_s"] / mine["bfloat16"]["output_tok_per_s"]
         assert f"**64/8 c{c}**" in rep.stdout
         assert f"| `int4_kivi` | {mine['int4_kivi']['output_tok_per_s']:.0f} | {ratio:.2f}x |" in rep.stdout
+    # the step's floor needs the copy bandwidth, measured on CUDA only: none here, and the table says so
+    assert all(r["decode_step_floor_s"] is None and r["roofline_step_s"] is None for r in runs)
+    assert "(roofline -)" in rep.stdout
+    data = json.loads(out.read_text())
+    for i, r in enumerate(data["runs"]):  # a GPU file's fields: the step against its floor
+        r["decode_step_floor_s"] = r["decode_step_mean_s"] * (0.5 + 0.1 * i)
+    out.write_text(json.dumps(data))
+    rep = subprocess.run([sys.executable, str(ROOT / "scripts/capacity_report.py"), "--json", str(out),
+                          "--png", str(tmp_path / "w.png")], capture_output=True, text=True, timeout=300)
+    for i, r in enumerate(data["runs"]):
+        step = r["decode_step_mean_s"]
+        assert f"{1e3 * step:.1f} ({1e3 * step * (0.5 + 0.1 * i):.1f}, {1 / (0.5 + 0.1 * i):.2f}x)" in rep.stdout
     assert (tmp_path / "w.png").stat().st_size > 1000
 
 
