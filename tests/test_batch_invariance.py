@@ -36,16 +36,16 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0)
     ("fp8_per_block", {}),
     ("int4_kivi", {"kv_residual_tokens": 32}),
     ("int2_kivi", {}),
+    ("int4_kivi", {"kv_residual_tokens": 0, "kv_sink_tokens": 0}),  # a partial block is the only hp one
 ])
 def test_one_prompt_alone_and_batched_gives_the_same_tokens(fmt, kw):
-    # A 32-token step budget cuts the longer prompts into chunks, differently alone and batched.
-    # Formats sealed per block (KIVI K, per-block scales) cut chunks on block boundaries (32 tokens
-    # here): with 32, a prompt of more than 31 tokens waits until no sequence decodes (the decodes
-    # take part of the budget), so the long prompts of "batched" ran one after another; 64 runs them
-    # together (checked below: all six prompts running at once).
-    block_sealed = fmt in ("fp8_per_block", "int4_kivi", "int2_kivi")
+    # A 32-token step budget cuts the longer prompts into chunks, differently alone and batched, and
+    # for formats sealed per block (KIVI K, per-block scales; 32-token blocks for KIVI) inside blocks.
+    # Until chunks could end inside a block, a KIVI prompt of more than 31 tokens waited for the
+    # decodes (they take part of the budget) and "batched" ran the long prompts one after another:
+    # checked below, all six prompts in flight at once.
     llm = LLM("default", kv_cache_dtype=fmt, kv_cache_memory="64MiB", max_num_seqs=8,
-              max_num_batched_tokens=64 if block_sealed else 32, progress=False, **kw)
+              max_num_batched_tokens=32, progress=False, **kw)
     running = []
     step = llm.engine.step
     llm.engine.step = lambda: running.append(len(llm.engine.scheduler._running)) or step()

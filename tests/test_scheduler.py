@@ -71,7 +71,6 @@ class Engine:
         self.pending = None  # (output, sampled) launched and not yet update()d
         cfg.setdefault("max_model_len", 64)
         cfg.setdefault("max_num_seqs", 4)
-        cfg.setdefault("block_aligned_chunks", not policy.write_direct)
         self.policy, self.bs = policy, policy.block_size
         self.bm = BlockManager(nq, nhp, policy, enable_prefix_caching=prefix, host_blocks=host, host_tier_blocks=tier)
         self.cfg = SchedulerConfig(block_size=self.bs, **cfg)
@@ -216,8 +215,6 @@ class Engine:
         if not self.policy.write_direct:
             for (pool, bid), offs in written.items():
                 assert pool == "hp" or len(offs) == self.bs, "a q block of a per-block format written in parts"
-        if self.s.config.block_aligned_chunks and end < len(toks):
-            assert end % self.bs == 0, "a non-final chunk must end on a block boundary"
         assert item.sample == (end == len(toks))
         if not item.sample:
             return None
@@ -320,9 +317,7 @@ def test_sequence_tokens_and_timings():
 
 # -- configuration and admission ----------------------------------------------------------------
 @pytest.mark.parametrize("kw", [{"max_num_seqs": 0}, {"max_num_batched_tokens": 4, "max_num_seqs": 8},
-                                {"chunked_prefill": False, "max_num_batched_tokens": 32},
-                                {"block_aligned_chunks": True, "block_size": 16, "max_num_batched_tokens": 8,
-                                 "max_num_seqs": 4}])
+                                {"chunked_prefill": False, "max_num_batched_tokens": 32}])
 def test_config_rejects(kw):
     kw = {"max_model_len": 64, "block_size": 4, **kw}
     with pytest.raises(ValueError):
@@ -333,11 +328,9 @@ def test_scheduler_checks_its_block_manager():
     bm = BlockManager(8, 8, WindowPolicy(4, write_direct=False))
     with pytest.raises(ValueError, match="block_size"):
         Scheduler(SchedulerConfig(max_model_len=32, block_size=8), bm)
-    with pytest.raises(ValueError, match="block_aligned_chunks"):
-        Scheduler(SchedulerConfig(max_model_len=32, block_size=4), bm)
     bm.allocate_prompt("x", [1])
     with pytest.raises(ValueError, match="only user"):
-        Scheduler(SchedulerConfig(max_model_len=32, block_size=4, block_aligned_chunks=True), bm)
+        Scheduler(SchedulerConfig(max_model_len=32, block_size=4), bm)
 
 
 def test_add_rejects_requests_that_can_never_run():
@@ -390,15 +383,28 @@ def test_chunked_prefill_shares_the_budget_with_decodes():
     assert chunks == [(0, 7, False), (7, 7, False), (14, 6, True)]
 
 
-def test_block_aligned_chunks():
+def test_per_block_formats_chunk_anywhere():
+    # a format sealed per block: a chunk may end inside a block (the block stays hp, the harness
+    # checks that no q block is written in parts)
     e = Engine(WindowPolicy(4, write_direct=False), max_num_batched_tokens=10)
-    assert e.cfg.block_aligned_chunks
     e.add(0, list(range(23)), max_tokens=2, ignore_eos=True)
     chunks = []
     while not e.seqs[0].is_finished:
         out, _ = e.step()
         chunks += [(x.start, x.num_new_tokens) for x in out.scheduled]
-    assert chunks == [(0, 8), (8, 8), (16, 7), (23, 1)]
+    assert chunks == [(0, 10), (10, 10), (20, 3), (23, 1)]
+
+
+def test_a_prompt_takes_what_the_decodes_leave_with_per_block_formats():
+    # three decodes leave 3 tokens of a 6-token budget, under one block (4): the long prompt starts
+    # at once with 3 (with chunks aligned on blocks it waited until the decodes ended)
+    e = Engine(WindowPolicy(4, write_direct=False), max_num_seqs=4, max_num_batched_tokens=6, max_model_len=64)
+    for i in range(3):
+        e.add(i, [i + 1, i + 2], max_tokens=20, ignore_eos=True)
+    e.step()
+    e.add(3, list(range(30)), max_tokens=2, ignore_eos=True)
+    out, _ = e.step()
+    assert sorted((x.seq_id, x.num_new_tokens) for x in out.scheduled) == [(0, 1), (1, 1), (2, 1), (3, 3)]
 
 
 def test_no_chunking_waits_for_budget():
@@ -673,22 +679,21 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(bs=st.integers(1, 8), sink=st.integers(0, 2), res=st.integers(0, 10), direct=st.booleans(),
                 prefix=st.booleans(), mml=st.integers(8, 48), dq=st.integers(-3, 4), dhp=st.integers(-3, 3),
                 seqs=st.integers(1, 5), extra=st.sampled_from([0, 0, 1, 2, 3, 5, 8, 16]), chunked=st.booleans(),
-                aligned=st.booleans(), pipelined=st.booleans(),
+                pipelined=st.booleans(),
                 swap=st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 6))),
                 tier=st.one_of(st.none(), *[st.tuples(st.integers(0, 24), st.integers(0, 8))] * 3),
                 copy_seed=st.integers(0, 2**16), faults=st.sampled_from([(0.0, 0.0), (0.2, 0.2)]),
                 remote=st.sampled_from([0.0, 0.0, 0.5, 1.0]))
-    def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, aligned, pipelined, swap,
+    def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, pipelined, swap,
               tier, copy_seed, faults, remote):
         policy = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=direct)
         # Pools around what one long request needs: sometimes too small (rejections), often contended.
         nb = -(-mml // bs)
         nq = max(0, nb + dq * max(1, nb // 4))
         nhp = 0 if direct and res == 0 and sink == 0 else max(0, min(sink, nb) + -(-res // bs) + 2 + dhp)
-        aligned = aligned or not direct
-        budget = max(seqs, bs if chunked and aligned else 1, 1 if chunked else mml) + extra
+        budget = max(seqs, 1 if chunked else mml) + extra
         self.e = Engine(policy, nq=nq, nhp=nhp, prefix=prefix, max_model_len=mml, max_num_seqs=seqs,
-                        max_num_batched_tokens=budget, chunked_prefill=chunked, block_aligned_chunks=aligned,
+                        max_num_batched_tokens=budget, chunked_prefill=chunked,
                         pipelined=pipelined,
                         host=swap or (0, 0), preemption_mode="swap" if swap else "recompute",
                         tier=tier or (0, 0), copy_seed=copy_seed, copy_faults=faults, load_timeout_s=4.0,

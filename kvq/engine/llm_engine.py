@@ -88,14 +88,7 @@ class LLMEngine:
         sched_config = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=self.plan.block_size,
-            block_aligned_chunks=not self.plan.window_policy.write_direct,
             max_inflight=2 if self.async_scheduling else 1, preemption_mode=cfg.preemption_mode)
-        if sched_config.block_aligned_chunks and cfg.max_num_batched_tokens < cfg.max_num_seqs + self.plan.block_size:
-            logger.warning(
-                "max_num_batched_tokens=%d < max_num_seqs=%d + block size %d: %s seals whole blocks, so a prompt's "
-                "chunks end on block boundaries, and a prompt longer than the budget the decodes leave (under one "
-                "block) waits until fewer sequences decode", cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                self.plan.block_size, self.plan.name)
         num_q, num_hp, host, tier = w.num_q_blocks, w.num_hp_blocks, w.host_blocks, w.tier_blocks
         self.block_manager = BlockManager(num_q, num_hp, self.plan.window_policy, cfg.enable_prefix_caching,
                                           host_blocks=host, host_tier_blocks=tier)

@@ -36,10 +36,9 @@ Policy of :meth:`Scheduler.schedule`, per step, with a token budget of
    its first query reads its recent window exact, as a decode would; see
    :func:`~kvq.cache.window.exact_from`). If the cache cannot take the chunk,
    newer sequences are preempted as in 1, a decode already taken this step
-   included (it leaves the step). A chunk that would be empty (no budget, or no whole block
-   under ``block_aligned_chunks``) stalls the phase and admission (a guard:
-   under this policy a running prefill never gets less budget than its
-   previous chunk, since what is left after a non-final chunk is too little
+   included (it leaves the step). A chunk that would be empty (no budget) stalls
+   the phase and admission (a guard: under this policy a running prefill never
+   gets less budget than its previous chunk, since what is left after a non-final chunk is too little
    to admit any sequence that would not finish its prompt in that step).
 3. Admission, FCFS, only in a step that preempted nothing and did not stall a
    prefill: the head of the waiting queue is admitted while ``max_num_seqs``,
@@ -47,11 +46,13 @@ Policy of :meth:`Scheduler.schedule`, per step, with a token budget of
    prefix hit and first chunk, and the hit becomes ``num_computed_tokens``.
    A head that does not fit blocks everything behind it (no starvation).
 
-Chunks: ``min(remaining, budget)``; one that does not finish the prompt must
-end on a block boundary under ``block_aligned_chunks`` and is not allowed
-without ``chunked_prefill``; the one that reaches the end samples. Admission
-sizes the chunk as if there were no prefix hit (a hit never empties it), so an
-admitted sequence runs in its admission step. Both queues are kept in arrival
+Chunks: ``min(remaining, budget)``, anywhere in a block, for every format: a
+block is born quantized only when a chunk computes all of it (one the chunk
+leaves partial stays hp and is sealed from hp later, :mod:`kvq.cache.block_manager`),
+so formats sealed per block need no aligned chunks.  A chunk that does not
+finish the prompt is not allowed without ``chunked_prefill``; the one that
+reaches the end samples. Admission sizes the chunk as if there were no prefix
+hit (a hit never empties it), so an admitted sequence runs in its admission step. Both queues are kept in arrival
 order: a preempted sequence rejoins the waiting queue ahead of later arrivals.
 
 Liveness: :meth:`Scheduler.add` rejects a request that could not fit the
@@ -108,9 +109,6 @@ class Scheduler(LoadsMixin):
         if config.block_size != block_manager.block_size:
             raise ValueError(f"config.block_size={config.block_size} differs from the block manager's "
                              f"{block_manager.block_size}")
-        if not block_manager.policy.write_direct and config.chunked_prefill and not config.block_aligned_chunks:
-            raise ValueError("the cache's format writes whole blocks (write_direct=False): "
-                             "use block_aligned_chunks=True or chunked_prefill=False")
         if len(block_manager):
             raise ValueError("the block manager already holds sequences; the scheduler must be its only user")
         self.config = config
@@ -448,9 +446,6 @@ class Scheduler(LoadsMixin):
         if n < end - start:  # not the prompt's last chunk
             if not self.config.chunked_prefill:
                 return 0
-            if self.config.block_aligned_chunks:
-                bs = self.config.block_size
-                n = max(0, (start + n) // bs * bs - start)
         return max(n, 0)
 
     def _finishes_when_known(self, seq: Sequence) -> bool:

@@ -19,8 +19,6 @@ class SchedulerConfig:
     max_model_len           prompt + output tokens per request at most
     block_size              tokens per KV block; must equal the block manager's
     chunked_prefill         split prompts over steps; without it a prompt runs in one step
-    block_aligned_chunks    every prefill chunk but a prompt's last ends on a block boundary
-                            (needed when the KV format writes whole blocks: write_direct=False)
     max_inflight            scheduled outputs not yet update()d: 1 (schedule after each update),
                             or 2: asynchronous scheduling, step N+1 decided while step N runs
     preemption_mode         "recompute" (drop the KV, prefill again) or "swap" (park it in the
@@ -34,7 +32,6 @@ class SchedulerConfig:
     max_model_len: int
     block_size: int
     chunked_prefill: bool = True
-    block_aligned_chunks: bool = False
     max_inflight: int = 1
     preemption_mode: str = "recompute"
     load_timeout_s: float = 10.0
@@ -57,14 +54,11 @@ class SchedulerConfig:
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked_prefill a prompt runs in one step: max_num_batched_tokens="
                              f"{self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len}")
-        if self.chunked_prefill and self.block_aligned_chunks and self.max_num_batched_tokens < self.block_size:
-            raise ValueError(f"block-aligned chunks need max_num_batched_tokens >= block_size={self.block_size}, "
-                             f"got {self.max_num_batched_tokens}")
 
     @classmethod
     def from_policy(cls, policy: WindowPolicy, **kw) -> SchedulerConfig:
-        """A config whose block size and chunk alignment come from the cache's window policy."""
-        return cls(block_size=policy.block_size, block_aligned_chunks=not policy.write_direct, **kw)
+        """A config whose block size comes from the cache's window policy."""
+        return cls(block_size=policy.block_size, **kw)
 
 
 @dataclass(frozen=True)
