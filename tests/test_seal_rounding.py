@@ -1,19 +1,19 @@
 """The rounding argument of seal.cu's KIVI codes (kivi_codes), in float32 arithmetic on the host:
 rint(fl(fl(x - z) * fl(1 / s))) equals the reference's rint(fl(fl(x - z) / s)) wherever the
-product lies farther than max(|y|, 1) * 2^-20 from a half-integer, the band the kernel sends to
-the division.  Near-ties are built on purpose (a few ulps around half steps of the scale): a band
+product lies farther than (QMAX + 1) * 2^-20 from a half-integer (max(|y|, 1) * 2^-20 of the
+argument, bounded where a clamped code depends on it), the band the kernel sends to the division.  Near-ties are built on purpose (a few ulps around half steps of the scale): a band
 four times narrower lets mismatches through, so the test would catch a wrong constant."""
 
 import numpy as np
 
-BAND = 2.0 ** -20  # seal.cu: 0.5f - fabsf(y - k) < fmaxf(fabsf(y), 1.f) * 0x1p-20f
+BAND = 2.0 ** -20  # seal.cu: fabsf(y - k) > 0.5f - (QMAX + 1) * 0x1p-20f
 
 
 def _codes(d, s, qmax, band):
     r = np.float32(1) / s
     y = (d * r).astype(np.float32)
     k = np.rint(y)
-    near = (np.float32(0.5) - np.abs(y - k)) < np.maximum(np.abs(y), np.float32(1)) * np.float32(band)
+    near = np.abs(y - k) > np.float32(0.5) - np.float32(qmax + 1) * np.float32(band)
     fast = np.clip(k, 0, qmax)
     exact = np.clip(np.rint((d / s).astype(np.float32)), 0, qmax)
     return np.where(near, exact, fast), exact, near

@@ -70,20 +70,19 @@ __device__ __forceinline__ u32 fp8x2(float lo, float hi) {
     return r;
 }
 
-// [PAGE][D] codes in channel order (shared) -> planar packed rows of DP bytes (global).
+// [PAGE][D] codes in channel order (shared) -> planar packed rows of DP bytes (global): byte j
+// of a row holds the codes of channels j, j + DP, ... in its low bits up.  A code is under
+// 2^BITS, so four channels' codes read as one word and shifted by BITS * m stay in their bytes:
+// a word of output is PER shared words.
 template <int BITS>
 __device__ __forceinline__ void pack_store(const u8* codes, u8* data) {
     constexpr int PER = 8 / BITS, DP = D / PER;
     for (int w = threadIdx.x; w < PAGE * DP / 4; w += NT) {
         const int r = (4 * w) / DP, j0 = (4 * w) % DP;
+        const u32* row = reinterpret_cast<const u32*>(codes + r * D + j0);
         u32 word = 0;
 #pragma unroll
-        for (int b = 0; b < 4; ++b) {
-            u32 byte = 0;
-#pragma unroll
-            for (int m = 0; m < PER; ++m) byte |= u32(codes[r * D + j0 + b + m * DP]) << (BITS * m);
-            word |= byte << (8 * b);
-        }
+        for (int m = 0; m < PER; ++m) word |= row[m * DP / 4] << (BITS * m);
         *reinterpret_cast<u32*>(data + r * DP + j0) = word;
     }
 }
@@ -110,20 +109,33 @@ __device__ __forceinline__ u32 kivi_code(float x, float s, float z) {
     return u32(fminf(fmaxf(rintf(__fdiv_rn(x - z, s)), 0.f), float(QMAX)));
 }
 
+// The code of a rounded value k, fminf(fmaxf(k, 0), QMAX) as an integer: cvt saturates a
+// negative value to 0 (a large one to 2^32 - 1) and turns NaN into 0, then an integer min.
+template <int QMAX>
+__device__ __forceinline__ u32 clamp_code(float k) {
+    u32 c;
+    asm("cvt.rzi.u32.f32 %0, %1;" : "=r"(c) : "f"(k));
+    return min(c, u32(QMAX));
+}
+
 // The codes of a KIVI group of N values, the same as kivi_code's without a division per value:
 // y = fl(fl(x - z) * fl(1 / s)) is within |q| 2^-22.9 of q = (x - z) / s and fl(q) within
 // |q| 2^-24, so both round to the same integer wherever y lies farther than max(|y|, 1) 2^-20
-// from a half-integer.  A group with any value that close (about one value in 2^19 on real
-// K/V; exact ties among them) is computed again with the correctly rounded division.
+// from a half-integer.  Only the half-integers between codes 0 and QMAX decide a clamped code,
+// and there max(|y|, 1) <= QMAX + 1: one band for every value (a value farther out that falls
+// in it costs only the slow path).  A group with any value that close (about one value in
+// 2^19 on real K/V; exact ties among them) is computed again with the correctly rounded
+// division.  Per value: sub, mul, round, sub, one compare into the group's predicate, cvt, min.
 template <int QMAX, int N>
 __device__ __forceinline__ void kivi_codes(const float (&x)[N], float s, float z, u32 (&c)[N]) {
+    constexpr float BAND = 0.5f - float(QMAX + 1) * 0x1p-20f;
     const float r = __frcp_rn(s);
     bool near = false;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const float y = __fmul_rn(__fsub_rn(x[i], z), r), k = rintf(y);
-        near |= 0.5f - fabsf(y - k) < fmaxf(fabsf(y), 1.f) * 0x1p-20f;
-        c[i] = u32(fminf(fmaxf(k, 0.f), float(QMAX)));
+        near |= fabsf(__fsub_rn(y, k)) > BAND;
+        c[i] = clamp_code<QMAX>(k);
     }
     if (near) {  // unrolled like the loop above: the codes stay in registers
 #pragma unroll
