@@ -114,8 +114,8 @@ def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
             kp = torch.zeros(8, 2, bs, D, dtype=torch.float16)
             dargs, dmeta = prefill._dense_args(kp, kp)
             prefill._launch(q, torch.empty_like(q), torch.tensor([0, 2, 3], dtype=torch.int32), dargs, dmeta,
-                            tables, tables, lens, 0.1, 2, False, tl.float16, 64, 64, bs, 2, sink_tokens=16,
-                            residual=32)
+                            tables, tables, lens, 0.1, 2, False, tl.float16, prefill.TILES["window"], bs, 2,
+                            sink_tokens=16, residual=32)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=False)
     from kvq.models.sampling_triton import sample_rows

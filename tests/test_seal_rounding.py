@@ -1,8 +1,9 @@
 """The rounding argument of seal.cu's KIVI codes (kivi_codes), in float32 arithmetic on the host:
 rint(fl(fl(x - z) * fl(1 / s))) equals the reference's rint(fl(fl(x - z) / s)) wherever the
 product lies farther than (QMAX + 1) * 2^-20 from a half-integer (max(|y|, 1) * 2^-20 of the
-argument, bounded where a clamped code depends on it), the band the kernel sends to the division.  Near-ties are built on purpose (a few ulps around half steps of the scale): a band
-four times narrower lets mismatches through, so the test would catch a wrong constant."""
+argument, bounded where a clamped code depends on it), the band the kernel sends to the
+division.  Near-ties are built on purpose (a few ulps around half steps of the scale): a band
+64 times narrower lets mismatches through, so the test would catch a wrong constant."""
 
 import numpy as np
 
