@@ -350,9 +350,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
             ctx = inp + out // 2
             r["roofline_step_s"] = roofline_step_s(weight_bytes, plan.bytes_per_token, c, ctx, bw)
             # the floor with the GEMMs' compute term and the hp window blocks (c sequences at ctx)
-            r["decode_step_floor_s"] = floor([ctx] * c) if floor else None
-            r["step_over_floor"] = (r.get("decode_step_mean_s") or 0) / r["decode_step_floor_s"] \
-                if r["decode_step_floor_s"] and r.get("decode_step_mean_s") else None
+            fl, step = floor([ctx] * c) if floor else None, r.get("decode_step_mean_s")
+            r["decode_step_floor_s"], r["step_over_floor"] = fl, step / fl if fl and step else None
             run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c,
                    "commit": args.commit, **r}
             res.add(run)

@@ -38,8 +38,9 @@ Policy of :meth:`Scheduler.schedule`, per step, with a token budget of
    newer sequences are preempted as in 1, a decode already taken this step
    included (it leaves the step). A chunk that would be empty (no budget) stalls
    the phase and admission (a guard: under this policy a running prefill never
-   gets less budget than its previous chunk, since what is left after a non-final chunk is too little
-   to admit any sequence that would not finish its prompt in that step).
+   gets less budget than its previous chunk, since what is left after a
+   non-final chunk is too little to admit any sequence that would not finish
+   its prompt in that step).
 3. Admission, FCFS, only in a step that preempted nothing and did not stall a
    prefill: the head of the waiting queue is admitted while ``max_num_seqs``,
    the budget and ``can_allocate`` allow; ``allocate_prompt`` reserves its
@@ -52,8 +53,9 @@ leaves partial stays hp and is sealed from hp later, :mod:`kvq.cache.block_manag
 so formats sealed per block need no aligned chunks.  A chunk that does not
 finish the prompt is not allowed without ``chunked_prefill``; the one that
 reaches the end samples. Admission sizes the chunk as if there were no prefix
-hit (a hit never empties it), so an admitted sequence runs in its admission step. Both queues are kept in arrival
-order: a preempted sequence rejoins the waiting queue ahead of later arrivals.
+hit (a hit never empties it), so an admitted sequence runs in its admission
+step. Both queues are kept in arrival order: a preempted sequence rejoins the
+waiting queue ahead of later arrivals.
 
 Liveness: :meth:`Scheduler.add` rejects a request that could not fit the
 cache even alone (:func:`peak_blocks`, with chunks of at most

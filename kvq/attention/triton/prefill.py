@@ -205,9 +205,8 @@ def paged_attention(
     if max_seq_len is not None:
         blocks = min(blocks, triton.cdiv(max_seq_len, PAGE))
     if window is not None and layer.fmt.is_quantized and (window.exact_rows or window.sealed_rows):
-        tile = dict(TILES["window"], **_given(block_m, block_n))
         _windowed(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len, window, k_new, v_new,
-                  tile)
+                  _tile("window", block_m, block_n))
         return out
     if dequant_first is None:
         dequant_first = dequant_first_default(layer)
@@ -219,15 +218,14 @@ def paged_attention(
         dot_f16 = layer.fmt.k.bits == 8 and layer.fmt.v.bits == 8 and not INTERPRET
     dot = tl.float16 if dot_f16 else _dot_dtype(q.dtype)
     dense = meta["k_fmt"] == DENSE.value and meta["v_fmt"] == DENSE.value
-    tile = dict(TILES["dense" if dense else "stored"], **_given(block_m, block_n))
     _launch(q, out, cu_seqlens_q, args, meta, block_tables, None, seq_lens, sm_scale, max_q_len, has_hp, dot,
-            tile, PAGE, H)
+            _tile("dense" if dense else "stored", block_m, block_n), PAGE, H)
     return out
 
 
-def _given(block_m: int | None, block_n: int | None) -> dict:
-    """The caller's tile sizes, where given (they override the kind's)."""
-    return {k: x for k, x in (("block_m", block_m), ("block_n", block_n)) if x}
+def _tile(kind: str, block_m: int | None, block_n: int | None) -> dict:
+    """The launch tile of a kind of read (:data:`TILES`), with the caller's sizes where given."""
+    return dict(TILES[kind], **{k: x for k, x in (("block_m", block_m), ("block_n", block_n)) if x})
 
 
 def _launch(q, out, cu, args, meta, table, tableq, lens, sm_scale, max_q_len, has_hp, dot, tile,
