@@ -12,6 +12,7 @@ work (the test runs its shards as separate tests, spread over the pytest workers
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -120,8 +121,9 @@ def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=False)
     from kvq.models.sampling_triton import sample_rows
 
-    for all_greedy in (True, False):  # the sampler's one-pass kernel, float32 logits as the models return them
-        sample_rows(torch.zeros(2, 1000), torch.ones(2), torch.zeros(2, dtype=torch.bool),
+    # the sampler's kernels: logits in a model's dtype, one chunk (no second kernel) or several
+    for all_greedy, dt, V in itertools.product((True, False), (torch.bfloat16, torch.float32), (1000, 20000)):
+        sample_rows(torch.zeros(2, V, dtype=dt), torch.ones(2), torch.zeros(2, dtype=torch.bool),
                     torch.zeros(2, dtype=torch.int64), all_greedy=all_greedy)
     n = compile_recorded(shard, shards)
     print(f"{n} kernel variants compiled for sm_90")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvq.models import sampling_triton
 from kvq.models.sampling_triton import sample_rows
 from tests.test_sampler import P, chi2
 
@@ -22,17 +23,19 @@ def _rows(logits, temps, greedy, seeds):
 def test_greedy_rows_are_torchs_argmax_across_blocks_and_dtypes():
     g = torch.Generator().manual_seed(1)
     V = 5000  # two 4096-wide blocks: the running maximum crosses a block edge
-    logits = torch.randn(4, V, generator=g)
+    logits = torch.randn(6, V, generator=g)
     logits[1, [4095, 4096, 4999]] = 9.0  # a tie across the block edge: the lower id wins
     logits[2, V - 1] = 9.0  # the maximum in the ragged last block
     logits[3] = float("-inf")
     logits[3, 17] = 0.0
+    logits[4] = float("-inf")  # nothing but -inf: id 0, as torch's argmax
+    logits[5, [4999, 7, 4998]] = 9.0  # a tie inside the last chunk and one far below it
     for dt in (torch.float32, torch.bfloat16):
         x = logits.to(dt)
-        got = _rows(x, [1.0] * 4, [True] * 4, [0, 1, 2, 3])
-        assert got.tolist() == x.float().argmax(-1).tolist() == [int(x[0].float().argmax()), 4095, V - 1, 17]
-        all_greedy = sample_rows(x.to(DEV), torch.ones(4, device=DEV), torch.ones(4, dtype=torch.bool, device=DEV),
-                                 torch.zeros(4, dtype=torch.int64, device=DEV), all_greedy=True).cpu()
+        got = _rows(x, [1.0] * 6, [True] * 6, list(range(6)))
+        assert got.tolist() == x.float().argmax(-1).tolist() == [int(x[0].float().argmax()), 4095, V - 1, 17, 0, 7]
+        all_greedy = sample_rows(x.to(DEV), torch.ones(6, device=DEV), torch.ones(6, dtype=torch.bool, device=DEV),
+                                 torch.zeros(6, dtype=torch.int64, device=DEV), all_greedy=True).cpu()
         assert torch.equal(all_greedy, got)
 
 
@@ -62,6 +65,28 @@ def test_a_rows_token_depends_on_its_logits_temperature_and_seed_only():
     assert mixed[1] == alone
     draws = {int(_rows(a[None], [0.8], [False], [s])[0]) for s in range(40)}
     assert len(draws) > 10  # another seed, another draw
+
+
+@pytest.mark.parametrize("block,chunk", [(4, 4), (4, 8), (8, 16)])
+def test_small_tiles_keep_greedy_ties_and_draws(block, chunk, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    V, n = 37, 24  # a ragged last chunk and block
+    logits = torch.randn(n, V, generator=g)
+    logits[1, [chunk - 1, chunk]] = 9.0  # a tie across a chunk edge
+    logits[2, [V - 1, V - 2]] = 9.0  # a tie in the ragged last chunk
+    logits[3] = float("-inf")
+    logits[4] = float("-inf")
+    logits[4, V - 1] = 0.0
+    temps = [0.7 + 0.1 * (r % 5) for r in range(n)]
+    seeds = [1000 + 17 * r for r in range(n)]
+    draws = _rows(logits, temps, [False] * n, seeds)
+    monkeypatch.setattr(sampling_triton, "BLOCK_V", block)
+    monkeypatch.setattr(sampling_triton, "CHUNK_V", chunk)
+    greedy = _rows(logits, temps, [True] * n, seeds)
+    assert greedy.tolist() == logits.argmax(-1).tolist()
+    assert greedy[1:5].tolist() == [chunk - 1, V - 2, 0, V - 1]
+    assert _rows(logits, temps, [False] * n, seeds).tolist() == draws.tolist()  # the default tiles' draws
+    assert len(set(draws.tolist())) > 5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the sampler uses the kernel on CUDA only")

@@ -100,7 +100,7 @@ class LLMEngine:
         if w.warmup_tokens:
             self._start_warmup(w.warmup_tokens)
         self.sampler = Sampler()
-        self.sampler.warm_up(self.model.config.vocab_size, self.device)
+        self.sampler.warm_up(self.model.config.vocab_size, self.device, self.dtype)
         self.seed_state = SeedState()
         self._ids = itertools.count()
         self._prompts: dict[int, str | None] = {}

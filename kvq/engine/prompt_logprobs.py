@@ -6,7 +6,7 @@ Where the numbers come from, per step::
 
     scheduler  a scored prompt's chunk [start, start + n) gets ``prompt_rows``: the offsets of its
                positions p < P - 1 (P prompt tokens; the logits at P - 1 sample the first output)
-    runner     logits [R + Q, V] float32: the R sampling rows (``logit_rows``), then the Q prompt rows
+    runner     logits [R + Q, V] (the model's dtype): the R sampling rows (``logit_rows``), then the Q prompt rows
     engine     logits[:R] -> the sampler (it never sees a prompt row); logits[R:] -> :func:`score`:
                log_softmax, the logprob of the token at p + 1, the top k; enqueued on the device and
                copied to the host beside the sampled ids (pinned, the same event: no extra sync)

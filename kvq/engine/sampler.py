@@ -276,15 +276,15 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=lp)
 
     @staticmethod
-    def warm_up(vocab_size: int, device: torch.device | str) -> None:
-        """Compile the CUDA kernel's variants (greedy only; draws) for float32 logits of this width
-        before the first step, so that no request waits for a compile; nothing elsewhere."""
+    def warm_up(vocab_size: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+        """Compile the CUDA kernels' variants (greedy only; draws) for logits of this width and dtype
+        (the model's) before the first step, so that no request waits for a compile; nothing elsewhere."""
         device = torch.device(device)
         if device.type != "cuda":
             return
         from kvq.models.sampling_triton import sample_rows
 
-        x = torch.zeros(1, vocab_size, device=device)
+        x = torch.zeros(1, vocab_size, device=device, dtype=dtype)
         one, no = torch.ones(1, device=device), torch.zeros(1, dtype=torch.bool, device=device)
         for all_greedy in (True, False):
             sample_rows(x, one, no, torch.zeros(1, dtype=torch.int64, device=device), all_greedy=all_greedy)

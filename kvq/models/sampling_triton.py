@@ -8,6 +8,14 @@ copy, the softmax, the noise tensor and the division, each a pass over ``[B, V]`
 the logits here).  Greedy rows take the first maximal logit.  Rows with top-k or top-p are the
 caller's: their cut needs a sort.
 
+Two kernels.  The first splits each row into chunks of ``CHUNK_V`` ids, one program each (a
+row per program left 512 programs for 132 SMs, each walking 128K ids in sequence), and keeps a
+chunk's best key and id; the second picks each row's best chunk (ties: the lower chunk, so the
+lowest id overall); a vocabulary of one chunk needs only the first.  The noise costs one Philox
+call per four ids: ``randint4x`` counts over ``id // 4`` and its four words go to ids ``4c ..
+4c + 3`` (the Philox rounds are most of a draw's instructions; one word per call threw three
+away).  An id's noise depends on the seed and the id alone, so the tiling never changes a draw.
+
     sample_rows(logits [B, V], temperature [B] f32, greedy [B] bool, seeds [B] int64) -> [B] int64
 """
 
@@ -17,34 +25,60 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_V = 4096
+BLOCK_V = 4096  # ids a program loads at once
+CHUNK_V = 8192  # ids per program
 
 
 @triton.jit
-def _sample_kernel(logits, s_row, temperature, greedy, seeds, out, V, BLOCK: tl.constexpr,
-                   ALL_GREEDY: tl.constexpr):
+def _chunk_kernel(logits, s_row, temperature, greedy, seeds, best_key, best_id, out, V, S,
+                  BLOCK: tl.constexpr, CHUNK: tl.constexpr, ALL_GREEDY: tl.constexpr, ONE_CHUNK: tl.constexpr):
     b = tl.program_id(0)
+    c = tl.program_id(1)
     row = logits + b.to(tl.int64) * s_row
     is_greedy = tl.load(greedy + b) != 0
     t = tl.load(temperature + b)
     seed = tl.load(seeds + b)
+    Q: tl.constexpr = BLOCK // 4
+    i = tl.arange(0, Q)[:, None]
+    j = tl.arange(0, 4)[None, :]
     best = tl.full((), float("-inf"), tl.float32)
     best_i = tl.full((), 0, tl.int32)
-    for v0 in range(0, V, BLOCK):
-        v = v0 + tl.arange(0, BLOCK)
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for v0 in range(lo, hi, BLOCK):
+        v = v0 + 4 * i + j  # [Q, 4]: id 4 (v0 / 4 + i) + j
         inside = v < V
         x = tl.load(row + v, mask=inside, other=float("-inf")).to(tl.float32)
         key = x
         if not ALL_GREEDY:
-            u = tl.rand(seed, v)  # [0, 1): u = 0 gives -inf noise, never drawn
+            r0, r1, r2, r3 = tl.randint4x(seed, v0 // 4 + tl.arange(0, Q))
+            r = tl.where(j == 0, r0[:, None], tl.where(j == 1, r1[:, None], tl.where(j == 2, r2[:, None],
+                                                                                      r3[:, None])))
+            u = tl.random.uint_to_uniform_float(r)  # [0, 1): u = 0 gives -inf noise, never drawn
             key = tl.where(is_greedy, x, x / t - tl.log(-tl.log(u)))
         key = tl.where(inside, key, float("-inf"))
-        m = tl.max(key, axis=0)
-        i = tl.argmax(key, axis=0)  # the first maximal position: ties go to the lowest id
+        m = tl.max(tl.max(key, axis=1), axis=0)
+        # the first maximal id (ties go to the lowest); V - 1 caps a block whose keys are all NaN
+        first = tl.minimum(tl.min(tl.min(tl.where(key == m, v, V), axis=1), axis=0), V - 1)
         better = m > best  # strict: an earlier block keeps a tie
-        best_i = tl.where(better, v0 + i, best_i)
+        best_i = tl.where(better, first, best_i)
         best = tl.where(better, m, best)
-    tl.store(out + b, best_i.to(tl.int64))
+    if ONE_CHUNK:  # the row's token: no second kernel
+        tl.store(out + b, best_i.to(tl.int64))
+    else:
+        tl.store(best_key + b * S + c, best)
+        tl.store(best_id + b * S + c, best_i)
+
+
+@triton.jit
+def _pick_kernel(best_key, best_id, out, S, SP: tl.constexpr):
+    b = tl.program_id(0)
+    s = tl.arange(0, SP)
+    inside = s < S
+    key = tl.load(best_key + b * S + s, mask=inside, other=float("-inf"))
+    m = tl.max(key, axis=0)
+    c = tl.min(tl.where(inside & (key == m), s, S - 1), axis=0)  # the lowest chunk holding the best key
+    tl.store(out + b, tl.load(best_id + b * S + c).to(tl.int64))
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
@@ -56,6 +90,13 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.T
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
-        _sample_kernel[(B,)](logits, logits.stride(0), temperature, greedy, seeds, out, V,
-                             BLOCK=min(BLOCK_V, triton.next_power_of_2(V)), ALL_GREEDY=all_greedy)
+        block = min(BLOCK_V, max(4, triton.next_power_of_2(V)))
+        chunk = max(CHUNK_V, block)
+        S = triton.cdiv(V, chunk)
+        key = torch.empty(B, S, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(B, S, dtype=torch.int32, device=logits.device)
+        _chunk_kernel[(B, S)](logits, logits.stride(0), temperature, greedy, seeds, key, ids, out, V, S,
+                              BLOCK=block, CHUNK=chunk, ALL_GREEDY=all_greedy, ONE_CHUNK=S == 1)
+        if S > 1:
+            _pick_kernel[(B,)](key, ids, out, S, SP=triton.next_power_of_2(S))
     return out
