@@ -33,8 +33,8 @@ class Harness:
 
 
 def make_harness(fmt, kernels, *, H=2, D=64, group=2, block_size=None, sink=None, residual=None,
-                 num_q=64, num_hp=32, device="cpu") -> Harness:
-    model = bare_model(1, H, D, num_attention_heads=H * group)
+                 num_q=64, num_hp=32, device="cpu", dtype="bfloat16") -> Harness:
+    model = bare_model(1, H, D, num_attention_heads=H * group, dtype=dtype)
     if "/" in fmt:  # "K_SPEC/V_SPEC", e.g. int4_kivi/int2_kivi:g64: K and V differ in family or group
         from kvq.cache.plan import plan_from_file
         from kvq.cache.plan_file import PlanFile

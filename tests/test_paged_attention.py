@@ -174,18 +174,20 @@ def test_cuda_seal_walks_a_padded_pair_list(fmt):
     _pools_equal(hr.pool, hc.pool)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend,dtype", [("triton", "bfloat16"), ("cuda", "bfloat16"), ("cuda", "float16")])
 @pytest.mark.parametrize("fmt", ["int4_kivi", "int2_kivi"])
-def test_kivi_seal_is_exact_at_rounding_ties(fmt, backend):
+def test_kivi_seal_is_exact_at_rounding_ties(fmt, backend, dtype):
     """Block seals on K/V whose quotients are exact ties (values at half steps of a group's scale)
     and near-ties (a few bf16 units in the last place off), beside random groups, give the
     reference's bytes: the Triton seal, and seal.cu, which computes KIVI codes with a reciprocal
-    product and falls back to the division where the product lies near a half-integer."""
+    product and falls back to the division where the product lies near a half-integer; seal.cu
+    also with f16 hp blocks (its min/max and loads differ per dtype)."""
     if backend == "cuda" and (not GPU or _cuda_reason()):
         pytest.skip("the CUDA backend needs a GPU" if not GPU else _cuda_reason())
     D, H, bs = 128, 2, 32
-    hr = make_harness(fmt, _kernels("torch"), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device=DEV)
-    hc = make_harness(fmt, _kernels(backend), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device=DEV)
+    hr, hc = (make_harness(fmt, _kernels(b), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device=DEV,
+                           dtype=dtype) for b in ("torch", backend))
+    hp_dtype = getattr(torch, dtype)
     qmax = 15.0 if fmt == "int4_kivi" else 3.0
     g = torch.Generator().manual_seed(4)
     steps = torch.arange(bs * D, dtype=torch.float32).reshape(bs, D) % (2 * qmax + 1) / 2  # 0, 0.5, ..., qmax
@@ -199,9 +201,9 @@ def test_kivi_seal_is_exact_at_rounding_ties(fmt, backend):
         nudged = tie.view(torch.int16) + delta
         block = torch.where(torch.rand(tie.shape, generator=g) < 0.5, tie, nudged.view(torch.bfloat16)).float()
         for h in (hr, hc):
-            h.layer.k_hp[blk] = block.bfloat16().to(DEV)[None].expand(H, -1, -1)
-            h.layer.v_hp[blk] = (block.flip(1) * 1.5).bfloat16().to(DEV)[None].expand(H, -1, -1)
-    k_rand, v_rand = (torch.randn(4, H, bs, D, generator=g).bfloat16().to(DEV) for _ in range(2))
+            h.layer.k_hp[blk] = block.to(hp_dtype).to(DEV)[None].expand(H, -1, -1)
+            h.layer.v_hp[blk] = (block.flip(1) * 1.5).to(hp_dtype).to(DEV)[None].expand(H, -1, -1)
+    k_rand, v_rand = (torch.randn(4, H, bs, D, generator=g).to(hp_dtype).to(DEV) for _ in range(2))
     for h in (hr, hc):
         h.layer.k_hp[4:], h.layer.v_hp[4:] = k_rand, v_rand
         h.kernels.seal_blocks(h.layer, torch.arange(8, device=DEV), torch.arange(8, device=DEV))
