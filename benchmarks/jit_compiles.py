@@ -18,17 +18,21 @@ class JitCompiles:
         self.names: Counter[str] = Counter()
         self.total_s, self.max_s, self._t = 0.0, 0.0, None
         self._knobs = None
+        self.variants: list[dict] = []  # per compile: the launch Triton saw (what a warm-up must repeat)
 
-    def _before(self, *, fn, **_):
+    def _before(self, *, fn, **kw):
         self._t = time.perf_counter()
         return False  # compile as usual
 
-    def _after(self, *, fn, **_):
+    def _after(self, *, fn, **kw):
         d = time.perf_counter() - (self._t or time.perf_counter())
         self.names[fn.name] += 1
         self.total_s += d
         self.max_s = max(self.max_s, d)
         self._t = None
+        comp = kw.get("compile") or {}
+        self.variants.append({"kernel": fn.name, "s": round(d, 3), "repr": str(kw.get("repr", ""))[:1500],
+                              "configs": str(comp.get("configs", ""))[:1500]})
 
     def __enter__(self):
         try:
@@ -48,7 +52,8 @@ class JitCompiles:
 
     def record(self) -> dict:
         return {"jit_compiles": sum(self.names.values()), "jit_compile_s": self.total_s,
-                "jit_compile_max_s": self.max_s, "jit_compiled": dict(self.names.most_common())}
+                "jit_compile_max_s": self.max_s, "jit_compiled": dict(self.names.most_common()),
+                "jit_variants": self.variants}
 
 
 def allocator_counts() -> dict:

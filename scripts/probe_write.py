@@ -78,6 +78,8 @@ def cuda_parts(layer, k, v, slots, full, nbytes, copy, fmt_name):
     for role, x in (("k", k), ("v", v)):
         a = (layer, role, x, full[:, 1], x.stride(0), x.stride(1), x.stride(0), full[:, 0])
         parts[f"seal {role} cuda"] = (lambda a=a: seal.seal_from(*a))
+    parts["seal k+v cuda"] = lambda: seal.seal_both_from(layer, k, v, full[:, 1], k.stride(0), k.stride(1),
+                                                         k.stride(0), full[:, 0])
     for label, fn in parts.items():
         t = bench(fn)
         gbps = nbytes / t / 1e3

@@ -41,5 +41,6 @@ def seal_blocks(layer, src_hp, dst_q):
 
 
 def write_kv(layer, k, v, slots, full_blocks=None):
-    sealer = seal.seal_from if seal.layer_reason(layer) is None else None
-    return store.write_kv(layer, k, v, slots, full_blocks, sealer=sealer)
+    if seal.layer_reason(layer) is not None:
+        return store.write_kv(layer, k, v, slots, full_blocks)
+    return store.write_kv(layer, k, v, slots, full_blocks, sealer=seal.seal_from, pair_sealer=seal.seal_both_from)

@@ -115,13 +115,30 @@ def seal_blocks(layer: LayerKV, src_hp: torch.Tensor, dst_q: torch.Tensor) -> No
     seal_pairs(layer, torch.stack([src_hp.to(torch.int64), dst_q.to(torch.int64)], dim=1))
 
 
+def _check_src(layer: LayerKV, src: torch.Tensor, s_src: int, s_head: int, s_tok: int) -> None:
+    assert src.dtype == layer.k_hp.dtype and src.stride(-1) == 1
+    # KIVI V rows are read in 16-byte pieces
+    assert src.data_ptr() % 16 == 0 and s_src % 8 == 0 and s_head % 8 == 0 and s_tok % 8 == 0, src.stride()
+
+
 def seal_from(layer: LayerKV, role: str, src: torch.Tensor, src_ids: torch.Tensor, s_src: int, s_head: int,
               s_tok: int, dst_q: torch.Tensor) -> None:
     """Quantize whole blocks of one role from ``src`` (same contract as the Triton ``seal_from``)."""
     if dst_q.numel() == 0:
         return
-    assert src.dtype == layer.k_hp.dtype and src.stride(-1) == 1
+    _check_src(layer, src, s_src, s_head, s_tok)
     r = 0 if role == "k" else 1
-    # KIVI V rows are read in 16-byte pieces
-    assert src.data_ptr() % 16 == 0 and s_src % 8 == 0 and s_head % 8 == 0 and s_tok % 8 == 0, src.stride()
     _launch(layer, src_ids.to(torch.int64), dst_q.to(torch.int64), src, src, s_src, s_head, s_tok, (r, r + 1))
+
+
+def seal_both_from(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, src_ids: torch.Tensor, s_src: int, s_head: int,
+                   s_tok: int, dst_q: torch.Tensor) -> None:
+    """:func:`seal_from` of both roles in one launch: ``k`` and ``v`` share their strides (a prefill
+    chunk's whole blocks).  One grid of both roles' tiles: no second launch and no tail between the
+    roles (on the H200 the two launches of 16384 int4_kivi tokens took 66 us, each alone 24 and 22)."""
+    if dst_q.numel() == 0:
+        return
+    assert k.stride() == v.stride(), (k.stride(), v.stride())
+    _check_src(layer, k, s_src, s_head, s_tok)
+    _check_src(layer, v, s_src, s_head, s_tok)
+    _launch(layer, src_ids.to(torch.int64), dst_q.to(torch.int64), k, v, s_src, s_head, s_tok, (0, 2))

@@ -264,14 +264,16 @@ def seal_blocks(layer: LayerKV, src_hp: torch.Tensor, dst_q: torch.Tensor) -> No
 
 def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
              full_blocks: torch.Tensor | None = None, tokens_per_program: int = 16, num_warps: int | None = None,
-             seal_warps: int | None = None, sealer=None) -> None:
+             seal_warps: int | None = None, sealer=None, pair_sealer=None) -> None:
     """Triton twin of :func:`kvq.attention.reference.write_kv`.
 
     ``full_blocks`` [NB, 2] (q block, first token index) lists the q blocks that
     this write fills whole; it is needed only for block-sealed formats and is
     derived from ``slots`` (with a device sync) when not given.  ``sealer`` (same
     arguments as :func:`seal_from` without the warps) seals those blocks instead of
-    the Triton seal kernel (the CUDA backend's, kvq.attention.cuda.seal).
+    the Triton seal kernel (the CUDA backend's, kvq.attention.cuda.seal); ``pair_sealer`` (arguments
+    ``layer, k, v, src_ids, s_src, s_head, s_tok, dst_q``) seals both roles at once where both are
+    sealed per block.
     """
     T, H, D = k.shape
     assert k.stride() == v.stride() and k.stride(2) == 1, "k and v must share a layout with contiguous channels"
@@ -301,6 +303,9 @@ def write_kv(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
 
         full_blocks = full_block_writes(torch.where(slots < 0, -1, slots), layer.block_size)
     if full_blocks.numel() == 0:
+        return
+    if pair_sealer is not None and not (km["direct"] or vm["direct"]):
+        pair_sealer(layer, k, v, full_blocks[:, 1], k.stride(0), k.stride(1), k.stride(0), full_blocks[:, 0])
         return
     for role, x, meta in (("k", k, km), ("v", v, vm)):
         if not meta["direct"]:
