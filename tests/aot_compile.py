@@ -41,7 +41,7 @@ def launch_signature(fn: JITFunction, bound: dict, hints: bool = False) -> tuple
     """(signature, constexprs, attrs) of a recorded launch for ``triton.compile``; ``hints``: the
     16-byte divisibility a real launch tells the compiler for its pointers and for integers that
     are multiples of 16, unless the kernel does not specialize on them (what decides vectorized
-    loads and pipelining)."""
+    loads and pipelining; do_not_specialize, do_not_specialize_on_alignment)."""
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         val = bound[name]
@@ -60,8 +60,8 @@ def launch_signature(fn: JITFunction, bound: dict, hints: bool = False) -> tuple
             sig[name] = "constexpr"
             consts[(i,)] = val
             continue
-        if hints and (isinstance(val, torch.Tensor) or (sig[name] in ("i32", "i64") and val % 16 == 0
-                                                        and not fn.params[i].do_not_specialize)):
+        if hints and ((isinstance(val, torch.Tensor) and not fn.params[i].do_not_specialize_on_alignment)
+                      or (sig[name] in ("i32", "i64") and val % 16 == 0 and not fn.params[i].do_not_specialize)):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, consts, attrs
 

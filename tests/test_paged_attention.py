@@ -351,3 +351,36 @@ def test_backend_selection_is_explicit():
     plan = make_plan(bare_model(1, 2, 48), "fp8")
     with pytest.raises(ValueError, match="head_dim 48"):
         select_backend("triton", plan, DEV, torch.bfloat16)
+
+
+@pytest.mark.parametrize("cover", [True, False], ids=["whole-blocks", "with-skipped-tokens"])
+@pytest.mark.parametrize("fmt", ["int4_kivi", "int2_kivi", "fp8_per_block"])
+def test_write_through_a_pair_sealer(fmt, cover):
+    """store.write_kv's ``pair_sealer`` (the CUDA backend: both roles in one seal.cu launch) seals a
+    write of whole blocks alone, KIVI V too (a role written per token otherwise), and the whole
+    blocks of any write where both roles are sealed per block; the reference's bytes either way
+    (the pair sealer here: the Triton seal of each role)."""
+    from kvq.attention.triton import store
+
+    D, H, bs = 64, 2, 32
+    hr, ht = (make_harness(fmt, _kernels(b), H=H, D=D, block_size=bs, num_q=8, num_hp=8, device=DEV)
+              for b in ("torch", "triton"))
+    g = torch.Generator().manual_seed(9)
+    k, v = (torch.randn(3 * bs + 5, H, D, generator=g).bfloat16().to(DEV) for _ in range(2))
+    blocks = [5, 2, 7]
+    slots = torch.tensor([blocks[t // bs] * bs + t % bs if t < 3 * bs else -1 for t in range(k.shape[0])], device=DEV)
+    if cover:
+        k, v, slots = k[:3 * bs], v[:3 * bs], slots[:3 * bs]
+    full = reference.full_block_writes(slots, bs).to(DEV)
+    calls = []
+
+    def pair(layer, kk, vv, src_ids, s_src, s_head, s_tok, dst_q):
+        calls.append(dst_q.tolist())
+        for role, x in (("k", kk), ("v", vv)):
+            store.seal_from(layer, role, x, src_ids, s_src, s_head, s_tok, dst_q)
+
+    reference.write_kv(hr.layer, k, v, slots)
+    store.write_kv(ht.layer, k, v, slots, full, pair_sealer=pair)
+    _pools_equal(hr.pool, ht.pool)
+    both_sealed = not any(ht.layer.tensor_format(r).write_direct for r in ("k", "v"))
+    assert calls == ([blocks] if cover or both_sealed else [])

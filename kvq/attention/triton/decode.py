@@ -31,7 +31,9 @@ _LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@triton.jit
+# the table width and split count change step to step, the table and length views' alignment too
+# (eager steps: a recompile in bf16's wave on the H200): no recompile for any
+@triton.jit(do_not_specialize=["s_tb", "num_splits"], do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
 def _decode_split_kernel(
     q_ptr, s_qb, s_qh,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,

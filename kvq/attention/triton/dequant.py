@@ -72,7 +72,9 @@ def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
     return x
 
 
-@triton.jit(do_not_specialize=["s_tb", "NB"])  # widths change step to step: no recompile
+# widths change step to step, and so does the 16-byte alignment of the step's table and length views
+# (two recompiles in a wave on the H200): no recompile for either
+@triton.jit(do_not_specialize=["s_tb", "NB"], do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
 def _dequant_kernel(
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,

@@ -82,7 +82,10 @@ def _prefill_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["s_tb"])  # the table width changes step to step: no recompile
+# the table width changes step to step, and the step's tables, lengths and query starts are views
+# whose 16-byte alignment does too (one recompile each in a wave on the H200): no recompile for either
+@triton.jit(do_not_specialize=["s_tb"], do_not_specialize_on_alignment=["cu_ptr", "table_ptr", "lens_ptr",
+                                                                        "tableq_ptr"])
 def _prefill_kernel(
     q_ptr, s_qt, s_qh, o_ptr, s_ot, s_oh, cu_ptr,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
