@@ -76,22 +76,19 @@ __device__ __forceinline__ float hi_f32(u32 w) {
 __device__ __forceinline__ float to_f32(u16 v) { return lo_f32(v); }
 // Elementwise min / max of two source words: exact (the fp32 min / max of the converted values;
 // like fminf, a NaN loses to a number).
+#if MODEL_BF16
+#define PAIR_TYPE "bf16x2"
+#else
+#define PAIR_TYPE "f16x2"
+#endif
 __device__ __forceinline__ u32 min2(u32 a, u32 b) {
     u32 r;
-#if MODEL_BF16
-    asm("min.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-#else
-    asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-#endif
+    asm("min." PAIR_TYPE " %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
 __device__ __forceinline__ u32 max2(u32 a, u32 b) {
     u32 r;
-#if MODEL_BF16
-    asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-#else
-    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-#endif
+    asm("max." PAIR_TYPE " %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
 __device__ __forceinline__ u16 f32_to_f16(float x) {
