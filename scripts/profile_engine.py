@@ -2,8 +2,9 @@
 
 Builds the engine on a dummy-weight model, starts a wave of requests, lets the
 prefill finish, then profiles N pure decode steps twice: with torch.profiler
-(device time per kernel family, and the step's wall time) and with cProfile (the
-host-side Python functions).  Not a benchmark: it steers the engine work.
+(device time per kernel family, the step's wall time, and the device's idle time between
+kernels: how much, in gaps of what length, after and before which kernels) and with cProfile
+(the host-side Python functions).  Not a benchmark: it steers the engine work.
 
     python scripts/profile_engine.py --kv-cache-dtype bfloat16 --concurrency 1,64
 """
@@ -20,6 +21,43 @@ import torch
 
 from kvq.engine.llm_engine import EngineConfig, LLMEngine
 from kvq.engine.sampling_params import SamplingParams
+
+
+def kernel_gaps(spans: list[tuple[float, float, str]]) -> tuple[float, float, list[tuple[float, str, str]]]:
+    """Device kernels ``(start, end, name)`` (any unit) -> (busy, span, gaps): the time some kernel
+    ran (overlapping kernels counted once), first start to last end, and every idle gap as
+    ``(length, kernel before, kernel after)`` in time order.  What the step spends outside its
+    kernels: many short gaps are launch latency between kernels, a few long ones a device that
+    waited for the host."""
+    if not spans:
+        return 0.0, 0.0, []
+    spans = sorted(spans)
+    busy, gaps = 0.0, []
+    start, end, name = spans[0]
+    for s, e, n in spans[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((s - end, name, n))
+            start, end, name = s, e, n
+        elif e >= end:
+            end, name = e, n
+    busy += end - start
+    return busy, end - spans[0][0], gaps
+
+
+def print_gaps(prof, steps: int, rows: int) -> None:
+    """The profiled steps' device idle time: total, by gap length, and the longest gaps."""
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy, span, gaps = kernel_gaps(spans)
+    bins = {"< 5 us": 0.0, "5-50 us": 0.0, ">= 50 us": 0.0}
+    for g, _, _ in gaps:
+        bins["< 5 us" if g < 5 else "5-50 us" if g < 50 else ">= 50 us"] += g
+    print(f"  device busy {busy / steps / 1e3:.2f} ms/step of {span / steps / 1e3:.2f} ms; idle "
+          f"{(span - busy) / steps / 1e3:.2f} ms/step in {len(gaps) / steps:.0f} gaps/step ("
+          + ", ".join(f"{k}: {v / steps / 1e3:.2f} ms" for k, v in bins.items()) + ")")
+    for g, before, after in sorted(gaps, reverse=True)[:rows]:
+        print(f"    gap {g:8.1f} us  after {before[:50]}  before {after[:50]}")
 
 
 def decode_steps(engine, n):
@@ -43,6 +81,7 @@ def main():
     ap.add_argument("--host", action="store_true", help="also cProfile the host side")
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--prefill", action="store_true", help="profile the wave's prefill steps instead of decode")
+    ap.add_argument("--trace", default=None, help="also write the profiled decode steps' Chrome trace to this file")
     ap.add_argument("--advance", type=int, default=0,
                     help="decode steps run before the profiled ones, so that contexts grow (and a pool too small "
                          "for the wave preempts) as in bench_engine's long runs")
@@ -106,6 +145,9 @@ def main():
             print(f"  {e.self_device_time_total / args.steps / 1e3:7.3f} ms/step  "
                   f"{e.count / args.steps:6.1f} calls/step"
                   f"  {e.key[:70]}")
+        print_gaps(prof, args.steps, 10)
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
         if not args.host:
             while eng.has_unfinished():
                 eng.step()
