@@ -3,8 +3,8 @@
 // that are sealed per block: KIVI K (scale and zero per channel over 32 tokens), KIVI V
 // (per token over 32 channels) and per-block scales (FP8 e4m3 / e5m2, INT8).  Bit for
 // bit the reference's arithmetic (kvq.formats.reference.quantize): fp32 values,
-// correctly rounded divisions (KIVI codes: a reciprocal product wherever it provably
-// rounds the same, see kivi_code), round-half-even codes, scales rounded to their dtype
+// correctly rounded divisions (KIVI codes: a reciprocal product and one fma correction, which
+// gives the correctly rounded quotient, see kivi_code), round-half-even codes, scales rounded to their dtype
 // before the codes are computed with them, saturating FP8 conversions.
 //
 // Compiled at run time (NVRTC) with these macros, set by seal.py:
@@ -26,8 +26,8 @@
 // chunks in order, and loads the next slot's words (registers) before it computes the current one.
 // No CTA-wide barrier: the threads that exchange data are lanes of one warp.  The codes are the
 // low bits of fl(y + 1.5 * 2^23) (no cvt / rint: conversions issue at 1/8 of the fp32 rate), min and
-// max are taken on packed bf16x2 / f16x2 words, and a division is done only for the rare value whose
-// reciprocal product lies near a half-integer (kivi_code).
+// max are taken on packed bf16x2 / f16x2 words, and the quotients come from the reciprocal with one
+// fma correction, no division and no branch (kivi_code).
 //   KIVI K: a slot is a channel pair (2p, 2p + 1) and its planar partners (+ DP, ...: exactly the
 //     channels of output bytes 2p, 2p + 1) over every TS-th token of the group; the TS lanes of a
 //     pair reduce min / max with shuffles, each lane computes one channel's scale and zero and
@@ -134,30 +134,19 @@ __device__ __forceinline__ Group group_of(float mn, float mx) {
 // 1.5 * 2^23 is even), so the code sits in the low bits and 0 above them up to bit 22.
 constexpr float MAGIC = 12582912.0f;
 
-// The reference's code of x: clamp(rint(fl(fl(x - z) / s)), 0, QMAX), NaN -> 0 (fmaxf takes the 0);
-// clamping before rounding gives the same integer (the bounds are integers).
-template <int QMAX>
-__device__ __forceinline__ u32 kivi_code_exact(float x, float s, float z) {
-    const float y = fminf(fmaxf(__fdiv_rn(__fsub_rn(x, z), s), 0.f), float(QMAX));
-    return __float_as_uint(__fadd_rn(y, MAGIC));
-}
-
-// The same code, a division only where it may differ: y = fl(fl(x - z) * fl(1 / s)) is within
-// |q| 2^-22.9 of q = (x - z) / s and fl(q) within |q| 2^-24, so both round to the same integer
-// wherever y lies farther than max(|y|, 1) 2^-20 from a half-integer.  The code is taken from y
-// clamped to [0, QMAX] (yc): where y < 0 (y > QMAX, NaN) the exact code is 0 (QMAX, 0) too, since y
-// and fl(q) have q's sign and are within a relative 2^-22 of each other; inside, max(|y|, 1) <=
-// QMAX + 1: one band for every value.  A value in the band (bf16 values on f16 scales make exact
-// ties common: about one value in a few hundred on real K) is computed again with the division,
-// that value alone: a warp pays for the division only where one of its lanes needs it.
-// Per value: sub, mul, 2 min/max, add (the code), sub (rint), sub, compare and branch.
+// The reference's code of x, clamp(rint(fl(fl(x - z) / s)), 0, QMAX), without a division:
+// q0 = fl(d r) with r = fl(1 / s) lies within two ulps of d / s, so the remainder d - q0 s is a
+// float and one fma gives it exactly, and the correction fl(q0 + rem r) is the correctly rounded
+// quotient fl(d / s) (Markstein's theorem for a correctly rounded reciprocal; checked in float32 on
+// the host over every f16 scale and constructed ties, tests/test_seal_rounding.py).  Clamping
+// before rounding gives the same integer (the bounds are integers); NaN gives 0 (fmaxf takes the
+// 0), and so does an infinite scale (the remainder is NaN), where the division gives 0 too: a group
+// holding an infinity has one.  Per value: sub, mul, 2 fma, 2 min/max, add (the code).
 template <int QMAX>
 __device__ __forceinline__ u32 kivi_code(float x, float s, float z, float r) {
-    constexpr float BAND = 0.5f - float(QMAX + 1) * 0x1p-20f;
-    const float y = fminf(fmaxf(__fmul_rn(__fsub_rn(x, z), r), 0.f), float(QMAX));
-    const float t = __fadd_rn(y, MAGIC);
-    if (fabsf(__fsub_rn(y, __fsub_rn(t, MAGIC))) > BAND) return kivi_code_exact<QMAX>(x, s, z);  // both subs exact
-    return __float_as_uint(t);
+    const float d = __fsub_rn(x, z), q0 = __fmul_rn(d, r);
+    const float q = __fmaf_rn(__fmaf_rn(-q0, s, d), r, q0);
+    return __float_as_uint(__fadd_rn(fminf(fmaxf(q, 0.f), float(QMAX)), MAGIC));
 }
 
 // Four codes (low bytes of a, b, c, d) -> one word of byte codes, a in the low byte.
