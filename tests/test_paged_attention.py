@@ -243,9 +243,9 @@ def _trap_kv(T: int, D: int, qmax: float, scale_dtype, symmetric: bool) -> torch
 @pytest.mark.parametrize("fmt", ["int8_per_token_head", "int4_kivi", "int2_kivi", "int4_per_token"])
 def test_writes_are_exact_at_reciprocal_traps(fmt, backend):
     """Token writes (and a prefill's whole-block seals) give the reference's bytes on K/V built from
-    values whose code a reciprocal product gets wrong: the Triton write computes integer codes
-    with one and falls back to the correctly rounded division for a tile with a value near a
-    half-integer (without the fallback the per-token and KIVI rows fail)."""
+    values whose code a reciprocal product gets wrong: the Triton write and seal.cu compute the
+    quotients from the reciprocal with one fma correction (without it the per-token and KIVI rows
+    fail)."""
     if backend == "cuda" and (not GPU or _cuda_reason()):
         pytest.skip("the CUDA backend needs a GPU" if not GPU else _cuda_reason())
     D, H, bs = 128, 2, 32

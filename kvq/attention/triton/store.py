@@ -31,6 +31,18 @@ def _safe(s):
 
 
 @triton.jit
+def _quot(x, s, r):
+    """fl(x / s) given r = fl(1 / s), without a division per value: q0 = fl(x r) lies within two ulps
+    of x / s, so one fma gives the remainder x - q0 s exactly and a second the correctly rounded
+    quotient fl(q0 + rem r) (Markstein; tests/test_seal_rounding.py checks it in float32).  A
+    subnormal quotient may differ in its last bit, which no code keeps (it codes 0 either way).  An
+    infinite scale (a tile holding an infinity) has r = 0: q0 = x * 0 is what the division gives.
+    Only for scales of the tile's own range, under which every quotient is at most QMAX."""
+    q0 = x * r
+    return tl.where(r == 0.0, q0, tl.fma(tl.fma(-q0, s, x), r, q0))
+
+
+@triton.jit
 def _codes(y, data_ptr, QMAX: tl.constexpr):
     """Scaled values -> stored values (FP8 saturating cast, or int8 codes)."""
     if data_ptr.dtype.element_ty.is_fp8():
@@ -70,13 +82,15 @@ def _quant_store(
         amax = tl.max(tl.abs(x), axis=1)
         sc = tl.math.div_rn(amax, QMAX + tl.zeros_like(amax)).to(scale_ptr.dtype.element_ty)
         tl.store(scale_ptr + s_row, sc, mask=rmask)
-        y = tl.math.div_rn(x, _safe(sc.to(tl.float32))[:, None] + tl.zeros_like(x))
+        s = _safe(sc.to(tl.float32))
+        y = _quot(x, s[:, None] + tl.zeros_like(x), tl.math.div_rn(1.0 + tl.zeros_like(s), s)[:, None])
         tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX), mask=m2)
     elif FMT == BLOCK_SCALE:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         sc = tl.math.div_rn(amax, QMAX).to(scale_ptr.dtype.element_ty)
         tl.store(scale_ptr + tl.min(s_row, axis=0), sc)
-        y = tl.math.div_rn(x, _safe(sc.to(tl.float32)) + tl.zeros_like(x))
+        s = _safe(sc.to(tl.float32))
+        y = _quot(x, s + tl.zeros_like(x), tl.math.div_rn(1.0, s))
         tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX))
     elif FMT == KIVI_K:  # groups of G rows, one scale/zero per channel
         g = tl.reshape(x, (R // G, G, D))
@@ -88,7 +102,9 @@ def _quant_store(
         soff = tl.min(s_row, axis=0) + gi[:, None] * D + p[None, :]
         tl.store(scale_ptr + soff, sc)
         tl.store(zero_ptr + soff, zr)
-        y = tl.math.div_rn(g - zr.to(tl.float32)[:, None, :], _safe(sc.to(tl.float32))[:, None, :] + tl.zeros_like(g))
+        s = _safe(sc.to(tl.float32))
+        y = _quot(g - zr.to(tl.float32)[:, None, :], s[:, None, :] + tl.zeros_like(g),
+                  tl.math.div_rn(1.0 + tl.zeros_like(s), s)[:, None, :])
         codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER))
     else:  # KIVI_V: per row, groups of G channels
@@ -101,7 +117,9 @@ def _quant_store(
         soff = s_row[:, None] + gi[None, :]
         tl.store(scale_ptr + soff, sc, mask=m2)
         tl.store(zero_ptr + soff, zr, mask=m2)
-        y = tl.math.div_rn(g - zr.to(tl.float32)[:, :, None], _safe(sc.to(tl.float32))[:, :, None] + tl.zeros_like(g))
+        s = _safe(sc.to(tl.float32))
+        y = _quot(g - zr.to(tl.float32)[:, :, None], s[:, :, None] + tl.zeros_like(g),
+                  tl.math.div_rn(1.0 + tl.zeros_like(s), s)[:, :, None])
         codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER), mask=m2)
 
