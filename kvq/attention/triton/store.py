@@ -31,6 +31,12 @@ def _safe(s):
 
 
 @triton.jit
+def _recip(s):
+    """fl(1 / s), correctly rounded: once per scale, for :func:`_quot`."""
+    return tl.math.div_rn(1.0 + tl.zeros_like(s), s)
+
+
+@triton.jit
 def _quot(x, s, r):
     """fl(x / s) given r = fl(1 / s), without a division per value: q0 = fl(x r) lies within two ulps
     of x / s, so one fma gives the remainder x - q0 s exactly and a second the correctly rounded
@@ -83,14 +89,14 @@ def _quant_store(
         sc = tl.math.div_rn(amax, QMAX + tl.zeros_like(amax)).to(scale_ptr.dtype.element_ty)
         tl.store(scale_ptr + s_row, sc, mask=rmask)
         s = _safe(sc.to(tl.float32))
-        y = _quot(x, s[:, None] + tl.zeros_like(x), tl.math.div_rn(1.0 + tl.zeros_like(s), s)[:, None])
+        y = _quot(x, s[:, None] + tl.zeros_like(x), _recip(s)[:, None])
         tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX), mask=m2)
     elif FMT == BLOCK_SCALE:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         sc = tl.math.div_rn(amax, QMAX).to(scale_ptr.dtype.element_ty)
         tl.store(scale_ptr + tl.min(s_row, axis=0), sc)
         s = _safe(sc.to(tl.float32))
-        y = _quot(x, s + tl.zeros_like(x), tl.math.div_rn(1.0, s))
+        y = _quot(x, s + tl.zeros_like(x), _recip(s))
         tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX))
     elif FMT == KIVI_K:  # groups of G rows, one scale/zero per channel
         g = tl.reshape(x, (R // G, G, D))
@@ -104,7 +110,7 @@ def _quant_store(
         tl.store(zero_ptr + soff, zr)
         s = _safe(sc.to(tl.float32))
         y = _quot(g - zr.to(tl.float32)[:, None, :], s[:, None, :] + tl.zeros_like(g),
-                  tl.math.div_rn(1.0 + tl.zeros_like(s), s)[:, None, :])
+                  _recip(s)[:, None, :])
         codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER))
     else:  # KIVI_V: per row, groups of G channels
@@ -119,7 +125,7 @@ def _quant_store(
         tl.store(zero_ptr + soff, zr, mask=m2)
         s = _safe(sc.to(tl.float32))
         y = _quot(g - zr.to(tl.float32)[:, :, None], s[:, :, None] + tl.zeros_like(g),
-                  tl.math.div_rn(1.0 + tl.zeros_like(s), s)[:, :, None])
+                  _recip(s)[:, :, None])
         codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER), mask=m2)
 
