@@ -353,7 +353,7 @@ def test_backend_selection_is_explicit():
         select_backend("triton", plan, DEV, torch.bfloat16)
 
 
-@pytest.mark.parametrize("cover", [True, False], ids=["whole-blocks", "with-skipped-tokens"])
+@pytest.mark.parametrize("cover", [True, False], ids=["whole-blocks", "with-hp-rows"])
 @pytest.mark.parametrize("fmt", ["int4_kivi", "int2_kivi", "fp8_per_block"])
 def test_write_through_a_pair_sealer(fmt, cover):
     """store.write_kv's ``pair_sealer`` (the CUDA backend: both roles in one seal.cu launch) seals a
@@ -368,7 +368,9 @@ def test_write_through_a_pair_sealer(fmt, cover):
     g = torch.Generator().manual_seed(9)
     k, v = (torch.randn(3 * bs + 5, H, D, generator=g).bfloat16().to(DEV) for _ in range(2))
     blocks = [5, 2, 7]
-    slots = torch.tensor([blocks[t // bs] * bs + t % bs if t < 3 * bs else -1 for t in range(k.shape[0])], device=DEV)
+    # the last 5 tokens go to hp rows 0..4 (slot -1 - row), each its own: rows sharing one slot race on a GPU
+    slots = torch.tensor([blocks[t // bs] * bs + t % bs if t < 3 * bs else 3 * bs - 1 - t for t in range(k.shape[0])],
+                         device=DEV)
     if cover:
         k, v, slots = k[:3 * bs], v[:3 * bs], slots[:3 * bs]
     full = reference.full_block_writes(slots, bs).to(DEV)
@@ -384,3 +386,30 @@ def test_write_through_a_pair_sealer(fmt, cover):
     _pools_equal(hr.pool, ht.pool)
     both_sealed = not any(ht.layer.tensor_format(r).write_direct for r in ("k", "v"))
     assert calls == ([blocks] if cover or both_sealed else [])
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int4_kivi"])
+def test_decode_any_split_count_merges_to_the_reference(fmt):
+    """The split-merge kernel walks the splits 16 at a time (no variant per split count): one
+    split, a few, more than one tile of them (24 tiles of 16 tokens in 40 splits), and more splits
+    than the short sequence has tiles (empty splits, log-sum-exp -inf) give the reference's output."""
+    from kvq.attention.triton import decode
+    from kvq.cache.plan import bare_model, make_plan
+    from kvq.cache.pool import KVPool
+
+    H, group, D = 2, 2, 64
+    plan = make_plan(bare_model(1, H, D, num_attention_heads=H * group), fmt, sink_tokens=0, residual_tokens=0)
+    bs = plan.block_size
+    layer = KVPool.create(plan, 30, 4, DEV).layers[0]
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(30 * bs, H, D, generator=g).bfloat16().to(DEV) for _ in range(2))
+    reference.write_kv(layer, k, v, torch.arange(30 * bs, device=DEV))
+    order = torch.randperm(30, generator=g).to(torch.int32)
+    tables = torch.stack([order[:24], torch.cat([order[24:], order[:18]])]).to(DEV)
+    lens = torch.tensor([24 * bs, 2 * bs + 5], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, H * group, D, generator=g).bfloat16().to(DEV)
+    want = reference.paged_decode(q, layer, tables, lens, 0.125).float()
+    for splits in (1, 3, 17, 40):
+        got = decode.paged_decode(q, layer, tables, lens, 0.125, max_seq_len=24 * bs, has_hp=False, block_n=16,
+                                  num_splits=splits).float()
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2, msg=f"{splits} splits")

@@ -219,7 +219,6 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     out the high-precision path (no table holds an hp block)."""
     import cupy
     import numpy as np
-    import triton
 
     from kvq.attention.triton.decode import _decode_reduce_kernel
 
@@ -268,5 +267,5 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
         ), shared_mem=smem)
     if num_splits > 1:
         _decode_reduce_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), num_splits, Hq,
-                                       S_PAD=max(2, triton.next_power_of_2(num_splits)), D=D, V_PER=1)
+                                       S_TILE=16, D=D, V_PER=1)
     return out

@@ -95,23 +95,34 @@ def _decode_split_kernel(
     tl.store(plse_ptr + row, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "Hq"])
 def _decode_reduce_kernel(
     po_ptr, plse_ptr, o_ptr, s_ob, s_oh, num_splits, Hq,
-    S_PAD: tl.constexpr, D: tl.constexpr, V_PER: tl.constexpr,
+    S_TILE: tl.constexpr, D: tl.constexpr, V_PER: tl.constexpr,
 ):
+    """One program per (sequence, query head): the splits' partial outputs merged by their
+    log-sum-exps, S_TILE splits at a time with a running maximum, so that no compiled
+    variant depends on the split count (it changes with the step's longest context)."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
-    s = tl.arange(0, S_PAD)
-    smask = s < num_splits
     base = (b * Hq + hq).to(tl.int64) * num_splits
-    lse = tl.load(plse_ptr + base + s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(smask, tl.exp2(lse - m), 0.0)
     pos = tl.arange(0, D)
-    po = tl.load(po_ptr + (base + s)[:, None] * D + pos[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(po * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    m = float("-inf")
+    wsum = 0.0
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s0 in range(0, num_splits, S_TILE):
+        s = s0 + tl.arange(0, S_TILE)
+        smask = s < num_splits
+        lse = tl.load(plse_ptr + base + s, mask=smask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        w = tl.where(smask, tl.exp2(lse - m_ref), 0.0)
+        po = tl.load(po_ptr + (base + s)[:, None] * D + pos[None, :], mask=smask[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(po * w[:, None], axis=0)
+        wsum = wsum * alpha + tl.sum(w, axis=0)
+        m = m_new
+    out = acc / tl.maximum(wsum, 1e-30)
     chan = tile_channel(pos, V_PER, D)
     tl.store(o_ptr + b.to(tl.int64) * s_ob + hq * s_oh + chan, out.to(o_ptr.dtype.element_ty))
 
@@ -242,6 +253,6 @@ def paged_decode(
     )
     _decode_reduce_kernel[(B, Hq)](
         po, plse, out, out.stride(0), out.stride(1), num_splits, Hq,
-        S_PAD=max(2, triton.next_power_of_2(num_splits)), D=D, V_PER=meta["v_per"],
+        S_TILE=16, D=D, V_PER=meta["v_per"],
     )
     return out
