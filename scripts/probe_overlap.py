@@ -24,7 +24,7 @@ import torch
 
 from kvq.cache.plan import bare_model, make_plan
 from kvq.cache.pool import KVPool
-from kvq.models.fused import silu_mul
+from kvq.models.fused import add_rms_norm, silu_mul
 
 HID, HQ, HKV, D, INTER = 4096, 32, 8, 128, 14336
 
@@ -48,13 +48,16 @@ def build(fmt: str, layers: int, B: int, L: int):
     def w(o, i):
         return (torch.randn(o, i, device="cuda", generator=g, dtype=torch.bfloat16) * i ** -0.5)
 
-    weights = [dict(qkv=w((HQ + 2 * HKV) * D, HID), o=w(HID, HQ * D), gu=w(2 * INTER, HID), d=w(HID, INTER))
+    weights = [dict(qkv=w((HQ + 2 * HKV) * D, HID), o=w(HID, HQ * D), gu=w(2 * INTER, HID), d=w(HID, INTER),
+                    norm=torch.ones(HID, device="cuda", dtype=torch.bfloat16))
                for _ in range(layers)]
     return pool, tables, lens, weights
 
 
 def layer_fwd(x, wt, layer, tables, lens, L, kernels, after_qkv=None):
-    """One decode layer; ``after_qkv`` (a callable) runs between the QKV GEMM and attention."""
+    """One decode layer (its input RMS-normed, residual left out); ``after_qkv`` (a callable) runs
+    between the QKV GEMM and attention."""
+    x, _ = add_rms_norm(x, None, wt["norm"], 1e-5)
     qkv = x @ wt["qkv"].T
     if after_qkv is not None:
         after_qkv()
@@ -72,6 +75,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", action="store_true", help="print the serial graph's kernels (torch.profiler)")
     args = ap.parse_args()
     results = []
     for fmt in args.formats.split(","):
@@ -149,8 +153,16 @@ def probe(fmt: str, args) -> dict:
         t = statistics.median(ts) / N
         row[name + "_ms_per_layer"] = round(t, 4)
         row[name + "_matches_serial"] = bool(same)
+        row[name + "_finite"] = bool(got.isfinite().all())
+        if args.profile and name == "serial":
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                graph.replay()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
         print(f"{fmt:10s} B={B} L={L} {name:8s} {t:7.3f} ms/layer  x32 = {t * 32:6.2f} ms/step  "
-              f"matches serial: {same}", flush=True)
+              f"matches serial: {same}, finite: {row[name + '_finite']}", flush=True)
         del graph
     # the parts alone, whole batch: attention, and the four GEMMs
     for part, fn in (("attention", lambda: kernels.paged_decode(
