@@ -76,6 +76,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", action="store_true", help="print the serial graph's kernels (torch.profiler)")
+    ap.add_argument("--sustain", type=float, default=0.0,
+                    help="then replay the serial graph for this many seconds, printing ms/layer each second "
+                         "(does the step slow down as the GPU heats? log nvidia-smi beside it)")
     args = ap.parse_args()
     results = []
     for fmt in args.formats.split(","):
@@ -161,6 +164,8 @@ def probe(fmt: str, args) -> dict:
                 graph.replay()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+        if args.sustain and name == "serial":
+            row["sustained_ms_per_layer"] = sustain(graph, args.sustain, N)
         print(f"{fmt:10s} B={B} L={L} {name:8s} {t:7.3f} ms/layer  x32 = {t * 32:6.2f} ms/step  "
               f"matches serial: {same}, finite: {row[name + '_finite']}", flush=True)
         del graph
@@ -181,6 +186,25 @@ def probe(fmt: str, args) -> dict:
         row[part + "_ms"] = round(statistics.median(ts), 4)
         print(f"{fmt:10s} B={B} L={L} {part:9s} alone {statistics.median(ts):7.3f} ms", flush=True)
     return row
+
+
+def sustain(graph, seconds: float, layers: int) -> list[float]:
+    """Replay ``graph`` back to back for ``seconds``; the median ms/layer of each second."""
+    import time
+
+    per_second, t_end = [], time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        ts, t1 = [], time.monotonic() + 1.0
+        while time.monotonic() < t1:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / layers)
+        per_second.append(round(statistics.median(ts), 4))
+        print(f"  second {len(per_second):3d}: {per_second[-1]:.3f} ms/layer", flush=True)
+    return per_second
 
 
 def gemms_only(x, wt):
