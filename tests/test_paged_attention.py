@@ -263,6 +263,30 @@ def test_writes_are_exact_at_reciprocal_traps(fmt, backend):
     _pools_equal(hr.pool, hc.pool)
 
 
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("fmt", ["fp8_per_block", "int8_per_token_head", "fp8_per_token_head", "int4_kivi"])
+def test_writes_are_exact_for_tiles_of_tiny_values(fmt, backend):
+    """Normal values near 2e-38 have float32 scales below the normal range, whose reciprocal
+    overflows: the quotients by reciprocal must still be the reference's (without the 2^64 rescale
+    of such scales every per-token and per-block code differed)."""
+    if backend == "cuda" and (not GPU or _cuda_reason()):
+        pytest.skip("the CUDA backend needs a GPU" if not GPU else _cuda_reason())
+    D, H, bs = 128, 2, 32
+    hr = make_harness(fmt, _kernels("torch"), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device=DEV)
+    hc = make_harness(fmt, _kernels(backend), H=H, D=D, group=2, block_size=bs, num_q=8, num_hp=8, device=DEV)
+    g = torch.Generator().manual_seed(5)
+    T = 4 * bs
+    mag = torch.rand(T, H, D, generator=g) + 1
+    k = (mag * torch.randn(T, H, D, generator=g).sign() * 2e-38).bfloat16().to(DEV)
+    v = k.flip(0).contiguous()
+    slots = torch.arange(T, device=DEV)
+    full = torch.tensor([[b, b * bs] for b in range(3)], device=DEV)
+    for h in (hr, hc):
+        h.kernels.write_kv(h.layer, k[:3 * bs], v[:3 * bs], slots[:3 * bs], full)  # whole blocks
+        h.kernels.write_kv(h.layer, k[-3:], v[-3:], -1 - slots[:3])  # hp rows 0..2 (no full_blocks given)
+    _pools_equal(hr.pool, hc.pool)
+
+
 def _backend_matches_reference(fmt, cfg, backend):
     if "kivi" in fmt and cfg["block_size"] == 16:
         cfg = dict(cfg, block_size=32)

@@ -31,19 +31,23 @@ def _safe(s):
 
 
 @triton.jit
-def _recip(s):
-    """fl(1 / s), correctly rounded: once per scale, for :func:`_quot`."""
-    return tl.math.div_rn(1.0 + tl.zeros_like(s), s)
-
-
-@triton.jit
-def _quot(x, s, r):
-    """fl(x / s) given r = fl(1 / s), without a division per value: q0 = fl(x r) lies within two ulps
-    of x / s, so one fma gives the remainder x - q0 s exactly and a second the correctly rounded
-    quotient fl(q0 + rem r) (Markstein; tests/test_seal_rounding.py checks it in float32).  A
-    subnormal quotient may differ in its last bit, which no code keeps (it codes 0 either way).  An
-    infinite scale (a tile holding an infinity) has r = 0: q0 = x * 0 is what the division gives.
-    Only for scales of the tile's own range, under which every quotient is at most QMAX."""
+def _divide(x, s, SMALL: tl.constexpr):
+    """fl(x / s) for scales ``s`` broadcast over ``x``, without a division per value: with r =
+    fl(1 / s) (once per scale), q0 = fl(x r) lies within two ulps of x / s, so one fma gives the
+    remainder x - q0 s exactly and a second the correctly rounded quotient fl(q0 + rem r)
+    (Markstein; tests/test_seal_rounding.py checks it in float32).  A subnormal quotient may differ
+    in its last bit, which no code keeps (it codes 0 either way).  An infinite scale (a tile holding
+    an infinity) has r = 0: q0 = x * 0 is what the division gives.  ``SMALL``: the scales may lie
+    below 2^-64 (float32 scales of tiny values): the reciprocal of a subnormal one overflows, so
+    such a scale and its values are first multiplied by 2^64, exactly (f16 scales never are).
+    Only for scales of the values' own range, under which every quotient is at most QMAX."""
+    if SMALL:
+        k = tl.where(s < 5.421010862427522e-20, 1.8446744073709552e19, 1.0)
+        s = s * k
+        x = x * k
+    r = tl.math.div_rn(1.0 + tl.zeros_like(s), s)  # per scale; below, per value
+    s = s + tl.zeros_like(x)
+    r = r + tl.zeros_like(x)
     q0 = x * r
     return tl.where(r == 0.0, q0, tl.fma(tl.fma(-q0, s, x), r, q0))
 
@@ -89,14 +93,14 @@ def _quant_store(
         sc = tl.math.div_rn(amax, QMAX + tl.zeros_like(amax)).to(scale_ptr.dtype.element_ty)
         tl.store(scale_ptr + s_row, sc, mask=rmask)
         s = _safe(sc.to(tl.float32))
-        y = _quot(x, s[:, None] + tl.zeros_like(x), _recip(s)[:, None])
+        y = _divide(x, s[:, None], True)
         tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX), mask=m2)
     elif FMT == BLOCK_SCALE:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         sc = tl.math.div_rn(amax, QMAX).to(scale_ptr.dtype.element_ty)
         tl.store(scale_ptr + tl.min(s_row, axis=0), sc)
         s = _safe(sc.to(tl.float32))
-        y = _quot(x, s + tl.zeros_like(x), _recip(s))
+        y = _divide(x, s, True)
         tl.store(data_ptr + d_row[:, None] + p[None, :], _codes(y, data_ptr, QMAX))
     elif FMT == KIVI_K:  # groups of G rows, one scale/zero per channel
         g = tl.reshape(x, (R // G, G, D))
@@ -109,8 +113,7 @@ def _quant_store(
         tl.store(scale_ptr + soff, sc)
         tl.store(zero_ptr + soff, zr)
         s = _safe(sc.to(tl.float32))
-        y = _quot(g - zr.to(tl.float32)[:, None, :], s[:, None, :] + tl.zeros_like(g),
-                  _recip(s)[:, None, :])
+        y = _divide(g - zr.to(tl.float32)[:, None, :], s[:, None, :], False)
         codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER))
     else:  # KIVI_V: per row, groups of G channels
@@ -124,8 +127,7 @@ def _quant_store(
         tl.store(scale_ptr + soff, sc, mask=m2)
         tl.store(zero_ptr + soff, zr, mask=m2)
         s = _safe(sc.to(tl.float32))
-        y = _quot(g - zr.to(tl.float32)[:, :, None], s[:, :, None] + tl.zeros_like(g),
-                  _recip(s)[:, :, None])
+        y = _divide(g - zr.to(tl.float32)[:, :, None], s[:, :, None], False)
         codes = tl.reshape(tl.minimum(tl.maximum(_rne(y), 0.0), QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER), mask=m2)
 
