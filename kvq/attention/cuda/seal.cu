@@ -344,37 +344,64 @@ __device__ __forceinline__ void walk_kivi(const i64* src_ids, const i64* dst_ids
     }
 }
 
-// Per-block scale: one f32 scale for the head's whole tile, codes FP8 (saturating) or INT8.
+// Per-block scale: one f32 scale for the head's whole [PAGE, D] tile, codes FP8 (saturating) or
+// INT8.  Each thread keeps its 16-byte chunks of the tile in registers (one read of the source):
+// the absmax from packed |x| words, then the codes, eight to an 8-byte store.  Quotients as
+// kivi_code's (the reciprocal with one fma correction), the scale and values first multiplied by
+// 2^64 where the scale lies below 2^-64 (the reciprocal of a subnormal scale overflows; exact).
 template <int KIND, int QMAX>
 __device__ void seal_block(const u16* src, i64 s_tok, u8* data, float* scale, float* red) {
-    constexpr int Q4 = D / 4;  // 4 channels per thread step: one 32-bit store of codes
-    float amax = 0.f;
-    for (int e = threadIdx.x; e < PAGE * D; e += NT) amax = fmaxf(amax, fabsf(to_f32(src[(e / D) * s_tok + e % D])));
+    constexpr int CPR = D / 8, NCH = PAGE * CPR, PER = (NCH + NT - 1) / NT;
+    static_assert(D % 8 == 0, "per block: D a multiple of 8");
+    uint4 w[PER];
+    u32 m = 0;  // |x| maxima of the low and high halves (a NaN loses to a number, as with fmaxf)
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int j = 0; j < PER; ++j) {
+        const int c = threadIdx.x + j * NT;
+        if (NCH % NT == 0 || c < NCH) {
+            w[j] = *reinterpret_cast<const uint4*>(src + (c / CPR) * s_tok + 8 * (c % CPR));
+            m = max2(max2(m, w[j].x & 0x7fff7fffu), max2(w[j].y & 0x7fff7fffu, max2(w[j].z & 0x7fff7fffu,
+                                                                                    w[j].w & 0x7fff7fffu)));
+        }
+    }
+    float amax = fmaxf(lo_f32(m), hi_f32(m));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
     __syncthreads();
     amax = red[0];
 #pragma unroll
-    for (int w = 1; w < NT / 32; ++w) amax = fmaxf(amax, red[w]);
+    for (int i = 1; i < NT / 32; ++i) amax = fmaxf(amax, red[i]);
     const float sc = __fdiv_rn(amax, float(QMAX));
     if (threadIdx.x == 0) *scale = sc;
-    const float s = safe(sc);
-    for (int e = threadIdx.x; e < PAGE * Q4; e += NT) {
-        const int r = e / Q4, c = 4 * (e % Q4);
-        float y[4];
+    const float k = safe(sc) < 5.421010862427522e-20f ? 1.8446744073709552e19f : 1.f;
+    const float s = safe(sc) * k, r = __frcp_rn(s);
 #pragma unroll
-        for (int b = 0; b < 4; ++b)
-            y[b] = fminf(fmaxf(__fdiv_rn(to_f32(src[r * s_tok + c + b]), s), -float(QMAX)), float(QMAX));
-        u32 word;
-        if (KIND == 2) {
-            word = 0;
+    for (int j = 0; j < PER; ++j) {
+        const int c = threadIdx.x + j * NT;
+        if (NCH % NT == 0 || c < NCH) {
+            const u32 in[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+            float y[8];
 #pragma unroll
-            for (int b = 0; b < 4; ++b) word |= (u32(int(rintf(y[b]))) & 0xffu) << (8 * b);
-        } else {
-            word = fp8x2<KIND>(y[0], y[1]) | (fp8x2<KIND>(y[2], y[3]) << 16);
+            for (int b = 0; b < 8; ++b) {
+                const float x = __fmul_rn(b & 1 ? hi_f32(in[b >> 1]) : lo_f32(in[b >> 1]), k);
+                const float q0 = __fmul_rn(x, r);
+                const float q = r == 0.f ? q0 : __fmaf_rn(__fmaf_rn(-q0, s, x), r, q0);
+                y[b] = fminf(fmaxf(q, -float(QMAX)), float(QMAX));
+            }
+            uint2 out;
+            if (KIND == 2) {
+                u32 v[8];
+#pragma unroll
+                for (int b = 0; b < 8; ++b) v[b] = u32(int(rintf(y[b])));
+                out.x = bytes4(v[0], v[1], v[2], v[3]);
+                out.y = bytes4(v[4], v[5], v[6], v[7]);
+            } else {
+                out.x = fp8x2<KIND>(y[0], y[1]) | (fp8x2<KIND>(y[2], y[3]) << 16);
+                out.y = fp8x2<KIND>(y[4], y[5]) | (fp8x2<KIND>(y[6], y[7]) << 16);
+            }
+            *reinterpret_cast<uint2*>(data + (c / CPR) * D + 8 * (c % CPR)) = out;
         }
-        *reinterpret_cast<u32*>(data + r * D + c) = word;
     }
 }
 

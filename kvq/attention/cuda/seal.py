@@ -53,8 +53,11 @@ def layer_reason(layer: LayerKV) -> str | None:
         why = role_reason(layer.tensor_format(role))
         if why:
             return f"{role.upper()}: {why}"
-    if layer.block_size % KIVI_GROUP or layer.head_dim % KIVI_GROUP:
+    kivi = any(layer.tensor_format(r).family == "kivi" for r in ("k", "v"))
+    if kivi and (layer.block_size % KIVI_GROUP or layer.head_dim % KIVI_GROUP):
         return f"block size {layer.block_size} / head dim {layer.head_dim} are not multiples of {KIVI_GROUP}"
+    if layer.head_dim % 8:
+        return f"head dim {layer.head_dim} is not a multiple of 8"
     if layer.k_hp.dtype not in (torch.bfloat16, torch.float16):
         return f"hp blocks in {layer.k_hp.dtype} (bfloat16 or float16 only)"
     for planes in (layer.k, layer.v):
