@@ -102,6 +102,17 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return f;
 }
 __device__ __forceinline__ float safe(float s) { return s == 0.f ? 1.f : s; }
+// Correctly rounded x / y and x * y with subnormal operands and results kept (no .ftz).
+__device__ __forceinline__ float div_exact(float x, float y) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+    return r;
+}
+__device__ __forceinline__ float mul_exact(float x, float y) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+    return r;
+}
 
 // Two in-range fp32 values -> two FP8 codes (lo in the low byte), round to nearest even.
 template <int KIND>
@@ -350,32 +361,35 @@ __device__ __forceinline__ void walk_kivi(const i64* src_ids, const i64* dst_ids
 // kivi_code's (the reciprocal with one fma correction), the scale and values first multiplied by
 // 2^64 where the scale lies below 2^-64 (the reciprocal of a subnormal scale overflows; exact).
 template <int KIND, int QMAX>
-__device__ void seal_block(const u16* src, i64 s_tok, u8* data, float* scale, float* red) {
+__device__ void seal_block(const u16* src, i64 s_tok, u8* data, float* scale, u32* red) {
     constexpr int CPR = D / 8, NCH = PAGE * CPR, PER = (NCH + NT - 1) / NT;
     static_assert(D % 8 == 0, "per block: D a multiple of 8");
     uint4 w[PER];
-    u32 m = 0;  // |x| maxima of the low and high halves (a NaN loses to a number, as with fmaxf)
+    u32 m = 0;  // |x| bit patterns' maxima, low and high halves (the order of magnitudes; a NaN wins)
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int c = threadIdx.x + j * NT;
         if (NCH % NT == 0 || c < NCH) {
             w[j] = *reinterpret_cast<const uint4*>(src + (c / CPR) * s_tok + 8 * (c % CPR));
-            m = max2(max2(m, w[j].x & 0x7fff7fffu), max2(w[j].y & 0x7fff7fffu, max2(w[j].z & 0x7fff7fffu,
-                                                                                    w[j].w & 0x7fff7fffu)));
+            m = __vmaxu2(__vmaxu2(m, w[j].x & 0x7fff7fffu), __vmaxu2(w[j].y & 0x7fff7fffu,
+                                                                     __vmaxu2(w[j].z & 0x7fff7fffu, w[j].w & 0x7fff7fffu)));
         }
     }
-    float amax = fmaxf(lo_f32(m), hi_f32(m));
+    m = max(m & 0xffffu, m >> 16);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, o));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(FULL, m, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
     __syncthreads();
-    amax = red[0];
+    m = red[0];
 #pragma unroll
-    for (int i = 1; i < NT / 32; ++i) amax = fmaxf(amax, red[i]);
-    const float sc = __fdiv_rn(amax, float(QMAX));
+    for (int i = 1; i < NT / 32; ++i) m = max(m, red[i]);
+    // f32 arithmetic in PTX without .ftz below: CuPy compiles with -ftz=true, which would flush a
+    // subnormal scale (and the values of an all-subnormal tile) to zero
+    const float sc = div_exact(lo_f32(m), float(QMAX));
     if (threadIdx.x == 0) *scale = sc;
-    const float k = safe(sc) < 5.421010862427522e-20f ? 1.8446744073709552e19f : 1.f;
-    const float s = safe(sc) * k, r = __frcp_rn(s);
+    const float s0 = (__float_as_uint(sc) << 1) == 0 ? 1.f : sc;  // safe(sc), by bits
+    const float k = (__float_as_uint(s0) & 0x7fffffffu) < 0x1f800000u ? 1.8446744073709552e19f : 1.f;  // 2^-64
+    const float s = mul_exact(s0, k), r = __frcp_rn(s);
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int c = threadIdx.x + j * NT;
@@ -384,7 +398,7 @@ __device__ void seal_block(const u16* src, i64 s_tok, u8* data, float* scale, fl
             float y[8];
 #pragma unroll
             for (int b = 0; b < 8; ++b) {
-                const float x = __fmul_rn(b & 1 ? hi_f32(in[b >> 1]) : lo_f32(in[b >> 1]), k);
+                const float x = mul_exact(b & 1 ? hi_f32(in[b >> 1]) : lo_f32(in[b >> 1]), k);
                 const float q0 = __fmul_rn(x, r);
                 const float q = r == 0.f ? q0 : __fmaf_rn(__fmaf_rn(-q0, s, x), r, q0);
                 y[b] = fminf(fmaxf(q, -float(QMAX)), float(QMAX));
@@ -421,7 +435,7 @@ __device__ __forceinline__ void seal_role(const i64* src_ids, const i64* dst_ids
             if (dst < 0) continue;  // padding
             const i64 bh = dst * H + h;
             seal_block<KIND, QMAX>(src + src_ids[i * s_ids] * s_src + h * s_head, s_tok, d + bh * PAGE * D,
-                                   reinterpret_cast<float*>(s) + bh, reinterpret_cast<float*>(smem));
+                                   reinterpret_cast<float*>(s) + bh, smem);
             __syncthreads();  // red is read before the next tile's absmax overwrites it
         }
     }
