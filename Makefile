@@ -35,7 +35,7 @@ test: install-test
 	  -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-engine bench-capacity bench-pressure bench-server bench-offload bench-kv-transfer disagg-check
+.PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-prefill bench-ttft bench-engine bench-capacity bench-pressure bench-server bench-offload bench-kv-transfer disagg-check
 gpu-test:
 	bash scripts/gpu.sh test
 
@@ -50,6 +50,18 @@ gpu-demo:
 
 bench-kernels:
 	bash scripts/gpu.sh bench-kernels
+
+# prefill attention per KV format beside FlashInfer fa2/fa3 and SDPA cuDNN (issue 43): docs/results/bench_prefill_h200.json
+bench-prefill:
+	bash scripts/gpu.sh bench-prefill
+
+# time to first token of one 32K and one 128K prompt (Llama-3.1-8B shapes, dummy weights) against a floor measured
+# in the same process (cuBLAS GEMMs + the fastest library attention), one call per format
+TTFT_FORMATS ?= bfloat16 fp8_e4m3 int4_kivi
+bench-ttft:
+	for f in $(TTFT_FORMATS); do bash scripts/gpu.sh bench-engine --model llama-3.1-8b --formats $$f \
+	  --workloads 32768x1,131071x1 --concurrency 1 --ttft-floor --out docs/results/bench_engine_ttft_h200.json \
+	  || exit 1; done
 
 # two GPUs (device kind nvidia-h200-x2): tensor-parallel equality, then TP=1 vs TP=2 on dummy Llama-3-8B and
 # a Llama-3-70B-shaped model that fits only on two GPUs, with fp8 and int4_kivi KV at 8K contexts

@@ -19,6 +19,8 @@ continuous batching `generate_batch` where it runs.
 Usage (GPU machine):
     python benchmarks/bench_engine.py --formats bfloat16,fp8_e4m3 --hf
     python benchmarks/bench_engine.py --formats int8_per_token_head,int4_kivi   # merges into the same JSON
+    python benchmarks/bench_engine.py --model llama-3.1-8b --formats bfloat16 --workloads 32768x1,131071x1 \
+        --concurrency 1 --ttft-floor   # one long prompt's TTFT against its floor (benchmarks/ttft_floor.py)
     python benchmarks/bench_engine.py --smoke   # tiny model and workloads (any device)
 
 The JSON (docs/results/bench_engine.json) is rewritten after every result and
@@ -29,6 +31,7 @@ concurrency).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import functools
 import gc
@@ -283,19 +286,45 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
     }
 
 
+def prefill_backend(info: dict) -> str | None:
+    """The prefill attention kernel the engine says it runs, where its info reports one."""
+    backend = info.get("attention_backend")
+    return info.get("attention_prefill") or (backend.get("prefill") if isinstance(backend, dict) else None)
+
+
+def measure_ttft_floors(args, cfg: dict, workloads, concs, device, max_len: int) -> dict:
+    """prompt length -> benchmarks/ttft_floor.py's floor, for the concurrency-1 rows to be run (those whose
+    prompt + output fit ``max_len`` positions); measured before any engine takes the device's memory."""
+    from benchmarks.ttft_floor import PrefillShape, ttft_floor
+
+    shape, floors = PrefillShape.from_hf(cfg), {}
+    for inp in sorted({inp for inp, out in workloads
+                       if 1 in concs and (inp, 1) not in args.skip and inp + out <= max_len}):
+        t = time.perf_counter()
+        fl = floors[inp] = ttft_floor(shape, inp, args.max_num_batched_tokens, device)
+        ran = {k: float(f"{r['tflops']:.3g}") if "tflops" in r else "error" for k, r in fl["attention"].items()}
+        print(f"TTFT floor {inp} tokens: {fl['ttft_floor_s'] or 0:.3f} s = GEMMs {fl['gemm_s'] or 0:.3f} s "
+              f"({fl['gemm_tflops'] or 0:.0f} TFLOP/s) + attention {fl['attention_s'] or 0:.3f} s "
+              f"({fl['attention_kernel']}, TFLOP/s per kernel {ran}) [{time.perf_counter() - t:.0f}s]", flush=True)
+    return floors
+
+
 def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, weight_bytes,
-              async_scheduling: bool | None = None, scenarios=(), gemm_flops_per_token: float = 0.0) -> None:
+              async_scheduling: bool | None = None, scenarios=(), gemm_flops_per_token: float = 0.0,
+              ttft_floors: dict | None = None) -> None:
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
 
     t0 = time.perf_counter()
+    extra = {"prefill_backend": args.prefill_backend} if args.prefill_backend else {}
     engine = LLMEngine(EngineConfig(model=model, load_format="dummy", kv_cache_dtype=fmt,
                                     max_num_seqs=max([*concs, args.max_num_seqs or 0]) if not scenarios
                                     else args.max_num_seqs or 1024, max_num_batched_tokens=args.max_num_batched_tokens,
                                     gpu_memory_utilization=args.gpu_memory_utilization, progress=False,
                                     kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager,
                                     async_scheduling=async_scheduling,
-                                    tensor_parallel_size=args.tensor_parallel_size))
+                                    tensor_parallel_size=args.tensor_parallel_size, **extra))
     info = engine.info
+    prefill = prefill_backend(info)
     plan = engine.full_plan  # every rank's heads (under tensor parallelism engine.plan is rank 0's)
     system = "kvq-async" if engine.async_scheduling else "kvq"  # asynchronous scheduling is the default on CUDA
     if args.tensor_parallel_size > 1:
@@ -306,7 +335,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                                  "k": info["kv_cache_dtype"]["k"], "v": info["kv_cache_dtype"]["v"],
                                  "backend": info["attention_backend"], "cuda_graphs": info["cuda_graphs"],
                                  "engine_start_s": time.perf_counter() - t0,
-                                 "tensor_parallel": info["tensor_parallel"]}
+                                 "tensor_parallel": info["tensor_parallel"],
+                                 **({"prefill_backend": prefill} if prefill else {})}
     res.save()
     print(f"[{system} {fmt}] pool {info['kv_pool']['q_blocks']} blocks = {info['kv_pool']['tokens']} tokens "
           f"({info['kv_pool']['bytes'] / 2**30:.1f} GiB), backend {info['attention_backend']['resolved']}, "
@@ -315,7 +345,10 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
     # warm-up: kernels compile and cuBLAS picks its algorithms outside the timings; enough requests to fill
     # a whole prefill step (mixed with decodes) for each workload's prompt length
     for inp, _ in workloads:
-        run_kvq_wave(engine, vocab, min(max(concs), -(-args.max_num_batched_tokens // inp) + 1), inp, 4, seed=0)
+        n = min(max(concs), -(-args.max_num_batched_tokens // inp) + 1)
+        warm_out = min(4, engine.max_model_len - inp)  # a prompt at the context's end: fewer new tokens
+        if warm_out >= 1:  # (a failure is the timed run's to record)
+            _recorded(functools.partial(run_kvq_wave, engine, vocab, n, inp, warm_out, seed=0))
     if scenarios:
         for inp in sorted({min(r.input_len, args.max_num_batched_tokens) for sc in scenarios for r in sc.requests[:1]}):
             run_kvq_wave(engine, vocab, min(8, -(-args.max_num_batched_tokens // inp) + 1), inp, 4, seed=0)
@@ -352,14 +385,22 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
             # the floor with the GEMMs' compute term and the hp window blocks (c sequences at ctx)
             fl, step = floor([ctx] * c) if floor else None, r.get("decode_step_mean_s")
             r["decode_step_floor_s"], r["step_over_floor"] = fl, step / fl if fl and step else None
+            if prefill:
+                r["prefill_backend"] = prefill
+            tf = (ttft_floors or {}).get(inp) if c == 1 else None
+            if tf is not None:
+                r["ttft_floor_s"], r["ttft_floor"] = tf["ttft_floor_s"], tf
+                r["ttft_x_floor"] = (r["ttft_p50_s"] / tf["ttft_floor_s"]
+                                     if r.get("ttft_p50_s") and tf["ttft_floor_s"] else None)
             run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c,
                    "commit": args.commit, **r}
             res.add(run)
             if "error" in r:
                 print(f"[{system} {fmt}] {inp}/{out} c={c}: {r['error']}", flush=True)
             else:
+                x_floor = f" ({r['ttft_x_floor']:.2f}x floor)" if r.get("ttft_x_floor") else ""
                 print(f"[{system} {fmt}] {inp}/{out} c={c}: {r['output_tok_per_s']:.0f} tok/s, TTFT p50 "
-                      f"{r['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms "
+                      f"{r['ttft_p50_s'] * 1e3:.0f} ms{x_floor}, TPOT p50 {_ms(r['tpot_p50_s'])} ms "
                       f"(roofline {1e3 * (r['roofline_step_s'] or 0):.2f} ms, floor "
                       f"{1e3 * (r['decode_step_floor_s'] or 0):.2f} ms), "
                       f"step {1e3 * (r['decode_step_mean_s'] or 0):.2f} ms (p50 "
@@ -486,6 +527,13 @@ def main(argv=None) -> int:
     p.add_argument("--scenario-scale", type=float, default=1.0, help="fraction of each scenario's requests")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine's running-sequence limit (default: the largest concurrency; 1024 with --scenarios)")
+    p.add_argument("--ttft-floor", action="store_true",
+                   help="rows at concurrency 1 also get ttft_floor_s (benchmarks/ttft_floor.py: the prompt's GEMM "
+                        "FLOPs at the cuBLAS rate + its causal attention FLOPs at the fastest library kernel's "
+                        "rate, measured in this process before the engines start), the rates, and ttft_x_floor")
+    p.add_argument("--prefill-backend", default=None,
+                   help="the engine's prefill attention kernel (EngineConfig.prefill_backend, where the engine "
+                        "has that field)")
     p.add_argument("--smoke", action="store_true", help="tiny model and workloads")
     p.add_argument("--out", default=None, help="JSON (default docs/results/bench_engine.json, or "
                    "docs/results/bench_capacity.json with --scenarios)")
@@ -498,6 +546,14 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     args.skip = {tuple(int(x) for x in s.split("x")) for s in args.skip.split(",") if s}
+    if args.prefill_backend is not None:
+        from kvq.engine.config import EngineConfig
+
+        if "prefill_backend" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            p.error("--prefill-backend: this kvq's EngineConfig has no prefill_backend field (the engine does "
+                    "not choose a prefill kernel yet); run without it")
+    if args.ttft_floor and args.tensor_parallel_size > 1:
+        p.error("--ttft-floor is the floor of one GPU; run it with --tensor-parallel-size 1")
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
     concs = [int(c) for c in args.concurrency.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -518,6 +574,8 @@ def main(argv=None) -> int:
     src = resolve_model(model)
     shape = model_shape(src)
     cfg = json.loads((Path(src.path) / "config.json").read_text()) if Path(src.path).is_dir() else {}
+    if args.ttft_floor and not cfg:
+        p.error(f"--ttft-floor needs the model's config.json (a shipped config or an HF folder), not {model!r}")
     h, inter = cfg.get("hidden_size"), cfg.get("intermediate_size")
     L, V = cfg.get("num_hidden_layers"), cfg.get("vocab_size")
     heads, kvh = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
@@ -526,6 +584,9 @@ def main(argv=None) -> int:
     weight_bytes = 2 * params
     gemm_flops = 2 * (params - V * h)  # per token: every matmul (the embedding is a lookup)
     bw = copy_bandwidth(device)
+    ttft_floors = None
+    if args.ttft_floor and not scenarios:
+        ttft_floors = measure_ttft_floors(args, cfg, workloads, concs, device, shape.max_position_embeddings)
     import transformers
 
     args.commit = tree_commit()
@@ -554,7 +615,7 @@ def main(argv=None) -> int:
     for fmt in [f for f in args.formats.split(",") if f]:
         for mode in chosen:
             bench_kvq(args, res, model, fmt, workloads, concs, bw, weight_bytes, async_scheduling=modes[mode],
-                      scenarios=scenarios, gemm_flops_per_token=gemm_flops)
+                      scenarios=scenarios, gemm_flops_per_token=gemm_flops, ttft_floors=ttft_floors)
     print(f"wrote {args.out}")
     return 0
 

@@ -104,7 +104,7 @@ def collect(model: str = "default", device: str = "auto") -> dict:
 def format_backends(shape, dev, dtype) -> list[dict]:
     """Per format of the registry: the backend and decode kernel per layer an engine on ``dev`` would
     resolve with ``--attention-backend auto``, its reason, and why each backend before it was passed over."""
-    from kvq.attention.backends import AUTO_ORDER, compact_layers, get_backend, select_backend
+    from kvq.attention.backends import AUTO_ORDER, compact_layers, get_backend, select_backend, select_prefill
     from kvq.cache.plan import KVCacheConfig
     from kvq.formats.registry import entries
 
@@ -113,14 +113,16 @@ def format_backends(shape, dev, dtype) -> list[dict]:
         try:
             plan = KVCacheConfig(dtype=e.name).plan(shape)
             _, choice = select_backend("auto", plan, dev, dtype)
+            choice = select_prefill("auto", choice, plan, dev)
         except ValueError as err:
-            rows.append({"format": e.name, "backend": None, "decode_per_layer": None, "reason": str(err),
-                         "passed_over": {}})
+            rows.append({"format": e.name, "backend": None, "decode_per_layer": None, "prefill": None,
+                         "reason": str(err), "passed_over": {}})
             continue
         passed = {c: get_backend(c).unsupported_reason(plan, dev, dtype)
                   for c in AUTO_ORDER[:AUTO_ORDER.index(choice.resolved)]}
         rows.append({"format": e.name, "backend": choice.resolved,
-                     "decode_per_layer": compact_layers(choice.decode_per_layer), "reason": choice.reason,
+                     "decode_per_layer": compact_layers(choice.decode_per_layer), "prefill": choice.prefill,
+                     "prefill_reason": choice.prefill_reason, "reason": choice.reason,
                      "passed_over": passed})
     return rows
 
@@ -153,9 +155,10 @@ def render(info: dict) -> str:
     out.append(_line("converted copy", m["converted_copy"] or f"none yet (the first load writes it under "
                                                                 f"{m['cache_dir']})"))
     out.append("")
-    out.append(f"{'format':<22}{'backend':<9}decode kernel per layer")
+    out.append(f"{'format':<22}{'backend':<9}{'prefill':<17}decode kernel per layer")
     for r in info["formats"]:
-        out.append(f"{r['format']:<22}{r['backend'] or '-':<9}{r['decode_per_layer'] or r['reason']}")
+        out.append(f"{r['format']:<22}{r['backend'] or '-':<9}{r['prefill'] or '-':<17}"
+                   f"{r['decode_per_layer'] or r['reason']}")
     passed: dict[str, list[str]] = {}  # "backend: why" -> the formats it was passed over for
     for r in info["formats"]:
         for cand, why in r["passed_over"].items():
@@ -164,6 +167,8 @@ def render(info: dict) -> str:
         out.append("")
     for what, fmts in passed.items():
         out.append(f"passed over  {what}" + ("" if len(fmts) == len(info["formats"]) else f" ({', '.join(fmts)})"))
+    for why in dict.fromkeys(r.get("prefill_reason") for r in info["formats"] if r.get("prefill_reason")):
+        out.append(f"prefill      {why}")
     return "\n".join(out)
 
 
@@ -176,9 +181,9 @@ def cmd_env(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("env", aliases=["info"], help="what this machine will use: device, backends, CuPy, NIXL",
                        description="Print what kvq will use on this machine, and why: torch and its device, the "
-                       "attention backend and decode kernel per layer for every KV format (as an engine resolves "
-                       "them with --attention-backend auto), CuPy for the CUDA decode kernel, Triton, NIXL, the "
-                       "default model and its converted copy, and the torch threads.")
+                       "attention backend, prefill kernel and decode kernel per layer for every KV format (as an "
+                       "engine resolves them with --attention-backend auto), CuPy for the CUDA decode kernel, "
+                       "Triton, NIXL, the default model and its converted copy, and the torch threads.")
     p.add_argument("--model", default=None, help="model whose shape the backends are resolved for (default: default)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--json", action="store_true", help="print JSON")

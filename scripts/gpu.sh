@@ -4,6 +4,7 @@
 # FlashInfer's environment, then run the target.
 #   bash scripts/gpu.sh test            # kernel tests on CUDA (what `make gpu-test` runs)
 #   bash scripts/gpu.sh bench-kernels   # decode/write benchmark vs FlashInfer and SDPA
+#   bash scripts/gpu.sh bench-prefill   # prefill attention per format vs FlashInfer fa2/fa3 and SDPA cuDNN
 #   bash scripts/gpu.sh bench-engine    # end-to-end generation vs HF transformers (see benchmarks/README.md)
 #   bash scripts/gpu.sh bench-server    # load test of kvq serve
 #   bash scripts/gpu.sh bench-offload   # host memory: copy GB/s per format; recompute vs swap vs CPU prefix cache
@@ -37,8 +38,9 @@ case "$target" in
   test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
           tests/test_prefill_window.py tests/test_staging.py tests/test_host_pool.py \
           tests/test_formats_spec.py tests/test_connectors.py tests/test_sampler.py tests/test_sampling_kernel.py \
-          tests/test_no_recompile.py "$@" ;;
+          tests/test_no_recompile.py tests/test_split_prefill.py "$@" ;;
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
+  bench-prefill) python3 benchmarks/bench_prefill.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
   test-tp) KVQ_TEST_TP_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py "$@" ;;
   bench-server) python3 benchmarks/bench_server.py "$@" ;;
@@ -48,5 +50,5 @@ case "$target" in
   probe) python3 scripts/probe_decode.py "$@" ;;
   env-check) python3 scripts/cuda_extra_check.py "$@" ;;
   demo) t0=$(date +%s); python3 -m kvq.cli eval --model default "$@"; echo "kvq eval wall $(( $(date +%s) - t0 )) s" ;;
-  *) echo "unknown target $target (test, test-tp, env-check, demo, bench-kernels, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
 esac

@@ -28,6 +28,12 @@ GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
 
 
+def _fi_reason():
+    from kvq.attention.flashinfer_lib import unavailable_reason
+
+    return unavailable_reason(DEV, 64)
+
+
 @settings(max_examples=300, deadline=None)
 @given(bs=st.sampled_from([1, 4, 16]), sink=st.integers(0, 3), res=st.integers(0, 70), direct=st.booleans(),
        p=st.integers(0, 300), j=st.integers(0, 300))
@@ -41,9 +47,18 @@ def test_rule_is_the_block_managers(bs, sink, res, direct, p, j):
 def _kernels(name):
     if name == "torch":
         return reference
+    if name.startswith("split"):  # the library prefill (tests/test_split_prefill.py): "split" or "split-flashinfer"
+        from tests.test_split_prefill import split_kernels
+
+        return split_kernels(name.partition("-")[2] or "torch")
     from kvq.attention.triton import kernels
 
     return kernels
+
+
+#: backends of the window tests: the reference, the Triton kernel, the library prefill (its torch definition,
+#: and FlashInfer on a GPU that has it)
+WINDOW_BACKENDS = ["torch", "triton", "split"] + (["split-flashinfer"] if GPU and not _fi_reason() else [])
 
 
 def _fake(fmt_role, layer, role, x):
@@ -80,7 +95,7 @@ CASES = [("int4_kivi", 16, 32), ("int2_kivi", 16, 32), ("fp8_e4m3", 4, 24), ("in
          ("fp8_per_block", 0, 0)]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
 @pytest.mark.parametrize("fmt,sink,res", CASES)
 def test_prefill_reads_each_querys_window_exact(fmt, sink, res, backend):
     """Two sequences, a prompt then a long chunk (its early queries read blocks that its late
@@ -89,15 +104,16 @@ def test_prefill_reads_each_querys_window_exact(fmt, sink, res, backend):
     _check_windows(fmt, sink, res, backend, ({"a": 64, "b": 32}, {"a": 96, "b": 64}))
 
 
+@pytest.mark.parametrize("backend", [b for b in WINDOW_BACKENDS if b != "torch"])
 @pytest.mark.parametrize("fmt", ["int4_kivi", "int8_per_token_head"])
-def test_triton_window_runs_meet_the_definition_on_long_chunks(fmt):
+def test_triton_window_runs_meet_the_definition_on_long_chunks(fmt, backend):
     """The Triton kernel's runs of a windowed prefill (kvq.attention.triton.prefill): chunks long
     enough that a query tile (64 queries) has key tiles every query reads quantized, tiles its
     queries read differently (two masked passes), tiles every query reads exact, and sink tiles."""
-    _check_windows(fmt, 4, 32, "triton", ({"a": 256, "b": 96}, {"a": 160, "b": 224}))
+    _check_windows(fmt, 4, 32, backend, ({"a": 256, "b": 96}, {"a": 160, "b": 224}))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
 @pytest.mark.parametrize("fmt,sink,res", [("int4_kivi", 4, 32), ("int2_kivi", 0, 0), ("fp8_per_block", 4, 0)])
 def test_chunks_off_block_boundaries_read_each_querys_window_exact(fmt, sink, res, backend):
     """Chunks that start and end inside blocks of a format sealed per block (the scheduler no longer

@@ -30,6 +30,8 @@ class BackendChoice:
     resolved: str
     reason: str
     decode_per_layer: tuple[str, ...] = field(default=())  # the kernel that decodes each layer
+    prefill: str = ""  # the kernel that runs prefill attention (select_prefill): flashinfer-fa3, triton, torch
+    prefill_reason: str = ""
 
 
 #: What the Triton decode costs where the CUDA kernel would serve (H200, `make bench-kernels`,
@@ -243,3 +245,72 @@ def select_backend(
         raise ValueError(f"attention backend {name!r} cannot serve this request: {why}")
     reason = "requested explicitly" + (f": {describe_cuda(plan, dtype)}" if name == "cuda" else "")
     return backend, BackendChoice(name, name, reason, decode_per_layer(name, plan, dtype))
+
+
+# -- prefill -------------------------------------------------------------------------------------
+#: ``--prefill-backend``: ``flashinfer`` (kvq.attention.split_prefill over FlashInfer's FA3/FA2,
+#: the band kernel and page scratch in Triton), ``triton`` (kvq.attention.triton.prefill), or
+#: ``auto``: flashinfer where it runs, else the attention backend's own prefill kernel.
+PREFILL_NAMES = ("auto", "flashinfer", "triton")
+
+#: What the Triton prefill costs where FlashInfer would serve (H200, issue 43's table, causal bf16,
+#: Llama-3-8B heads: kvq Triton 212-300 TFLOP/s, FlashInfer FA3 319-556, cuDNN 427-621).
+FLASHINFER_PREFILL_GAIN = "the Triton prefill runs at about half of FlashAttention-3's speed on an H200"
+
+_warned_prefill: list[str] = []
+
+
+def _own_prefill(resolved: str) -> str:
+    return "torch" if resolved == "torch" else "triton"
+
+
+def select_prefill(name: str, choice: BackendChoice, plan: CachePlan, device: torch.device | str) -> BackendChoice:
+    """Resolve ``--prefill-backend`` beside the attention backend ``choice``: -> ``choice`` with its
+    ``prefill`` kernel and the reason.  Raises ValueError when the named one cannot serve."""
+    if name not in PREFILL_NAMES:
+        raise ValueError(f"unknown prefill backend {name!r}; valid: {', '.join(PREFILL_NAMES)}")
+    from dataclasses import replace
+
+    from kvq.attention import flashinfer_lib
+
+    device = torch.device(device)
+    own = _own_prefill(choice.resolved)
+    why = (f"the {choice.resolved} attention backend runs its own prefill" if own == "torch"
+           else flashinfer_lib.unavailable_reason(device, plan.model.head_dim))
+    if name == "flashinfer":
+        if why is not None:
+            raise ValueError(f"prefill backend 'flashinfer' cannot serve this request: {why}")
+        return replace(choice, prefill=f"flashinfer-{flashinfer_lib.kernel_name(device)}",
+                       prefill_reason="requested explicitly")
+    if name == "triton":
+        if own != "triton":
+            raise ValueError(f"prefill backend 'triton' cannot serve this request: attention backend "
+                             f"{choice.resolved!r} (choose --attention-backend triton or cuda)")
+        return replace(choice, prefill="triton", prefill_reason="requested explicitly")
+    if why is None:
+        return replace(choice, prefill=f"flashinfer-{flashinfer_lib.kernel_name(device)}",
+                       prefill_reason="auto: FlashInfer's paged prefill serves this plan")
+    if device.type == "cuda" and own == "triton" and not _warned_prefill:
+        msg = f"FlashInfer's prefill cannot run here ({why}): prefill runs the Triton kernel; {FLASHINFER_PREFILL_GAIN}"
+        _warned_prefill.append(msg)
+        log.warning("%s", msg)
+    return replace(choice, prefill=own, prefill_reason=f"auto: {why}")
+
+
+def prefill_kernels(kernels, choice: BackendChoice, device: torch.device | str):
+    """The backend's ``kernels`` with ``paged_attention`` from ``choice.prefill`` (a namespace with the
+    kernels' names; ``kernels`` itself when the backend's own prefill runs)."""
+    if not choice.prefill.startswith("flashinfer"):
+        return kernels
+    from kvq.attention.flashinfer_lib import FlashInferLib
+    from kvq.attention.split_prefill import SplitPrefill
+
+    return with_prefill(kernels, SplitPrefill(FlashInferLib(device, choice.prefill.split("-", 1)[1])).paged_attention)
+
+
+def with_prefill(kernels, paged_attention):
+    """A namespace of ``kernels``' functions (its ``__all__``) with ``paged_attention`` replaced."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**{n: getattr(kernels, n) for n in kernels.__all__}, "paged_attention": paged_attention,
+                              "__all__": kernels.__all__})

@@ -268,10 +268,12 @@ def paged_attention(
     window=None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    host=None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over the paged cache (prefill chunks and decode).
 
-    ``max_q_len``, ``has_hp`` and ``max_seq_len`` are launch hints of the kernels, unused here.
+    ``max_q_len``, ``has_hp``, ``max_seq_len`` and ``host`` (the host copy of the lengths) are
+    launch hints of the kernels, unused here.
     ``window`` (with ``k_new``, ``v_new`` [T, H, D], the rows of ``q``): per-query exact
     windows (module docstring)."""
     T, Hq, D = q.shape

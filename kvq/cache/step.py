@@ -37,6 +37,8 @@ class StepMetadata:
     prefill_cu     [B - num_decodes + 1] int32  cu_seqlens_q of the other sequences, from 0
     seals          [S, 2] int64  (hp block, q block) seals each layer runs before its K/V
                    write (rows with a negative q block are padding), or None
+    prefill_host   (cu, lens) of the prefill sequences as host tuples (``prefill_cu`` and their
+                   ``seq_lens``): what a library prefill plans its calls with, once per step
     """
 
     slots: torch.Tensor
@@ -51,6 +53,7 @@ class StepMetadata:
     prefill_cu: torch.Tensor | None = None
     seals: torch.Tensor | None = None
     window: PrefillWindow | None = None
+    prefill_host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -211,9 +214,9 @@ def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarra
     t = stage(arrays)
     extra_t, win_t = t[7:7 + len(extra)], t[7 + len(extra):]
     window = None
+    host = (tuple(int(c) for c in cu[nd:] - cu[nd]), tuple(int(n) for n in step.seq_lens[nd:]))
     if rows:
-        window = PrefillWindow(*win_t, policy, tuple(map(tuple, rows[0])), tuple(map(tuple, rows[1])),
-                               tuple(int(c) for c in cu[nd:] - cu[nd]), tuple(step.seq_lens[nd:]))
+        window = PrefillWindow(*win_t, policy, tuple(map(tuple, rows[0])), tuple(map(tuple, rows[1])), *host)
     meta = StepMetadata(
         slots=t[0], full_blocks=t[1], cu_seqlens_q=t[2], block_tables=t[3], seq_lens=t[4],
         max_q_len=max(num_new, default=0),
@@ -223,6 +226,7 @@ def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarra
         prefill_cu=t[5],
         seals=t[6] if step.seals else None,
         window=window,
+        prefill_host=host if nd < len(num_new) else None,
     )
     return meta, extra_t
 

@@ -102,6 +102,10 @@ def add_device_args(g) -> None:
     """--attention-backend, --device, --dtype: shared by every command that builds an engine."""
     g.add_argument("--attention-backend", default="auto",
                    help="auto, cuda, triton or torch; auto picks the first that serves the plan (docs/kernels.md)")
+    g.add_argument("--prefill-backend", default="auto",
+                   help="the prefill attention kernel: auto (FlashInfer's FA3 where `pip install 'kvq[cuda]'` put it "
+                        "and the GPU runs it, else the attention backend's own), flashinfer or triton "
+                        "(docs/kernels.md)")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     g.add_argument("--dtype", default="auto", help="model compute dtype: auto, bfloat16, float16, float32")
 
@@ -161,7 +165,8 @@ def engine_config_from_args(args: argparse.Namespace):
     try:
         return EngineConfig(
             model=args.model or DEFAULT_MODEL, kv_cache=kv, attention_backend=args.attention_backend,
-            device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            prefill_backend=args.prefill_backend, device=args.device, dtype=args.dtype,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format, seed=args.seed,
             enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, threads=args.threads,

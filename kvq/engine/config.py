@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvq.attention.backends import backend_names
+from kvq.attention.backends import PREFILL_NAMES, backend_names
 from kvq.cache.plan import KVCacheConfig
 from kvq.engine.scheduling import PREEMPTION_MODES
 from kvq.models.builder import LOAD_FORMATS
@@ -42,6 +42,7 @@ class EngineConfig:
     block_size: int | None = None
     kv_cache_plan: str | None = None  # a plan file (`kvq tune`): formats per layer and K/V, windows
     attention_backend: str = "auto"
+    prefill_backend: str = "auto"  # the prefill attention kernel (kvq.attention.backends.select_prefill)
     device: str = "auto"  # cuda if available, else cpu
     dtype: str = "auto"  # bfloat16 on cuda, float32 on cpu
     max_model_len: int | None = None
@@ -99,6 +100,8 @@ class EngineConfig:
         if self.attention_backend not in backend_names():
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; "
                              f"valid: {', '.join(backend_names())}")
+        if self.prefill_backend not in PREFILL_NAMES:
+            raise ValueError(f"unknown prefill backend {self.prefill_backend!r}; valid: {', '.join(PREFILL_NAMES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load format {self.load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
         _check_int("max_model_len", self.max_model_len, 1, optional=True)

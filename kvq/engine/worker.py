@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from kvq.attention.backends import select_backend
+from kvq.attention.backends import prefill_kernels, select_backend, select_prefill
 from kvq.cache.block_manager import BlockRef
 from kvq.cache.host_pool import HostKVPool
 from kvq.cache.partition import rank_plan
@@ -84,8 +84,9 @@ class Worker:
         self.static_scales, self.kv_scales_source = self._static_scales(cfg, src, shape)
         if group is not None:
             self._take_rank(group, shape)
-        backend, self.backend_choice = select_backend(cfg.attention_backend, self.plan, self.device, self.dtype)
-        self.kernels = backend.kernels()
+        backend, choice = select_backend(cfg.attention_backend, self.plan, self.device, self.dtype)
+        self.backend_choice = select_prefill(cfg.prefill_backend, choice, self.plan, self.device)
+        self.kernels = prefill_kernels(backend.kernels(), self.backend_choice, self.device)
         self.max_model_len = cfg.max_model_len or shape.max_position_embeddings
         if self.max_model_len > shape.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "

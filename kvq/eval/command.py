@@ -138,7 +138,7 @@ def register(sub) -> None:
 def check_flags(args: argparse.Namespace) -> None:
     """Ranges of the flags alone (ValueError: exit code 2), before a model file is read;
     :func:`kvq.eval.runner.validate` then checks them against the model."""
-    from kvq.attention.backends import backend_names
+    from kvq.attention.backends import PREFILL_NAMES, backend_names
     from kvq.engine.args import check_range
     from kvq.engine.config import DTYPES, check_device_name
 
@@ -147,6 +147,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"unknown --dtype {args.dtype!r}; valid: {', '.join(DTYPES)}")
     if args.attention_backend not in backend_names():
         raise ValueError(f"unknown --attention-backend {args.attention_backend!r}; valid: {', '.join(backend_names())}")
+    if args.prefill_backend not in PREFILL_NAMES:
+        raise ValueError(f"unknown --prefill-backend {args.prefill_backend!r}; valid: {', '.join(PREFILL_NAMES)}")
     for flag, value, low, high in (
             ("--threads", args.threads, 0, None), ("--workers", args.workers, 1, None),
             ("--batch", args.batch, 1, None),
@@ -215,7 +217,7 @@ def settings_from_args(args: argparse.Namespace):
         passkey_depths=tuple(args.passkey_depths),
         passkey_trials=mode["passkey_trials"] if args.passkey_trials is None else args.passkey_trials,
         memory=parse_bytes(args.memory), cpu_offload=_offload_bytes(args.cpu_offload_gb),
-        attention_backend=args.attention_backend, device=args.device,
+        attention_backend=args.attention_backend, prefill_backend=args.prefill_backend, device=args.device,
         dtype=args.dtype, seed=args.seed, threads=args.threads or None,
         tensor_parallel_size=args.tensor_parallel_size, workers=args.workers, batch=args.batch,
         kv=KVCacheConfig(block_size=args.block_size, sink_tokens=args.kv_sink_tokens,

@@ -52,6 +52,7 @@ class EvalSettings:
     memory: int = 8 * GIB  # budget for the capacity figures
     cpu_offload: int = 0  # bytes of a host tier (swap) for the capacity figures; 0: none
     attention_backend: str = "auto"
+    prefill_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)  # windows, group, skips, block size of every format
@@ -138,7 +139,8 @@ def _engine(s: EvalSettings, fmt: str, batch: int):
     decode_batch = max(1, min(batch, s.passages))
     return LLMEngine(EngineConfig(
         model=s.model, kv_cache=kv, kv_scales=scales, attention_backend=s.attention_backend,
-        device=s.device, dtype=s.dtype, enforce_eager=False, max_num_seqs=decode_batch,
+        prefill_backend=s.prefill_backend, device=s.device, dtype=s.dtype, enforce_eager=False,
+        max_num_seqs=decode_batch,
         max_num_batched_tokens=max(s.chunk, 64) * batch, kv_cache_memory=memory, seed=s.seed,
         progress=s.progress, threads=s.threads or 0, tensor_parallel_size=s.tensor_parallel_size))
 

@@ -210,9 +210,9 @@ def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float,
     chunked-prefill kernel, which also gets the step's new K/V (``k``, ``v`` as computed,
     before the cache stored them) for the prefill window (:class:`~kvq.cache.step.PrefillWindow`)."""
     T, nd = q.shape[0], meta.num_decodes
-    win = {}
+    win = {} if meta.prefill_host is None else dict(host=meta.prefill_host)
     if meta.window is not None:
-        win = dict(window=meta.window, k_new=k[nd:], v_new=v[nd:])
+        win.update(window=meta.window, k_new=k[nd:], v_new=v[nd:])
     if nd == 0:
         return kernels.paged_attention(q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, scale,
                                        max_q_len=meta.max_q_len, has_hp=meta.has_hp, max_seq_len=meta.max_seq_len,

@@ -96,10 +96,10 @@ def _dequant_kernel(
         dst = (b.to(tl.int64) * NB + j) * s_ob + h * s_oh + off[:, None].to(tl.int64) * s_ot + c[None, :]
         k = _page_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
                        bid, h, off, PAGE, D, K_FMT, K_PER, K_G)
-        tl.store(out_k + dst, k.to(tl.float16))
+        tl.store(out_k + dst, k.to(out_k.dtype.element_ty))
         v = _page_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
                        bid, h, off, PAGE, D, V_FMT, V_PER, V_G)
-        tl.store(out_v + dst, v.to(tl.float16))
+        tl.store(out_v + dst, v.to(out_v.dtype.element_ty))
 
 
 def scratch_bytes(batch: int, blocks: int, num_kv_heads: int, page: int, head_dim: int) -> int:
@@ -108,16 +108,18 @@ def scratch_bytes(batch: int, blocks: int, num_kv_heads: int, page: int, head_di
 
 
 def dequantize_pages(args: list, meta: dict, block_tables: torch.Tensor, seq_lens: torch.Tensor, blocks: int,
-                     num_kv_heads: int, page: int, head_dim: int, num_warps: int = 4, extra: int = 0):
-    """-> (k, v) f16 ``[B * blocks + extra, H, page, D]`` and the identity table ``[B, blocks]``
+                     num_kv_heads: int, page: int, head_dim: int, num_warps: int = 4, extra: int = 0,
+                     dtype: torch.dtype = torch.float16):
+    """-> (k, v) ``dtype`` ``[B * blocks + extra, H, page, D]`` and the identity table ``[B, blocks]``
     that reads them: page ``j`` of sequence ``b`` sits at block ``b * blocks + j``; the
-    ``extra`` pages after them are left for the caller.
+    ``extra`` pages after them are left for the caller.  ``dtype`` bf16 copies a bf16 pool exactly
+    (the library prefill of a 16-bit layer that holds hp blocks).
     ``args``/``meta`` are :func:`kvq.attention.triton.decode.layer_args` of the layer."""
     B = seq_lens.shape[0]
     dev = seq_lens.device
     shape = (B * blocks + extra, num_kv_heads, page, head_dim)
-    k = torch.empty(shape, dtype=torch.float16, device=dev)
-    v = torch.empty(shape, dtype=torch.float16, device=dev)
+    k = torch.empty(shape, dtype=dtype, device=dev)
+    v = torch.empty(shape, dtype=dtype, device=dev)
     table = torch.arange(B * blocks, dtype=torch.int32, device=dev).view(B, blocks)
     if B and blocks:
         _dequant_kernel[(B, blocks, num_kv_heads)](

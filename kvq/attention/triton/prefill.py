@@ -14,6 +14,9 @@ positions.  Same contract as :func:`kvq.attention.reference.paged_attention`:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -41,7 +44,7 @@ TILES = {
 
 @triton.jit
 def _prefill_tile(
-    q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
+    q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale, qlo,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
@@ -49,13 +52,15 @@ def _prefill_tile(
     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
     K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, MODE: tl.constexpr,
+    LO: tl.constexpr = False,
 ):
     """One tile of ``BLOCK_N`` keys from ``t0`` for a tile of queries: online-softmax update.
     MODE 0: every (query, key) pair through ``table``; 1: every pair through ``tableq``; 2: only the
     pairs the window rule reads exact, through ``table``; 3: only the others, through ``tableq``.
     A tile its queries read both ways takes two passes (2, then 3), each loading one K and one V
     tile: the loop bodies stay alike, and so do their pipeline buffers in shared memory (a body
-    that loaded both pages' tiles at once needed 148 KB of it, one CTA per SM, against 82 KB)."""
+    that loaded both pages' tiles at once needed 148 KB of it, one CTA per SM, against 82 KB).
+    ``LO``: each query also skips the keys below its own ``qlo`` (kvq.attention.triton.band)."""
     t = t0 + tl.arange(0, BLOCK_N)
     valid = t < kv_end
     off = t % PAGE
@@ -67,6 +72,8 @@ def _prefill_tile(
                         bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
     s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
     keep = valid[None, :] & (t[None, :] <= qpos[:, None])
+    if LO:
+        keep = keep & (t[None, :] >= qlo[:, None])
     if MODE >= 2:
         exact = (t[None, :] < SINK_T) | (t[None, :] >= win[:, None])
         keep = keep & (exact if MODE == 2 else ~exact)
@@ -144,7 +151,7 @@ def _prefill_kernel(
             hi = r0 if run <= 1 else r1 if run == 2 else r2 if run <= 4 else kv_end
             for t0 in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T,
-                                              qk_scale, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh,
+                                              qk_scale, qpos, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh,
                                               s_kdt, s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
                                               s_hb, s_hh, s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G,
                                               V_G, HAS_HP, DOT, 2 if run == 0 or run == 3 else
@@ -171,6 +178,7 @@ def paged_attention(
     window=None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    host=None,
 ) -> torch.Tensor:
     """Triton twin of :func:`kvq.attention.reference.paged_attention`.
 
@@ -259,28 +267,51 @@ def _dense_args(k: torch.Tensor, v: torch.Tensor) -> tuple[list, dict]:
     return args, dict(k_fmt=DENSE.value, k_per=1, v_fmt=DENSE.value, v_per=1, k_g=1, v_g=1)
 
 
-def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, tile):
-    """Prefill with per-query exact windows (kvq.attention.reference explains the rule): the
-    step's pages are dequantized into an f16 scratch with two extra kinds of page, the exact
-    new K/V of q blocks this step wrote and the sealed-then-read values of hp blocks some
-    query reads quantized; two tables map each block to its exact and its quantized page,
-    and the kernel picks per (query, key).  Sequences are taken in groups whose scratch
-    stays under ``dequant.SCRATCH_CAP_BYTES``."""
-    H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
-    B, dev = len(window.lens), q.device
-    groups, b0 = [], 0
-    while b0 < B:  # greedy: as many sequences as fit the cap (at least one)
-        b1, width = b0 + 1, triton.cdiv(window.lens[b0], page)
+def scratch_groups(lens: Sequence[int], num_kv_heads: int, page: int, head_dim: int) -> list[tuple[int, int, int]]:
+    """Sequences in groups ``(b0, b1, width)`` whose page scratch (``width`` pages each, the longest
+    of the group) stays under ``dequant.SCRATCH_CAP_BYTES``; greedy, at least one a group."""
+    groups, b0, B = [], 0, len(lens)
+    while b0 < B:
+        b1, width = b0 + 1, triton.cdiv(lens[b0], page)
         while b1 < B:
-            w = max(width, triton.cdiv(window.lens[b1], page))
-            if dequant.scratch_bytes(b1 + 1 - b0, w, H, page, D) > dequant.SCRATCH_CAP_BYTES:
+            w = max(width, triton.cdiv(lens[b1], page))
+            if dequant.scratch_bytes(b1 + 1 - b0, w, num_kv_heads, page, head_dim) > dequant.SCRATCH_CAP_BYTES:
                 break
             b1, width = b1 + 1, w
         groups.append((b0, b1, width))
         b0 = b1
+    return groups
+
+
+@dataclass(frozen=True)
+class WindowScratch:
+    """One group of a windowed prefill step: sequences ``[b0, b1)`` (query rows ``[r0, r1)``), their
+    pages dequantized into ``k``/``v`` ``[pages, H, P, D]`` with the extra pages after them, and
+    the two tables that read them: ``tab_exact`` (each block as the queries that read it exact
+    see it) and ``tab_q`` (as the others see it), ``[b1 - b0, width]`` int32."""
+
+    b0: int
+    b1: int
+    r0: int
+    r1: int
+    cu: torch.Tensor  # [b1 - b0 + 1] int32, from 0
+    lens: torch.Tensor  # [b1 - b0] int32
+    k: torch.Tensor
+    v: torch.Tensor
+    tab_exact: torch.Tensor
+    tab_q: torch.Tensor
+
+
+def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.float16) -> Iterator[WindowScratch]:
+    """The page scratch of a prefill with per-query exact windows (kvq.attention.reference explains
+    the rule), group by group (:func:`scratch_groups`): the step's pages dequantized, with two extra
+    kinds of page, the exact new K/V of q blocks this step wrote and the sealed-then-read values
+    of hp blocks some query reads quantized; two tables map each block to its exact and its
+    quantized page."""
+    H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
+    B, dev = len(window.lens), cu.device
     args, meta = layer_args(layer)
-    dot = tl.float16 if not INTERPRET else _dot_dtype(q.dtype)
-    for b0, b1, width in groups:
+    for b0, b1, width in scratch_groups(window.lens, H, page, D):
         r0, r1 = window.cu[b0], window.cu[b1]
         if (b0, b1) == (0, B):
             g_cu, ex, se = cu, window.exact, window.sealed
@@ -292,7 +323,8 @@ def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_ne
             ex, se = rows(window.exact_rows, True), rows(window.sealed_rows, False)
         g_tab, g_lens, nb = tables[b0:b1, :width], lens[b0:b1], (b1 - b0) * width
         E, S = ex.shape[0], se.shape[0]
-        kp, vp, ident = dequant.dequantize_pages(args, meta, g_tab, g_lens, width, H, page, D, extra=E + S)
+        kp, vp, ident = dequant.dequantize_pages(args, meta, g_tab, g_lens, width, H, page, D, extra=E + S,
+                                                 dtype=dtype)
         tab_exact, tab_q = ident, ident
         if E:  # the new K/V of the q blocks this step wrote: [E, page, H, D] -> [E, H, page, D]
             at = ex[:, 2:3] + torch.arange(page, device=dev)
@@ -306,10 +338,20 @@ def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_ne
             targs, tmeta = layer_args(tmp)
             one = torch.arange(S, dtype=torch.int32, device=dev).view(1, S)
             ks, vs, _ = dequant.dequantize_pages(targs, tmeta, one, torch.full((1,), S * page, dtype=torch.int32,
-                                                                               device=dev), S, H, page, D)
+                                                                               device=dev), S, H, page, D,
+                                                 dtype=dtype)
             kp[nb + E:], vp[nb + E:] = ks, vs
             tab_q = ident.clone()
             tab_q[se[:, 0], se[:, 1]] = nb + E + torch.arange(S, dtype=torch.int32, device=dev)
-        dargs, dmeta = _dense_args(kp, vp)
-        _launch(q[r0:r1], out[r0:r1], g_cu, dargs, dmeta, tab_exact, tab_q, g_lens, sm_scale, max_q_len, False, dot,
-                tile, page, H, window.sink_tokens, window.policy.residual_tokens)
+        yield WindowScratch(b0, b1, r0, r1, g_cu, g_lens, kp, vp, tab_exact, tab_q)
+
+
+def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, tile):
+    """Prefill with per-query exact windows through the page scratch (:func:`window_scratch`);
+    the kernel picks the exact or the quantized page per (query, key)."""
+    dot = tl.float16 if not INTERPRET else _dot_dtype(q.dtype)
+    for g in window_scratch(layer, cu, tables, lens, window, k_new, v_new):
+        dargs, dmeta = _dense_args(g.k, g.v)
+        _launch(q[g.r0:g.r1], out[g.r0:g.r1], g.cu, dargs, dmeta, g.tab_exact, g.tab_q, g.lens, sm_scale, max_q_len,
+                False, dot, tile, layer.block_size, layer.num_kv_heads, window.sink_tokens,
+                window.policy.residual_tokens)

@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Prefill attention per KV format beside the library kernels, in one run (issue 43).
+
+For each shape ``B x past + chunk`` (B sequences, ``past`` tokens already cached, ``chunk`` new
+tokens each, causal) and Llama-3-8B heads (32 query, 8 KV heads, head_dim 128, bf16):
+
+* kvq, per format with its default windows (KIVI: 4 sink and 128 recent tokens in bf16), the
+  cache filled through the block manager (the past prefilled first, as the engine would), timed
+  through the engine's own attention call (kvq.models.llama.attend):
+  ``kvq-triton`` (the Triton prefill) and ``kvq-flashinfer`` (kvq.attention.split_prefill over
+  FlashInfer's FA3; quantized pools through the page scratch and, windowed, the Triton band);
+* anchors on the same bf16 pages and tables (HND): FlashInfer 0.7.0's paged prefill with its
+  ``fa2`` and ``fa3`` backends, and torch SDPA with the cuDNN backend over dense K/V (no past only,
+  as a user would call it on a prompt).
+
+Rows (``docs/results/bench_prefill_h200.json``): impl, format, B, past, chunk, us (median of
+``--iters`` calls, L2 flushed before each, CUDA events), tflops (4 B Hq D (chunk past + chunk^2/2)
+per call), and for kvq rows ``x_best_library`` (us over the fastest anchor's at the shape) and
+``x_kvq_bf16`` (us over the same impl's bf16 row).
+
+    python benchmarks/bench_prefill.py                       # the issue's shapes and formats (H200)
+    python benchmarks/bench_prefill.py --smoke               # tiny shapes, torch library (any device)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import os
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for p in (REPO, REPO / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(REPO / ".flashinfer"))
+os.environ.setdefault("FLASHINFER_NO_DOWNLOAD", "1")
+os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+
+import torch  # noqa: E402
+
+from benchmarks.bench_decode import Results, Timer, err_str, log, pkg_version  # noqa: E402
+from benchmarks.bench_engine import tree_commit  # noqa: E402
+
+SHAPES = "8x0+1024,4x0+4096,1x0+8192,1x7168+1024,1x0+32768,1x0+131072,1x122880+8192"
+FORMATS = "bfloat16,fp8_e4m3,int8_per_token_head,int4_kivi,int2_kivi"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    out = []
+    for s in text.split(","):
+        b, rest = s.split("x")
+        past, chunk = rest.split("+")
+        out.append((int(b), int(past), int(chunk)))
+    return out
+
+
+def flops(B: int, Hq: int, D: int, past: int, chunk: int) -> float:
+    return 4.0 * B * Hq * D * (chunk * past + chunk * chunk / 2)
+
+
+def kvq_impls(device, smoke: bool) -> dict:
+    """impl name -> the kernels the engine would run (kvq.attention.backends.with_prefill)."""
+    from kvq.attention.backends import with_prefill
+    from kvq.attention.split_prefill import SplitPrefill
+    from kvq.attention.triton import kernels
+
+    impls = {"kvq-triton": kernels}
+    if smoke:
+        from kvq.attention.paged_lib import TorchLib
+
+        impls["kvq-split-torch"] = with_prefill(kernels, SplitPrefill(TorchLib()).paged_attention)
+    else:
+        from kvq.attention.flashinfer_lib import FlashInferLib, unavailable_reason
+
+        why = unavailable_reason(device, 128)
+        if why is None:
+            lib = FlashInferLib(device)
+            impls[f"kvq-flashinfer-{lib.backend}"] = with_prefill(kernels, SplitPrefill(lib).paged_attention)
+        else:
+            log(f"kvq-flashinfer: {why}")
+    return impls
+
+
+def fill(fmt: str, kernels, B: int, past: int, chunk: int, H: int, D: int, group: int, device, gen):
+    """A cache of ``B`` sequences holding ``past`` tokens, then a step writing ``chunk`` more: ->
+    (harness, step metadata, q, k, v) for kvq.models.llama.attend."""
+    from paged_harness import kv_data, make_harness
+
+    from kvq.cache.step import apply_ops, each_to, host_step, stage_step
+
+    bs = 32 if "kivi" in fmt else 16
+    nblk = B * -(-(past + chunk) // bs) + 8
+    h = make_harness(fmt, kernels, H=H, D=D, group=group, num_q=nblk, num_hp=nblk, device=device)
+    layer, pol = h.layer, h.plan.window_policy
+    sids = list(range(B))
+    for n in ([past] if past else []) + [chunk]:
+        ops = []
+        for sid in sids:
+            if sid in h.manager:
+                ops += h.manager.append_slots(sid, [0] * n)
+            else:
+                h.manager.allocate_prompt(sid, list(range(n)))
+        apply_ops(h.pool, kernels, ops)
+        meta, _ = stage_step(host_step(h.manager, sids, [n] * B), h.plan.block_size, each_to(device), policy=pol)
+        k, v = (torch.cat(x) for x in zip(*(kv_data(gen, n, H, D, device) for _ in sids)))
+        kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)
+    q = torch.randn(k.shape[0], H * group, D, generator=gen).to(device, torch.bfloat16)
+    return h, meta, q, k, v
+
+
+def anchors(h, meta, q, B, past, chunk, device, timer, iters, res, shape_row, sm):
+    """FlashInfer fa2/fa3 over the bf16 pool kvq filled, and SDPA cuDNN over dense K/V (no past)."""
+    layer = h.layer
+    H, P, D, Hq = layer.num_kv_heads, layer.block_size, layer.head_dim, q.shape[1]
+    try:
+        import flashinfer
+
+        from kvq.attention.paged_lib import make_plan
+
+        lens = [past + chunk] * B
+        plan = make_plan([chunk] * B, lens, [0] * B, meta.block_tables, P)
+        ws = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        i32 = dict(dtype=torch.int32)
+        for backend in ("fa2", "fa3"):
+            try:
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="HND", backend=backend)
+                w.plan(torch.tensor(plan.qo_indptr, **i32), torch.tensor(plan.kv_indptr, **i32), plan.page_indices,
+                       torch.tensor(plan.last_page_len, **i32), Hq, H, D, P, causal=True, sm_scale=sm,
+                       q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                t = timer(lambda: w.run(q, (layer.k["data"], layer.v["data"])), iters, 3)
+                res.add("rows", dict(shape_row, impl=f"flashinfer-{backend}", **t))
+            except Exception as e:
+                res.add("errors", dict(shape_row, impl=f"flashinfer-{backend}", error=err_str(e)))
+    except Exception as e:
+        res.add("errors", dict(shape_row, impl="flashinfer", error=err_str(e)))
+    if past:
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kd = layer.k["data"]
+    try:
+        qd = q.view(B, chunk, Hq, D).transpose(1, 2).contiguous()
+        tab = meta.block_tables.long()
+        kk = kd[tab].permute(0, 2, 1, 3, 4).reshape(B, H, -1, D)[:, :, :chunk].repeat_interleave(Hq // H, 1)
+        vv = layer.v["data"][tab].permute(0, 2, 1, 3, 4).reshape(B, H, -1, D)[:, :, :chunk]
+        vv = vv.repeat_interleave(Hq // H, 1)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            t = timer(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kk, vv, is_causal=True, scale=sm),
+                      iters, 3)
+        res.add("rows", dict(shape_row, impl="torch-sdpa-cudnn", **t))
+    except Exception as e:
+        res.add("errors", dict(shape_row, impl="torch-sdpa-cudnn", error=err_str(e)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=SHAPES, help="BxPAST+CHUNK,...")
+    ap.add_argument("--formats", default=FORMATS)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny heads and shapes, the torch library (any device)")
+    ap.add_argument("--out", default=None, help="JSON (default docs/results/bench_prefill_h200.json; "
+                    "docs/results/bench_prefill_smoke.json with --smoke)")
+    args = ap.parse_args(argv)
+    from kvq.models.llama import attend
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        print("bench_prefill: needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    H, group, D = (2, 2, 64) if args.smoke else (8, 4, 128)
+    shapes = parse_shapes("2x0+48,1x40+24" if args.smoke and args.shapes == SHAPES else args.shapes)
+    formats = args.formats.split(",")
+    out = Path(args.out or REPO / "docs/results" / ("bench_prefill_smoke.json" if args.smoke
+                                                    else "bench_prefill_h200.json"))
+    env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "flashinfer": pkg_version("flashinfer-python"), "commit": tree_commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "heads": {"query": H * group, "kv": H, "head_dim": D}}
+    res = Results(out, {"env": env, "rows": [], "errors": []})
+    timer = Timer(device, 256 << 20 if device.type == "cuda" else 1 << 20)
+    impls = kvq_impls(device, args.smoke)
+    gen = torch.Generator().manual_seed(0)
+    sm = D ** -0.5
+    iters = 2 if args.smoke else args.iters
+    for B, past, chunk in shapes:
+        shape_row = dict(B=B, past=past, chunk=chunk)
+        fl = flops(B, H * group, D, past, chunk)
+        for fmt in formats:
+            for impl, kernels in impls.items():
+                row = dict(shape_row, impl=impl, format=fmt)
+                try:
+                    h, meta, q, k, v = fill(fmt, kernels, B, past, chunk, H, D, group, device, gen)
+                    t = timer(lambda: attend(kernels, q, h.layer, meta, sm, k, v), iters, 1 if args.smoke else 3)
+                    res.add("rows", dict(row, **t, tflops=fl / t["us"] / 1e6))
+                    log(f"{impl:24s} {fmt:22s} {B}x{past}+{chunk}: {t['us']:10.1f} us {fl / t['us'] / 1e6:7.1f} "
+                        "TFLOP/s")
+                    if fmt == "bfloat16" and impl == next(iter(impls)) and not args.no_anchors and not args.smoke:
+                        anchors(h, meta, q, B, past, chunk, device, timer, iters, res, dict(shape_row,
+                                format="bfloat16"), sm)
+                except Exception as e:
+                    traceback.print_exc()
+                    res.add("errors", dict(row, error=err_str(e)))
+                h = meta = q = k = v = None
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    for r in res.doc["rows"]:
+        r.setdefault("tflops", flops(r["B"], H * group, D, r["past"], r["chunk"]) / r["us"] / 1e6)
+        r.pop("samples_us", None)
+    summarize(res.doc)
+    res.save()
+    return 0
+
+
+def summarize(doc: dict) -> None:
+    """x_best_library and x_kvq_bf16 on the kvq rows; a table on stdout."""
+    rows = doc["rows"]
+    key = lambda r: (r["B"], r["past"], r["chunk"])  # noqa: E731
+    best = {}
+    for r in rows:
+        if not r["impl"].startswith("kvq"):
+            k = key(r)
+            if k not in best or r["us"] < best[k]["us"]:
+                best[k] = r
+    bf16 = {(key(r), r["impl"]): r["us"] for r in rows if r["impl"].startswith("kvq") and r["format"] == "bfloat16"}
+    for r in rows:
+        if not r["impl"].startswith("kvq"):
+            continue
+        if key(r) in best:
+            r["x_best_library"] = r["us"] / best[key(r)]["us"]
+            r["best_library"] = best[key(r)]["impl"]
+        if (key(r), r["impl"]) in bf16:
+            r["x_kvq_bf16"] = r["us"] / bf16[(key(r), r["impl"])]
+    print(f"\n{'shape':18s} {'impl':24s} {'format':22s} {'us':>10s} {'TFLOP/s':>8s} {'x best lib':>10s} {'x bf16':>7s}")
+    for r in sorted(rows, key=lambda r: (key(r), r["impl"], r["format"])):
+        xb, xf = r.get("x_best_library"), r.get("x_kvq_bf16")
+        print(f"{r['B']}x{r['past']}+{r['chunk']:<10} {r['impl']:24s} {r['format']:22s} {r['us']:10.1f} "
+              f"{r['tflops']:8.1f} {'' if xb is None else f'{xb:.2f}':>10s} {'' if xf is None else f'{xf:.2f}':>7s}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

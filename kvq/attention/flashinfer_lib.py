@@ -1,0 +1,81 @@
+"""FlashInfer's paged prefill (FA3 on Hopper, FA2 elsewhere) under kvq.attention.paged_lib's contract.
+
+``pip install 'kvq[cuda]'`` brings it (flashinfer-python 0.7.0).  kvq's pages are HND
+(``[pages, H, P, D]``), which FlashInfer reads in place; K and V go as a tuple of two tensors.
+One :class:`flashinfer.BatchPrefillWithPagedKVCacheWrapper` per plan (its plan holds the step's
+request layout and the kernel's schedule), all sharing one workspace buffer: the plans of a
+step's calls run one after another on one stream.  ``plan`` reads the host lists only (no
+device sync); the page indices stay on the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvq.attention.paged_lib import LibPlan
+
+#: FlashInfer's scratch for split-KV partial results (its documentation's recommendation).
+WORKSPACE_BYTES = 128 << 20
+#: head dims FlashInfer's prefill kernels are built for
+HEAD_DIMS = (64, 128, 256)
+
+
+def unavailable_reason(device: torch.device | str, head_dim: int | None = None) -> str | None:
+    """Why FlashInfer's prefill cannot run here (None: it can)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"needs a CUDA device (got {device.type})"
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} not in {HEAD_DIMS}"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"needs sm_80 or newer (got sm_{major}x)"
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"flashinfer is not importable ({type(e).__name__}: {e}); pip install 'kvq[cuda]'"
+    return None
+
+
+def kernel_name(device: torch.device | str) -> str:
+    """``fa3`` on Hopper (sm_90), ``fa2`` elsewhere: the FlashInfer backend kvq asks for."""
+    major, _ = torch.cuda.get_device_capability(torch.device(device))
+    return "fa3" if major == 9 else "fa2"
+
+
+class FlashInferLib:
+    """Library calls through FlashInfer; ``backend`` ``fa3``/``fa2`` (default: :func:`kernel_name`)."""
+
+    def __init__(self, device: torch.device | str, backend: str | None = None):
+        os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a" if kernel_name(device) == "fa3" else "8.0")
+        import flashinfer
+
+        self._fi = flashinfer
+        self.device = torch.device(device)
+        self.backend = backend or kernel_name(self.device)
+        self.name = f"flashinfer-{self.backend}"
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._free: list = []  # wrappers of earlier steps, reused
+        self._used: list = []
+
+    def new_step(self) -> None:
+        """Wrappers planned for the last step may be planned again."""
+        self._free += self._used
+        self._used = []
+
+    def prepare(self, plan: LibPlan, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                sm_scale: float):
+        w = self._free.pop() if self._free else self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="HND", backend=self.backend)
+        self._used.append(w)
+        i32 = dict(dtype=torch.int32)
+        w.plan(torch.tensor(plan.qo_indptr, **i32), torch.tensor(plan.kv_indptr, **i32), plan.page_indices,
+               torch.tensor(plan.last_page_len, **i32), num_qo_heads, num_kv_heads, head_dim, plan.page_size,
+               causal=True, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
+               seq_lens=torch.tensor(plan.kv_lens, **i32))
+        return w
+
+    def run(self, handle, q, k_pages, v_pages, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return handle.run(q, (k_pages, v_pages), out=out, return_lse=True)

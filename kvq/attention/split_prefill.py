@@ -1,0 +1,109 @@
+"""Prefill attention through a library kernel (FlashInfer's FA3), quantized pools included.
+
+Same contract as :func:`kvq.attention.reference.paged_attention` (the definition of correct),
+three ways by layer:
+
+* a 16-bit layer whose step reads only its resident pages: one library call straight over
+  the pool's pages (HND, kvq's signed table read as it is: every entry is a page id);
+* a quantized layer read as stored (no per-query window), or a 16-bit layer that holds hp
+  blocks (sinks, recent window of a mixed plan): the step's pages go once into a dense scratch
+  (kvq.attention.triton.dequant: f16 for quantized pages, an exact bf16 copy for 16-bit ones),
+  then one library call over it;
+* a quantized layer under the per-query window rule (kvq.cache.window.exact_from): each query's
+  keys split at ``p - (R + P)``; everything before (past the sinks) is read quantized by every
+  query, so one library call covers it, causal with that offset, over the scratch's quantized
+  pages; the sinks and the last ``R + P`` keys, where queries differ, go through
+  kvq.attention.triton.band, which merges the library's result by its log-sum-exp.
+
+Each library call is planned once per step (host work: page lists, the library's own plan) and
+reused by every layer; the per-step key is the step's host metadata object (``host``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvq.attention import paged_lib
+from kvq.attention.triton import dequant
+from kvq.attention.triton.band import band_attention
+from kvq.attention.triton.decode import layer_args
+from kvq.attention.triton.prefill import scratch_groups, window_scratch
+
+
+class SplitPrefill:
+    """``paged_attention`` with the kernels' signature, over ``lib`` (kvq.attention.paged_lib.TorchLib,
+    kvq.attention.flashinfer_lib.FlashInferLib)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+        self._step = None  # the host metadata object the cached plans belong to
+        self._plans: dict = {}
+
+    @property
+    def name(self) -> str:
+        return self.lib.name
+
+    def _plan(self, host, key, build):
+        if self._step is not host:
+            self._step, self._plans = host, {}
+            self.lib.new_step()
+        if key not in self._plans:
+            self._plans[key] = build()
+        return self._plans[key]
+
+    def paged_attention(self, q, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len=None, has_hp=None,
+                        max_seq_len=None, window=None, k_new=None, v_new=None, host=None):
+        """``host``: ``(cu, lens)`` of these sequences as host tuples (kvq.cache.step.StepMetadata's
+        ``prefill_host``); without it they are read from the device (one sync)."""
+        T, Hq, D = q.shape
+        out = torch.empty_like(q)
+        if T == 0:
+            return out
+        if host is None:
+            host = (tuple(cu_seqlens_q.tolist()), tuple(seq_lens.tolist()))
+        cu, lens = host
+        if max_q_len is None:
+            max_q_len = max(b - a for a, b in zip(cu, cu[1:]))
+        if has_hp is None:
+            has_hp = bool((block_tables < 0).any())
+        if window is not None and layer.fmt.is_quantized and (window.exact_rows or window.sealed_rows):
+            self._windowed(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len, window, k_new,
+                           v_new, host)
+            return out
+        H, P = layer.num_kv_heads, layer.block_size
+        qo = [b - a for a, b in zip(cu, cu[1:])]
+        data = layer.k.get("data")
+        if not layer.fmt.is_quantized and not has_hp and data is not None and data.dtype == q.dtype:
+            handle = self._plan(host, ("direct",), lambda: self.lib.prepare(
+                paged_lib.make_plan(qo, lens, [0] * len(lens), block_tables, P), Hq, H, D, q.dtype, sm_scale))
+            self.lib.run(handle, q, layer.k["data"], layer.v["data"], out=out)
+            return out
+        dtype = torch.float16 if layer.fmt.is_quantized else layer.k_hp.dtype
+        args, meta = layer_args(layer)
+        for gi, (b0, b1, width) in enumerate(scratch_groups(lens, H, P, D)):
+            r0, r1 = cu[b0], cu[b1]
+            k, v, ident = dequant.dequantize_pages(args, meta, block_tables[b0:b1, :width], seq_lens[b0:b1], width, H,
+                                                   P, D, dtype=dtype)
+            handle = self._plan(host, ("scratch", gi, dtype), lambda: self.lib.prepare(
+                paged_lib.make_plan(qo[b0:b1], lens[b0:b1], [0] * (b1 - b0), ident, P), Hq, H, D, dtype, sm_scale))
+            o, _ = self.lib.run(handle, q[r0:r1].to(dtype), k, v)
+            out[r0:r1] = o
+        return out
+
+    def _windowed(self, q, out, layer, cu_t, tables, lens_t, sm_scale, max_q_len, window, k_new, v_new, host):
+        H, P, D, Hq = layer.num_kv_heads, layer.block_size, layer.head_dim, q.shape[1]
+        pol = window.policy
+        split = pol.residual_tokens + P
+        sink = window.sink_tokens
+        for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, window, k_new, v_new)):
+            lens = window.lens[g.b0:g.b1]
+            qo = [window.cu[b + 1] - window.cu[b] for b in range(g.b0, g.b1)]
+            bulk = [n - split - sink for n in lens]  # keys [sink, p - split] of the last query
+            o_bulk = lse = None
+            if max(bulk) > 0:
+                handle = self._plan(host, ("window", gi), lambda: self.lib.prepare(
+                    paged_lib.make_plan(qo, bulk, [pol.sink_blocks] * len(lens), g.tab_q, P), Hq, H, D,
+                    g.k.dtype, sm_scale))
+                o_bulk, lse = self.lib.run(handle, q[g.r0:g.r1].to(g.k.dtype), g.k, g.v)
+            band_attention(q[g.r0:g.r1], out[g.r0:g.r1], g, P, H, sm_scale, max_q_len, sink, pol.residual_tokens,
+                           o_bulk, lse)

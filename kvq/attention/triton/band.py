@@ -1,0 +1,138 @@
+"""The near-diagonal band of a windowed prefill, merged with a library's bulk result.
+
+kvq.attention.split_prefill cuts each query's keys (position ``p``, sinks ``S`` tokens, recent
+window ``R`` tokens, page ``P``, ``SPLIT = R + P``) into
+
+    bulk   [S, p - SPLIT]                  every key there is read quantized by the window rule
+                                           (kvq.cache.window.exact_from(p) > p - SPLIT): one causal
+                                           library call over the quantized pages, offset by SPLIT
+    band   [0, S) and [max(S, p - SPLIT + 1), p]   the sinks (exact) and the last SPLIT keys, of
+                                           which each query reads exact those from exact_from(p)
+
+This kernel computes the band from the page scratch of kvq.attention.triton.prefill.window_scratch
+(both tables) and folds in the bulk's output and base-2 log-sum-exp (kvq.attention.paged_lib's
+contract): ``out = (acc + o_bulk * 2^lse_bulk) / (l + 2^lse_bulk)`` in the running max's units.
+A band holds at most S + SPLIT keys per query, so it costs a few key tiles per query tile.
+
+    q            [T, Hq, D]    the group's new tokens (model dtype)
+    cu           [B + 1] int32 from 0;  lens [B] int32: cached tokens, the new ones included
+    o_bulk       [T, Hq, D]    the library's output for the same rows;  lse [T, Hq] float32 base 2
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype
+from kvq.attention.triton.prefill import TILES, _dense_args, _prefill_tile
+from kvq.attention.triton.tiles import tile_channel
+
+
+@triton.jit(do_not_specialize=["s_tb"], do_not_specialize_on_alignment=["cu_ptr", "table_ptr", "lens_ptr",
+                                                                        "tableq_ptr"])
+def _band_kernel(
+    q_ptr, s_qt, s_qh, o_ptr, s_ot, s_oh, cu_ptr,
+    kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_hb, s_hh, s_ht,
+    table_ptr, s_tb, lens_ptr, qk_scale, tableq_ptr, SINK_T, RESID, SPLIT,
+    ob_ptr, s_bt, s_bh, lse_ptr, s_lt, s_lh,
+    GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
+    K_G: tl.constexpr, V_G: tl.constexpr, DOT: tl.constexpr, HAS_BULK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    mt = tl.program_id(2)
+    h = hq // GROUP
+    q0 = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q0
+    n = tl.load(lens_ptr + b)
+    i = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = i < q_len
+    qpos = n - q_len + i
+    d = tl.arange(0, D)
+    rows = (q0 + i).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * s_qt + hq * s_qh + d[None, :], mask=rmask[:, None], other=0.0).to(DOT)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    kv_end = tl.where(mt * BLOCK_M < q_len, tl.minimum(n, n - q_len + (mt + 1) * BLOCK_M), 0)
+    table = table_ptr + b.to(tl.int64) * s_tb
+    tableq = tableq_ptr + b.to(tl.int64) * s_tb
+    win = tl.maximum(qpos - RESID, 0) // PAGE * PAGE  # kvq.cache.window.exact_from
+    qlo = tl.maximum(SINK_T, qpos - SPLIT + 1)  # each query's first band key past the sinks
+    # the sinks, exact (a key past a query is masked by causality)
+    sink_end = tl.minimum(SINK_T, kv_end)
+    for t0 in range(0, sink_end, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, sink_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
+                                      qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
+                                      s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht, D,
+                                      PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 0)
+    # the band: tiles its queries may read both ways (exact pairs, then the others: two passes),
+    # then tiles past the last query's window start, which every query reads exact
+    q_first = n - q_len + mt * BLOCK_M
+    q_last = kv_end - 1
+    lo = tl.minimum(tl.maximum(SINK_T, q_first - SPLIT + 1) // BLOCK_N * BLOCK_N, kv_end)
+    win_hi = tl.maximum(q_last - RESID, 0) // PAGE * PAGE
+    mid = tl.minimum(tl.maximum(lo, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), kv_end)
+    for t0 in range(lo, mid, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
+                                      qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
+                                      s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht, D,
+                                      PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 2, True)
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
+                                      qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
+                                      s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht, D,
+                                      PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 3, True)
+    for t0 in range(mid, kv_end, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
+                                      qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
+                                      s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht, D,
+                                      PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 0, True)
+    if HAS_BULK:
+        if n - SPLIT - SINK_T > 0:  # the sequence sent keys to the library (else its rows there are dummies)
+            lb = tl.load(lse_ptr + rows * s_lt + hq * s_lh, mask=rmask, other=float("-inf"))
+            ob = tl.load(ob_ptr + rows[:, None] * s_bt + hq * s_bh + d[None, :], mask=rmask[:, None],
+                         other=0.0).to(tl.float32)
+            m_new = tl.maximum(m_i, lb)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a = tl.exp2(m_i - m_use)
+            c = tl.exp2(lb - m_use)
+            acc = acc * a[:, None] + ob * c[:, None]
+            l_i = l_i * a + c
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + rows[:, None] * s_ot + hq * s_oh + tile_channel(d, 1, D)[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def band_attention(q: torch.Tensor, out: torch.Tensor, scratch, page: int, num_kv_heads: int, sm_scale: float,
+                   max_q_len: int, sink_tokens: int, residual: int, o_bulk: torch.Tensor | None,
+                   lse_bulk: torch.Tensor | None, tile: dict | None = None) -> None:
+    """Write into ``out`` [T, Hq, D] the band of each query (module docstring) merged with the bulk
+    (``o_bulk``/``lse_bulk``; None when no sequence of the group sent keys to the library).
+    ``scratch``: a :class:`kvq.attention.triton.prefill.WindowScratch` of these rows."""
+    T, Hq, D = q.shape
+    if T == 0 or max_q_len == 0:
+        return
+    tile = dict(TILES["window"], **(tile or {}))
+    B = scratch.lens.shape[0]
+    args, meta = _dense_args(scratch.k, scratch.v)
+    dot = tl.float16 if not INTERPRET else _dot_dtype(q.dtype)
+    has_bulk = o_bulk is not None
+    ob = o_bulk if has_bulk else out
+    lse = lse_bulk if has_bulk else out
+    grid = (B, Hq, triton.cdiv(max_q_len, tile["block_m"]))
+    _band_kernel[grid](
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), scratch.cu, *args,
+        scratch.tab_exact, scratch.tab_exact.stride(0), scratch.lens, sm_scale * _LOG2E, scratch.tab_q,
+        sink_tokens, residual, residual + page,
+        ob, ob.stride(0), ob.stride(1), lse, lse.stride(0), lse.stride(1),
+        GROUP=Hq // num_kv_heads, D=D, PAGE=page, BLOCK_M=tile["block_m"], BLOCK_N=tile["block_n"],
+        K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
+        K_G=meta["k_g"], V_G=meta["v_g"], DOT=dot, HAS_BULK=has_bulk,
+        num_warps=tile["num_warps"], num_stages=tile["num_stages"],
+    )

@@ -1,0 +1,186 @@
+"""The library prefill (kvq.attention.split_prefill, issue 43) against the definitions.
+
+* the library contract (kvq.attention.paged_lib): causal attention aligned at the bottom right,
+  base-2 log-sum-exp, rows without keys; the torch definition against a per-row computation, and
+  on a GPU with FlashInfer its FA3/FA2 paged prefill against the torch definition;
+* the three ways a layer's prefill goes (module docstring of split_prefill): a 16-bit pool read in
+  place, pages dequantized into a scratch, and the per-query window split into a library bulk and
+  the Triton band (tests/test_prefill_window.py runs the window cases with backend "split");
+* the choice of prefill kernel is explicit: a named one that cannot serve raises.
+
+On the CPU the library is the torch definition and the Triton kernels run under the interpreter.
+"""
+
+import pytest
+import torch
+
+from kvq.attention import paged_lib
+from kvq.attention.backends import PREFILL_NAMES, BackendChoice, prefill_kernels, select_prefill, with_prefill
+from kvq.attention.split_prefill import SplitPrefill
+from kvq.cache.plan import bare_model, make_plan
+from tests.paged_harness import dense_attention, expected_kv, make_harness, step
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+
+def _flashinfer_reason():
+    if not GPU:
+        return "needs a GPU"
+    from kvq.attention.flashinfer_lib import unavailable_reason
+
+    return unavailable_reason(DEV, 128)
+
+
+def lib(name):
+    if name == "torch":
+        return paged_lib.TorchLib()
+    from kvq.attention.flashinfer_lib import FlashInferLib
+
+    return FlashInferLib(DEV)
+
+
+LIBS = ["torch", pytest.param("flashinfer", marks=pytest.mark.skipif(
+    bool(_flashinfer_reason()), reason=str(_flashinfer_reason())))]
+
+
+def split_kernels(lib_name):
+    from kvq.attention.triton import kernels
+
+    return with_prefill(kernels, SplitPrefill(lib(lib_name)).paged_attention)
+
+
+def _per_row(q, k, v, qo, lens, sm):
+    """Each request's rows one at a time: (out float32, lse base 2)."""
+    T, Hq, D = q.shape
+    group = Hq // k[0].shape[0]
+    out, lse = torch.zeros(T, Hq, D), torch.full((T, Hq), float("-inf"))
+    for r, (q0, q1) in enumerate(zip(qo, qo[1:])):
+        t, L = q1 - q0, lens[r]
+        kk, vv = k[r].repeat_interleave(group, 0).float(), v[r].repeat_interleave(group, 0).float()  # [Hq, L, D]
+        for i in range(t):
+            n_seen = i + L - t + 1
+            if n_seen <= 0:
+                continue
+            s = torch.einsum("hd,hjd->hj", q[q0 + i].float(), kk[:, :n_seen]) * sm
+            out[q0 + i] = torch.einsum("hj,hjd->hd", s.softmax(-1), vv[:, :n_seen])
+            lse[q0 + i] = torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0))
+    return out, lse
+
+
+@pytest.mark.parametrize("name", LIBS)
+def test_library_contract(name):
+    """Requests with as many keys as rows, more (a past), fewer (an offset: early rows see none),
+    pages scattered, a last page partly used."""
+    gen = torch.Generator().manual_seed(0)
+    H, group, D, P = 2, 4, 128, 16
+    dt = torch.bfloat16 if name == "flashinfer" else torch.float32
+    qo_lens, kv_lens = [20, 7, 33], [20, 50, 9]
+    pages = torch.randn(40, H, P, D, generator=gen).to(dt)
+    vpages = torch.randn(40, H, P, D, generator=gen).to(dt)
+    table = torch.randperm(40, generator=gen).to(torch.int32).view(4, 10)
+    plan = paged_lib.make_plan(qo_lens, kv_lens, [1, 0, 2], table.to(DEV), P)
+    q = torch.randn(sum(qo_lens), H * group, D, generator=gen).to(dt)
+    sm = D ** -0.5
+    lb = lib(name)
+    lb.new_step()
+    o, lse = lb.run(lb.prepare(plan, H * group, H, D, dt, sm), q.to(DEV), pages.to(DEV), vpages.to(DEV))
+    ks = [pages[table[r, f:f + 10].long()].permute(1, 0, 2, 3).reshape(H, -1, D)[:, :L]
+          for r, (f, L) in enumerate(zip([1, 0, 2], kv_lens))]
+    vs = [vpages[table[r, f:f + 10].long()].permute(1, 0, 2, 3).reshape(H, -1, D)[:, :L]
+          for r, (f, L) in enumerate(zip([1, 0, 2], kv_lens))]
+    want_o, want_lse = _per_row(q, ks, vs, list(plan.qo_indptr), kv_lens, sm)
+    tol = 2e-2 if name == "flashinfer" else 1e-5
+    assert torch.allclose(o.float().cpu(), want_o, atol=tol, rtol=tol)
+    seen = torch.isfinite(want_lse)
+    assert (~seen).any() and torch.equal(torch.isfinite(lse.cpu()), seen)  # rows 0..23 of request 2 see no key
+    assert torch.allclose(lse.cpu()[seen], want_lse[seen], atol=tol * 10, rtol=tol)
+
+
+def test_a_request_without_keys_reads_one_dummy_key():
+    plan = paged_lib.make_plan([3, 4], [0, 17], [0, 0], torch.arange(4, dtype=torch.int32).view(2, 2), 16)
+    assert plan.kv_lens == (1, 17) and plan.kv_indptr == (0, 1, 3) and plan.last_page_len == (1, 1)
+    assert plan.page_indices.tolist() == [0, 2, 3]
+
+
+CASES = [("bfloat16", {}), ("fp8_e4m3", {}), ("fp8_e4m3", dict(sink=4, residual=40)),
+         ("int8_per_token_head", {}), ("int4_kivi", dict(sink=0, residual=0)), ("int2_kivi/fp8_e4m3", {})]
+
+
+@pytest.mark.parametrize("name", LIBS)
+@pytest.mark.parametrize("fmt,win", CASES, ids=[f"{f}-{'w' if w else 'none'}" for f, w in CASES])
+def test_split_prefill_reads_the_cache_as_stored(fmt, win, name):
+    """No per-query window in the step: every key as stored, through the pool itself (16-bit pages,
+    no hp block) or the page scratch (quantized pages, or hp blocks beside q blocks)."""
+    gen = torch.Generator().manual_seed(1)
+    h = make_harness(fmt, split_kernels(name), device=DEV, **win)
+    seen_hp = False
+    for new in ({"a": 37, "b": 70}, {"a": 45, "c": 20}):
+        q, meta, out = step(h, new, gen, torch.bfloat16)
+        seen_hp |= meta.has_hp
+        cu = meta.cu_seqlens_q.tolist()
+        for b, sid in enumerate(new):
+            exp = dense_attention(q[cu[b]:cu[b + 1]].cpu(), expected_kv(h, sid, "k"), expected_kv(h, sid, "v"),
+                                  h.group)
+            got = out[cu[b]:cu[b + 1]].float().cpu()
+            err = ((got - exp).norm() / exp.norm()).item()
+            assert err < 1e-2, (fmt, sid, err)
+    assert seen_hp == bool(win) or "kivi" in fmt
+
+
+@pytest.mark.parametrize("name", LIBS)
+def test_a_16_bit_layer_with_hp_blocks_goes_through_an_exact_copy(name):
+    """A bf16 layer of a plan with windows holds hp blocks beside its pool's (kvq reads both through
+    one signed table): its pages are copied into a bf16 scratch, exactly, and read there."""
+    gen = torch.Generator().manual_seed(2)
+    kernels = split_kernels(name)
+    h = make_harness("bfloat16", kernels, device=DEV)
+    q, meta, direct = step(h, {"a": 70, "b": 33}, gen, torch.bfloat16)
+    assert not meta.has_hp
+    via_copy = kernels.paged_attention(q, h.layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens,
+                                       h.layer.head_dim ** -0.5, has_hp=True)
+    assert torch.equal(via_copy, direct)
+
+
+def test_prefill_choice_is_explicit():
+    plan = make_plan(bare_model(2, 2, 64, num_attention_heads=4), "int4_kivi")
+    torch_choice = BackendChoice("auto", "torch", "x")
+    assert select_prefill("auto", torch_choice, plan, "cpu").prefill == "torch"
+    with pytest.raises(ValueError, match="'flashinfer'.*torch attention backend runs its own"):
+        select_prefill("flashinfer", torch_choice, plan, "cpu")
+    with pytest.raises(ValueError, match="'flashinfer'.*needs a CUDA device"):
+        select_prefill("flashinfer", BackendChoice("triton", "triton", "x"), plan, "cpu")
+    with pytest.raises(ValueError, match="attention backend 'torch'"):
+        select_prefill("triton", torch_choice, plan, "cpu")
+    with pytest.raises(ValueError, match=", ".join(PREFILL_NAMES)):
+        select_prefill("fa3", torch_choice, plan, "cpu")
+    tri = BackendChoice("auto", "triton", "x")
+    assert select_prefill("triton", tri, plan, "cpu").prefill == "triton"
+    module = object()
+    assert prefill_kernels(module, select_prefill("auto", torch_choice, plan, "cpu"), "cpu") is module
+
+
+def test_engine_reports_its_prefill_kernel():
+    from kvq.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="unknown prefill backend"):
+        EngineConfig(prefill_backend="fa3")
+
+
+def test_bench_prefill_smoke(tmp_path):
+    """benchmarks/bench_prefill.py end to end on tiny shapes (the torch library on the CPU): one row per
+    (impl, format, shape) with the fields the issue names."""
+    import json
+
+    from benchmarks.bench_prefill import main
+
+    out = tmp_path / "bp.json"
+    assert main(["--smoke", "--formats", "bfloat16,int4_kivi", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert not doc["errors"], doc["errors"]
+    rows = doc["rows"]
+    assert {(r["impl"], r["format"], r["B"], r["past"], r["chunk"]) for r in rows} == {
+        (i, f, *s) for i in ("kvq-triton", "kvq-split-torch") for f in ("bfloat16", "int4_kivi")
+        for s in ((2, 0, 48), (1, 40, 24))}
+    for r in rows:
+        assert r["us"] > 0 and r["tflops"] > 0 and r["x_kvq_bf16"] > 0
