@@ -31,7 +31,6 @@ concurrency).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import functools
 import gc
@@ -287,9 +286,8 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
 
 
 def prefill_backend(info: dict) -> str | None:
-    """The prefill attention kernel the engine says it runs, where its info reports one."""
-    backend = info.get("attention_backend")
-    return info.get("attention_prefill") or (backend.get("prefill") if isinstance(backend, dict) else None)
+    """The prefill attention kernel the engine says it runs (kvq.attention.backends.select_prefill)."""
+    return info["attention_backend"].get("prefill")
 
 
 def measure_ttft_floors(args, cfg: dict, workloads, concs, device, max_len: int) -> dict:
@@ -532,8 +530,8 @@ def main(argv=None) -> int:
                         "FLOPs at the cuBLAS rate + its causal attention FLOPs at the fastest library kernel's "
                         "rate, measured in this process before the engines start), the rates, and ttft_x_floor")
     p.add_argument("--prefill-backend", default=None,
-                   help="the engine's prefill attention kernel (EngineConfig.prefill_backend, where the engine "
-                        "has that field)")
+                   help="the engine's prefill attention kernel: auto, flashinfer or triton (--prefill-backend of "
+                        "kvq generate/serve)")
     p.add_argument("--smoke", action="store_true", help="tiny model and workloads")
     p.add_argument("--out", default=None, help="JSON (default docs/results/bench_engine.json, or "
                    "docs/results/bench_capacity.json with --scenarios)")
@@ -546,12 +544,6 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     args.skip = {tuple(int(x) for x in s.split("x")) for s in args.skip.split(",") if s}
-    if args.prefill_backend is not None:
-        from kvq.engine.config import EngineConfig
-
-        if "prefill_backend" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            p.error("--prefill-backend: this kvq's EngineConfig has no prefill_backend field (the engine does "
-                    "not choose a prefill kernel yet); run without it")
     if args.ttft_floor and args.tensor_parallel_size > 1:
         p.error("--ttft-floor is the floor of one GPU; run it with --tensor-parallel-size 1")
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]

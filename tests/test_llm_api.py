@@ -155,7 +155,8 @@ def test_resolved_configuration_is_logged_in_one_info_line(model_dir, caplog):
     info = llm.engine.info
     for part in (f"model {model_dir}", "on cpu (float32)", "KV int4_kivi (K int4_kivi, V int4_kivi)",
                  f"{info['kv_pool']['q_blocks']} blocks = {info['kv_pool']['tokens']} tokens",
-                 f"{info['kv_pool']['hp_blocks']} high-precision blocks", "attention torch", "threads 1",
+                 f"{info['kv_pool']['hp_blocks']} high-precision blocks", "attention torch", "prefill torch",
+                 "threads 1",
                  "async scheduling off"):
         assert part in msg, (part, msg)
 

@@ -195,7 +195,8 @@ class LLMEngine:
                 f"(K {i['kv_cache_dtype']['k']}, V {i['kv_cache_dtype']['v']}), block {i['block_size']}; pool "
                 f"{pool['q_blocks']} blocks = {pool['tokens']} tokens + {pool['hp_blocks']} high-precision blocks "
                 f"({format_bytes(pool['bytes'])}); attention {i['attention_backend']['resolved']} "
-                f"({i['attention_backend']['reason']}); max_model_len {i['max_model_len']}; threads {i['threads']}; "
+                f"({i['attention_backend']['reason']}), prefill {i['attention_backend']['prefill']}; "
+                f"max_model_len {i['max_model_len']}; threads {i['threads']}; "
                 f"async scheduling {'on' if i['async_scheduling'] else 'off'}; "
                 f"cuda graphs {'on' if i['cuda_graphs'] else 'off'}" + self.describe_parallel())
 
