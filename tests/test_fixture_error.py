@@ -46,6 +46,13 @@ BOUNDS: dict[str, tuple[float, float, float]] = {
     # K and V both per token (registered formats; the same layouts as the *_kivi_k_per_token rows below).
     "int4_per_token": (0.16, 0.16, 0.23),  # 0.103 0.104 0.152
     "int2_per_token": (0.77, 0.84, 1.7),  # 0.511 0.560 1.12
+    # rotated codebooks (kvq.formats.codebook; K centred per channel in the *_kc formats)
+    "rot4_kc": (0.091, 0.15, 0.24),  # 0.0606 0.0942 0.160
+    "rot3_kc": (0.18, 0.28, 0.43),  # 0.117 0.182 0.282
+    "turboquant_k8v4": (0.041, 0.15, 0.13),  # 0.0272 0.0942 0.0856
+    "turboquant_4bit_nc": (0.14, 0.15, 0.26),  # 0.0921 0.0942 0.171
+    "turboquant_k3v4_nc": (0.27, 0.15, 0.48),  # 0.177 0.0942 0.314
+    "turboquant_3bit_nc": (0.27, 0.28, 0.50),  # 0.177 0.182 0.332
     # K stored with the KIVI V format (per token): the baseline of the KIVI finding.
     "int4_kivi_k_per_token": (0.16, 0.16, 0.23),  # 0.103 0.104 0.152
     "int2_kivi_k_per_token": (0.77, 0.84, 1.7),  # 0.511 0.560 1.12

@@ -59,9 +59,30 @@ def test_elementwise_error_bounds(name, role, c):
         # half a step, plus what the fp16 rounding of zero/scale can add at the clamp ends
         rng = s * fmt.qmax
         assert (err <= s * 0.5 + rng * 2e-3 + 2e-3).all()
+    elif fmt.family == "rot":
+        _check_rotated(fmt, planes, x, y)
 
 
-@given(st.sampled_from([2, 4, 8]), st.integers(0, 1000), st.sampled_from([8, 32, 64, 128]))
+def _check_rotated(fmt, planes, x, y):
+    """Norm correction: each dequantized vector (K centred: less its stored mean) has the stored norm,
+    the original's to fp16 rounding; the error is the codebook's on Gaussian coordinates (kvq.formats.codebook:
+    the rotation spreads outlier channels), within a factor of 2 over the whole tensor."""
+    from kvq.formats.codebook import lloyd_max, mse
+
+    N, H, T, D = x.shape
+    if fmt.scale == "centred_norm":
+        m = planes["zero"].float().repeat_interleave(fmt.group_size, dim=2)
+        x, y = x - m, y - m
+    nx, ny = x.norm(dim=-1), y.norm(dim=-1)
+    assert torch.allclose(ny, nx, rtol=2e-3, atol=1e-6), (ny - nx).abs().max()
+    if not bool(x.any()):  # a constant K centred away: the mean alone, exactly
+        assert torch.equal(y, x)
+        return
+    rel = ((y - x).square().sum() / x.square().sum()).item()
+    assert rel <= 2 * mse(lloyd_max(fmt.bits, D)[0], D), rel
+
+
+@given(st.sampled_from([1, 2, 3, 4, 8]), st.integers(0, 1000), st.sampled_from([8, 32, 64, 128]))
 @settings(max_examples=60, deadline=None)
 def test_pack_unpack_roundtrip(bits, seed, D):
     if bits == 8:
@@ -88,6 +109,10 @@ def test_constant_and_zero_inputs_do_not_divide_by_zero(name):
             x = torch.full((2, 2, 32, 64), value)
             y = roundtrip(fmt, x)
             assert torch.isfinite(y).all(), (name, role, value)
+            if fmt.family == "rot":  # a constant is no special vector for a codebook after the rotation
+                assert value != 0.0 or torch.equal(y, x), (name, role)
+                _check_rotated(fmt, quantize(fmt, x), x, y)
+                continue
             # zeros come back exactly; a constant within the rounding of an fp16 scale
             assert torch.allclose(y, x, rtol=1e-3, atol=0), (name, role, value, (y - x).abs().max())
             if value == 0.0 or fmt.family == "kivi":  # KIVI: scale 0, zero = the constant

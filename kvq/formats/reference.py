@@ -24,12 +24,21 @@ Rounding rules (kernels must match them bit for bit on identical inputs):
   [0, 2**bits - 1], computed with the *stored* fp16 scale and zero.
 * A zero scale (all-equal or all-zero values) divides by 1 instead: codes 0,
   and dequantization returns exactly ``zero`` (KIVI) or 0.
+* Rotated codebook (family ``rot``, kvq.formats.codebook): K of ``centred_norm`` first loses its
+  per-channel group mean, stored in fp16 (the stored value is subtracted); the vector is rotated
+  (float32), ``u = sqrt(D) * r / |r|``, each coordinate's code is the number of thresholds below
+  it (the nearest level; a tie goes up), and ``norm = |r| / |levels[codes]|`` is stored in fp16
+  (plane ``scale``; the mean is plane ``zero``); dequantization is ``unrotate(norm * levels[codes])
+  (+ mean)``.  A zero vector stores norm 0.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from kvq.formats import codebook
 from kvq.formats.fp8 import saturating_cast, torch_dtype
 from kvq.formats.spec import TensorFormat
 
@@ -38,7 +47,11 @@ Planes = dict[str, torch.Tensor]
 
 # -- planar sub-byte packing ---------------------------------------------------------
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """[..., D] integer codes in [0, 2**bits) -> [..., D * bits / 8] uint8, planar."""
+    """[..., D] integer codes in [0, 2**bits) -> [..., D * bits / 8] uint8, planar (3 bits: a 2-bit
+    plane, then a 1-bit plane; kvq.formats.spec)."""
+    if bits == 3:
+        c = codes.to(torch.uint8)
+        return torch.cat([pack(c & 3, 2), pack(c >> 2, 1)], dim=-1)
     per = 8 // bits
     D = codes.shape[-1]
     assert D % per == 0, (D, per)
@@ -51,6 +64,9 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: [..., Dp] uint8 -> [..., Dp * 8 / bits] uint8 codes."""
+    if bits == 3:
+        lo = packed.shape[-1] * 2 // 3  # D / 4 bytes of low bits, then D / 8 of high bits
+        return unpack(packed[..., :lo], 2) | (unpack(packed[..., lo:], 1) << 2)
     per = 8 // bits
     mask = (1 << bits) - 1
     parts = [(packed >> (m * bits)) & mask for m in range(per)]
@@ -107,6 +123,8 @@ def quantize(fmt: TensorFormat, x: torch.Tensor, static_scale=None) -> Planes:
         else:
             data = _int_codes(y, -fmt.qmax, fmt.qmax).to(store)
         return {"data": data, "scale": scale.reshape(N, H, T) if fmt.scale == "token_head" else scale.reshape(N, H)}
+    if fmt.family == "rot":
+        return _rot_quantize(fmt, xf)
     if fmt.family == "kivi":
         G = fmt.group_size
         if fmt.scale == "channel_group":  # K: groups of G tokens, one scale per channel
@@ -137,6 +155,8 @@ def dequantize(fmt: TensorFormat, planes: Planes, static_scale=None, dtype=torch
         return (data.float() * planes["scale"].float().unsqueeze(-1)).to(dtype)
     if fmt.scale == "block_head":
         return (data.float() * planes["scale"].float().view(N, H, 1, 1)).to(dtype)
+    if fmt.family == "rot":
+        return _rot_dequantize(fmt, planes).to(dtype)
     if fmt.family == "kivi":
         G = fmt.group_size
         codes = unpack(data, fmt.bits).float()
@@ -148,6 +168,40 @@ def dequantize(fmt: TensorFormat, planes: Planes, static_scale=None, dtype=torch
             g = codes.reshape(N, H, T, D // G, G) * scale.unsqueeze(4) + zero.unsqueeze(4)
         return g.reshape(N, H, T, D).to(dtype)
     raise AssertionError(f"no reference dequantizer for {fmt}")
+
+
+def _rot_quantize(fmt: TensorFormat, xf: torch.Tensor) -> Planes:
+    N, H, T, D = xf.shape
+    sdt = torch_dtype(fmt.scale_dtype)
+    out = {}
+    if fmt.scale == "centred_norm":
+        G = fmt.group_size
+        if T % G:
+            raise ValueError(f"{fmt.name} K needs whole groups of {G} tokens, got {T}")
+        g = xf.reshape(N, H, T // G, G, D)
+        mean = g.mean(dim=3).to(sdt)  # [N, H, T/G, D]
+        xf = (g - mean.float().unsqueeze(3)).reshape(N, H, T, D)
+        out["zero"] = mean
+    levels, thresholds = codebook.tables(fmt.bits, D, xf.device)
+    r = codebook.rotate(xf, fmt.rotation_seed)
+    n = r.norm(dim=-1, keepdim=True)
+    u = r / _safe(n) * math.sqrt(D)
+    codes = torch.bucketize(u, thresholds, right=True)  # thresholds below u: the nearest level
+    uh = levels[codes]
+    norm = (n / _safe(uh.norm(dim=-1, keepdim=True))).squeeze(-1).to(sdt)
+    return {"data": pack(codes, fmt.bits), "scale": norm, **out}
+
+
+def _rot_dequantize(fmt: TensorFormat, planes: Planes) -> torch.Tensor:
+    data = planes["data"]
+    N, H, T = data.shape[:3]
+    codes = unpack(data, fmt.bits).long()
+    levels, _ = codebook.tables(fmt.bits, codes.shape[-1], data.device)
+    x = codebook.unrotate(levels[codes] * planes["scale"].float().unsqueeze(-1), fmt.rotation_seed)
+    if fmt.scale == "centred_norm":
+        G, D = fmt.group_size, x.shape[-1]
+        x = (x.reshape(N, H, T // G, G, D) + planes["zero"].float().unsqueeze(3)).reshape(N, H, T, D)
+    return x
 
 
 def roundtrip(fmt: TensorFormat, x: torch.Tensor, static_scale=None) -> torch.Tensor:

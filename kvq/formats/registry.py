@@ -20,6 +20,12 @@ Scale dtypes, and why:
   K is compared with, at the same bits and sidecar bytes and the same windows.
 * ``fp8_e4m3`` / ``fp8_e5m2``: static scale per layer (scalar or per KV head,
   float32, default 1.0 i.e. a direct cast); no bytes per block.
+* Rotated codebooks (kvq.formats.codebook; TurboQuant's scheme, vLLM's preset names with the
+  same bits): fp16 norm per token and head; K of the ``*_kc`` formats also centred per channel
+  over groups of 32 tokens (fp16 means, KIVI's lesson: K's channel offsets go before the
+  rotation spreads them).  vLLM's presets quantize V uniformly; kvq uses the codebook for V too
+  (at equal bits it measured better on the default model, ../shared/MEASURED.md).  Served by the
+  torch reference only for now.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ KIVI_RESIDUAL_TOKENS = 128
 #: Sink tokens kept in high precision by default for the low-bit formats; on the
 #: default model 4 sinks do as well as 32 (../shared/MEASURED.md).
 LOW_BIT_SINK_TOKENS = 4
+#: The rotation of the rotated codebook formats (part of each format: a peer with the same
+#: format name rotates the same way).
+ROTATION_SEED = 0x6B7671
 
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -88,6 +97,20 @@ def _kivi(name: str, bits: int, k_per_token: bool = False):
     return build
 
 
+def _rot(name: str, k_bits: int, v_bits: int, k_centred: bool = False):
+    """Rotated codebook K and V of ``k_bits``/``v_bits`` (``k_bits`` 8: K in FP8 E4M3, direct cast)."""
+    def build(role: Role, model_dtype: str, group: int) -> TensorFormat:
+        bits = k_bits if role == "k" else v_bits
+        if bits == 8:
+            return _fp8_static(name, "float8_e4m3fn")(role, model_dtype, group)
+        centred = role == "k" and k_centred
+        return TensorFormat(name, role, "rot", "uint8", bits, scale="centred_norm" if centred else "token_norm",
+                            scale_dtype="float16", group_size=group if centred else None,
+                            reference_only=True, rotation_seed=ROTATION_SEED)
+
+    return build
+
+
 _ENTRIES: tuple[FormatEntry, ...] = (
     FormatEntry("auto", (), "the model's dtype, no quantization", _dense(None)),
     FormatEntry("bfloat16", ("bf16",), "bfloat16, no quantization", _dense("bfloat16")),
@@ -136,6 +159,30 @@ _ENTRIES: tuple[FormatEntry, ...] = (
     FormatEntry(
         "int2_per_token", ("int2_token",), "2-bit K and V both per token over groups of channels, scale+zero (fp16)",
         _kivi("int2_per_token", 2, k_per_token=True), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
+    ),
+    FormatEntry(
+        "rot4_kc", (), "rotated codebook 4-bit: K centred per channel over 32 tokens, norms (fp16)",
+        _rot("rot4_kc", 4, 4, k_centred=True), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
+    ),
+    FormatEntry(
+        "rot3_kc", (), "rotated codebook 3-bit: K centred per channel over 32 tokens, norms (fp16)",
+        _rot("rot3_kc", 3, 3, k_centred=True), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
+    ),
+    FormatEntry(
+        "turboquant_k8v4", (), "K FP8 E4M3, V rotated 4-bit codebook with norm (vLLM's preset name)",
+        _rot("turboquant_k8v4", 8, 4), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
+    ),
+    FormatEntry(
+        "turboquant_4bit_nc", (), "K and V rotated 4-bit codebook, norm corrected (vLLM's preset name)",
+        _rot("turboquant_4bit_nc", 4, 4), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
+    ),
+    FormatEntry(
+        "turboquant_k3v4_nc", (), "K rotated 3-bit, V rotated 4-bit codebook, norm corrected (vLLM's preset name)",
+        _rot("turboquant_k3v4_nc", 3, 4), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
+    ),
+    FormatEntry(
+        "turboquant_3bit_nc", (), "K and V rotated 3-bit codebook, norm corrected (vLLM's preset name)",
+        _rot("turboquant_3bit_nc", 3, 3), LOW_BIT_SINK_TOKENS, KIVI_RESIDUAL_TOKENS,
     ),
 )
 

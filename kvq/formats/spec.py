@@ -19,6 +19,8 @@ scales, is copied byte for byte by indexing every plane with the same id)::
             [H, bs // G, D]          KIVI K: per channel over G tokens
             [H, bs, D // G]          KIVI V: per token over G channels
     zero    same shape as scale      KIVI only (asymmetric)
+            [H, bs]                  rotated codebook: the norm, per token and head
+            [H, bs // G, D]          (zero) rotated codebook K: the mean per channel over G tokens
 
 H = KV heads, bs = block size (tokens per page), D = head dim, G = group size.
 
@@ -32,6 +34,21 @@ Sub-byte packing is *planar*: with ``per = 8 // bits`` values per byte and
 so a kernel unpacks a [bs, Dp] tile into ``per`` contiguous [bs, Dp] slices of
 the head dim with shifts and masks only, and can dot each slice with the
 matching slice of the query without interleaving.
+
+3-bit codes (rotated codebook formats) are a 2-bit plane and a 1-bit plane, both planar, one
+after the other in the row: bytes ``[0, D/4)`` hold the low two bits of every code as the
+2-bit layout above, bytes ``[D/4, 3D/8)`` the high bit as a 1-bit planar layout (byte ``j``
+of it holds channels ``j + m * D/8`` for ``m = 0 .. 7``)::
+
+    int3, D = 16:  bytes 0-3: low bits (4 codes a byte), bytes 4-5: high bits (8 a byte)
+
+Rotated codebook formats (family ``rot``, kvq.formats.codebook): each token-head vector (K
+first centred per channel over its group of G tokens, ``mean``) is rotated by a seeded
+random-sign Hadamard transform, each coordinate of the rotated unit vector scaled by sqrt(D)
+takes the nearest of ``2^bits`` Lloyd-Max levels, and a norm (the ``scale`` plane) restores the
+vector's norm (norm correction: the dequantized vector has exactly the stored norm).  The
+planes keep the generic names (``scale``, ``zero``) that pools, host copies and the transfer
+wire already carry.
 """
 
 from __future__ import annotations
@@ -44,7 +61,8 @@ Role = Literal["k", "v"]
 
 #: Scale granularities.  ``static`` scales are per layer (a scalar or one per
 #: KV head), supplied by the user or a calibration, and cost no bytes per block.
-SCALE_KINDS = ("none", "static", "token_head", "block_head", "channel_group", "token_group")
+SCALE_KINDS = ("none", "static", "token_head", "block_head", "channel_group", "token_group", "token_norm",
+               "centred_norm")
 
 #: Bytes of each storage / scale dtype this package uses.  The only table of
 #: element sizes in kvq.
@@ -102,6 +120,8 @@ class TensorFormat:
         qmax: largest code (127 for int8, 2**bits - 1 for KIVI), or the largest
             finite value for FP8, or None for dense.
         reference_only: no kernel serves it (AMD fnuz on NVIDIA/CPU).
+        rotation_seed: the seed of the random-sign Hadamard rotation (family ``rot``), part of
+            the format: two processes with the same format produce the same codes.
     """
 
     name: str
@@ -115,6 +135,7 @@ class TensorFormat:
     group_size: int | None = None
     qmax: float | None = None
     reference_only: bool = False
+    rotation_seed: int | None = None
 
     def __post_init__(self) -> None:
         assert self.role in ("k", "v"), self.role
@@ -122,6 +143,9 @@ class TensorFormat:
         assert (self.scale_dtype is None) == (self.scale in ("none", "static")), self
         assert not self.zero_point or self.family == "kivi", self
         assert self.family != "kivi" or self.group_size, self
+        assert (self.family == "rot") == (self.scale in ("token_norm", "centred_norm")), self
+        assert self.family != "rot" or (self.rotation_seed is not None and self.bits in (2, 3, 4)), self
+        assert self.scale != "centred_norm" or self.group_size, self
         element_bytes(self.storage)
 
     # -- derived properties ---------------------------------------------------------
@@ -136,7 +160,13 @@ class TensorFormat:
 
     @property
     def values_per_byte(self) -> int:
+        """Codes per byte of the 1/2/4-bit layouts (3-bit rows: :meth:`row_bytes`)."""
+        assert self.bits != 3, "3-bit rows are two planes: use row_bytes"
         return 8 // self.bits if self.packed else 1
+
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes of one token-head row of the data plane."""
+        return head_dim * self.bits // 8 if self.packed else head_dim
 
     @property
     def write_direct(self) -> bool:
@@ -146,12 +176,12 @@ class TensorFormat:
         per-channel groups): such blocks are written in high precision and
         sealed into the resident format once full.
         """
-        return self.scale not in ("block_head", "channel_group")
+        return self.scale not in ("block_head", "channel_group", "centred_norm")
 
     @property
     def token_granularity(self) -> int:
         """Tokens that must be present before a unit can be quantized."""
-        if self.scale == "channel_group":
+        if self.scale in ("channel_group", "centred_norm"):
             return self.group_size
         return 1
 
@@ -163,9 +193,12 @@ class TensorFormat:
                 f"num_kv_heads, head_dim and block_size must be >= 1 "
                 f"(got {num_kv_heads}, {head_dim}, {block_size})"
             )
-        if self.packed and head_dim % self.values_per_byte:
-            raise ValueError(f"{self.name}: head_dim {head_dim} is not a multiple of {self.values_per_byte}")
-        if self.scale == "channel_group" and block_size % self.group_size:
+        if self.packed and head_dim % (8 if self.bits == 3 else self.values_per_byte):
+            raise ValueError(f"{self.name}: head_dim {head_dim} is not a multiple of "
+                             f"{8 if self.bits == 3 else self.values_per_byte}")
+        if self.family == "rot" and head_dim & (head_dim - 1):
+            raise ValueError(f"{self.name}: the Hadamard rotation needs a power-of-two head_dim, got {head_dim}")
+        if self.scale in ("channel_group", "centred_norm") and block_size % self.group_size:
             raise ValueError(
                 f"{self.name}: K is quantized per channel over groups of {self.group_size} tokens, "
                 f"so block_size must be a multiple of {self.group_size} (got {block_size})"
@@ -180,7 +213,12 @@ class TensorFormat:
         """The tensors of one block of this format (see module docstring)."""
         self.check_shape(num_kv_heads, head_dim, block_size)
         H, D, bs = num_kv_heads, head_dim, block_size
-        out = [Plane("data", (H, bs, D // self.values_per_byte), self.storage)]
+        out = [Plane("data", (H, bs, self.row_bytes(D)), self.storage)]
+        if self.family == "rot":
+            out.append(Plane("scale", (H, bs), self.scale_dtype))  # the norm
+            if self.scale == "centred_norm":
+                out.append(Plane("zero", (H, bs // self.group_size, D), self.scale_dtype))  # the mean
+            return tuple(out)
         sidecar: tuple[int, ...] | None = {
             "none": None,
             "static": None,
@@ -211,6 +249,9 @@ class TensorFormat:
             "block_head": f"dynamic per cache block and head ({self.scale_dtype})",
             "channel_group": f"per channel over {self.group_size} tokens, scale+zero ({self.scale_dtype})",
             "token_group": f"per token over {self.group_size} channels, scale+zero ({self.scale_dtype})",
+            "token_norm": f"rotated, {2 ** self.bits}-level codebook, norm per token and head ({self.scale_dtype})",
+            "centred_norm": f"centred per channel over {self.group_size} tokens, rotated, {2 ** self.bits}-level "
+                            f"codebook, norm per token and head ({self.scale_dtype})",
         }[self.scale]
 
 

@@ -1,0 +1,124 @@
+"""Rotated codebook formats (issue 44): the rotation, the Lloyd-Max codebooks, 3-bit packing,
+attention in the rotated domain, determinism across processes, and the window rule."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvq.formats import codebook
+from kvq.formats.reference import dequantize, pack, quantize, unpack
+from kvq.formats.registry import ROTATION_SEED, resolve_format
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_rotation_is_orthogonal_and_its_inverse_exact(D):
+    eye = torch.eye(D)
+    R = codebook.rotate(eye, 11)  # rows: R e_i, i.e. R^T
+    assert torch.allclose(R @ R.T, eye, atol=1e-6)
+    x = torch.randn(7, D) * 5
+    assert torch.allclose(codebook.unrotate(codebook.rotate(x, 11), 11), x, atol=1e-5)
+    assert not torch.allclose(codebook.rotate(x, 11), codebook.rotate(x, 12))  # the seed matters
+
+
+def test_rotation_spreads_an_outlier_channel():
+    x = torch.zeros(64)
+    x[5] = 30.0
+    r = codebook.rotate(x, ROTATION_SEED)
+    assert torch.allclose(r.abs(), torch.full((64,), 30.0 / 8))
+
+
+def test_two_bit_codebook_is_the_brute_force_optimum():
+    """Every symmetric 4-level quantizer (+-a, +-b) on a 0.005 grid: none beats Lloyd-Max's (the error of
+    each from cumulative moments of the density, nearest level: a below (a + b) / 2, b above)."""
+    for D in (64, 128):
+        lv, th = codebook.lloyd_max(2, D)
+        best = codebook.mse(lv, D)
+        u, w = codebook._density(D)
+        m0, m1, m2 = (np.concatenate([[0.0], np.cumsum(w * u ** k)]) for k in (0, 1, 2))
+        grid = np.arange(0.005, 3.0, 0.005)
+        a, b = np.meshgrid(grid, grid, indexing="ij")
+        cut = np.searchsorted(u, (a + b) / 2)
+
+        def part(c, lo, hi):  # sum of w (u - c)^2 over grid points [lo, hi)
+            return (m2[hi] - m2[lo]) - 2 * c * (m1[hi] - m1[lo]) + c * c * (m0[hi] - m0[lo])
+
+        err = np.where(b > a, part(a, 0, cut) + part(b, cut, len(u)), np.inf)
+        assert best <= err.min() + 1e-9 and err.min() <= best + 1e-4  # the grid finds it too
+        assert np.allclose(th, [(lv[i] + lv[i + 1]) / 2 for i in range(3)])
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4])
+def test_codebooks_are_stationary_and_locally_optimal(bits):
+    """Lloyd-Max's two conditions, and no small move of the levels lowers the error."""
+    D = 128
+    lv, th = codebook.lloyd_max(bits, D)
+    base = codebook.mse(lv, D)
+    rng = np.random.default_rng(bits)
+    for _ in range(20):
+        moved = np.sort(np.asarray(lv) + rng.normal(0, 0.01, len(lv)))
+        assert codebook.mse(moved, D) >= base - 1e-9
+    if bits == 1:  # the level is E|u|
+        u, w = codebook._density(D)
+        assert abs(lv[1] - 2 * np.sum(w * u) / (2 * np.sum(w))) < 1e-6
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_packing_roundtrips_every_code(bits):
+    D = 64
+    codes = (torch.arange(5 * D) % (1 << bits)).to(torch.uint8).view(5, D)
+    codes = codes[:, torch.randperm(D)]
+    assert pack(codes, bits).shape[-1] == D * bits // 8
+    assert torch.equal(unpack(pack(codes, bits), bits), codes)
+
+
+def test_three_bit_layout_is_a_two_bit_plane_then_a_one_bit_plane():
+    codes = torch.tensor([[5, 2, 7, 0, 1, 6, 3, 4, 0, 0, 0, 0, 0, 0, 0, 7]], dtype=torch.uint8)  # D = 16
+    b = pack(codes, 3)
+    assert torch.equal(b[:, :4], pack(codes & 3, 2)) and torch.equal(b[:, 4:], pack(codes >> 2, 1))
+    # 1-bit plane, D / 8 = 2 bytes: byte j holds channel j + 2 m at bit m; high bits are set on channels 0, 2, 5, 7, 15
+    assert b[0, 4:].tolist() == [1 << 0 | 1 << 1, 1 << 2 | 1 << 3 | 1 << 7]
+
+
+@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "rot3_kc"])
+def test_rotated_attention_equals_attention_over_dequantized_values(name):
+    """What the kernels will do: q rotated once, scores against the rotated codes (plus q . mean for a
+    centred K), probabilities times the rotated V, the output rotated back once."""
+    torch.manual_seed(0)
+    fk, fv = resolve_format(name, "k"), resolve_format(name, "v")
+    D, T = 64, 64
+    k, v, q = torch.randn(1, 1, T, D) * 2, torch.randn(1, 1, T, D), torch.randn(3, D)
+    k[..., 7] += 9.0
+    pk, pv = quantize(fk, k), quantize(fv, v)
+    kd, vd = dequantize(fk, pk)[0, 0], dequantize(fv, pv)[0, 0]
+    want = torch.softmax(q @ kd.T / 8, -1) @ vd
+
+    def rotated(fmt, planes):  # the codes and norms in the rotated domain, no mean, no inverse rotation
+        levels, _ = codebook.tables(fmt.bits, D, "cpu")
+        return levels[unpack(planes["data"], fmt.bits).long()][0, 0] * planes["scale"].float()[0, 0, :, None]
+
+    s = codebook.rotate(q, fk.rotation_seed) @ rotated(fk, pk).T
+    if fk.scale == "centred_norm":
+        s = s + q @ pk["zero"].float()[0, 0].repeat_interleave(fk.group_size, 0).T
+    got = codebook.unrotate(torch.softmax(s / 8, -1) @ rotated(fv, pv), fv.rotation_seed)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_same_format_gives_the_same_codes_in_two_processes():
+    code = ("import torch; from kvq.formats.reference import quantize; from kvq.formats.registry import "
+            "resolve_format; g = torch.Generator().manual_seed(4); x = torch.randn(2, 2, 32, 64, generator=g); "
+            "p = quantize(resolve_format('rot3_kc', 'k'), x); "
+            "print(sum(int(t.view(torch.uint8).long().sum()) * (i + 1) for i, t in enumerate(p.values())))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}
+    assert len(outs) == 1 and outs.pop().strip().isdigit()
+
+
+@pytest.mark.parametrize("fmt,sink,res", [("rot3_kc", 16, 32), ("turboquant_3bit_nc", 4, 24),
+                                          ("turboquant_k8v4", 0, 16)])
+def test_rotated_formats_read_each_querys_window_exact(fmt, sink, res):
+    from tests.test_prefill_window import _check_windows
+
+    _check_windows(fmt, sink, res, "torch", ({"a": 64, "b": 32}, {"a": 96, "b": 64}))
