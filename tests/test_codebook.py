@@ -116,9 +116,49 @@ def test_the_same_format_gives_the_same_codes_in_two_processes():
     assert len(outs) == 1 and outs.pop().strip().isdigit()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "split"])
 @pytest.mark.parametrize("fmt,sink,res", [("rot3_kc", 16, 32), ("turboquant_3bit_nc", 4, 24),
                                           ("turboquant_k8v4", 0, 16)])
-def test_rotated_formats_read_each_querys_window_exact(fmt, sink, res):
+def test_rotated_formats_read_each_querys_window_exact(fmt, sink, res, backend):
+    """The reference, the Triton kernels (rotation and codes in the write/seal kernels, values rotated
+    back in the tile loader and the page scratch) and the library prefill, against the per-query
+    definition of the window rule."""
     from tests.test_prefill_window import _check_windows
 
-    _check_windows(fmt, sink, res, "torch", ({"a": 64, "b": 32}, {"a": 96, "b": 64}))
+    _check_windows(fmt, sink, res, backend, ({"a": 64, "b": 32}, {"a": 96, "b": 64}))
+
+
+@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "turboquant_3bit_nc", "rot3_kc", "rot4_kc", "turboquant_k8v4"])
+def test_triton_writes_and_seals_store_the_references_codes(name):
+    """Token writes (norm per token), block seals from hp blocks and from new tokens (centred K): the
+    Triton kernels store the reference's planes.  The rotation is one float32 product there and a
+    butterfly here, so a coordinate within rounding of a threshold may code one level apart: at most
+    one data byte in a thousand may differ (none did on the CPU interpreter), norms and means to fp16."""
+    from kvq.attention import reference
+    from kvq.attention.triton import kernels
+    from tests.paged_harness import make_harness
+
+    GPU = torch.cuda.is_available()
+    dev = "cuda" if GPU else "cpu"
+    ht = make_harness(name, kernels, H=2, D=64, num_q=8, num_hp=8, device=dev)
+    hr = make_harness(name, reference, H=2, D=64, num_q=8, num_hp=8, device=dev)
+    bs = ht.plan.block_size
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(ht.layer.k_hp.shape, generator=g) * 2).bfloat16().to(dev)
+    x[..., 3] += 8.0
+    k = torch.randn(2 * bs, 2, 64, generator=g).bfloat16().to(dev)
+    slots = torch.arange(2 * bs, 4 * bs, device=dev)  # q blocks 2 and 3, whole
+    for h, mod in ((ht, kernels), (hr, reference)):
+        h.layer.k_hp.copy_(x)
+        h.layer.v_hp.copy_(x)
+        mod.seal_blocks(h.layer, torch.tensor([1, 4], device=dev), torch.tensor([5, 6], device=dev))
+        mod.write_kv(h.layer, k, k * 0.5, slots)
+    for role in ("k", "v"):
+        for plane, a in ht.layer.planes(role).items():
+            b = hr.layer.planes(role)[plane]
+            if plane == "data":
+                differ = (a.view(torch.uint8) != b.view(torch.uint8)).float().mean().item()
+                assert differ <= 1e-3, (name, role, differ)
+            else:
+                assert torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-6), (name, role, plane)
+    assert bool(ht.layer.k["data"].view(torch.uint8)[5].any())  # something was stored

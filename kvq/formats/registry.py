@@ -24,8 +24,8 @@ Scale dtypes, and why:
   same bits): fp16 norm per token and head; K of the ``*_kc`` formats also centred per channel
   over groups of 32 tokens (fp16 means, KIVI's lesson: K's channel offsets go before the
   rotation spreads them).  vLLM's presets quantize V uniformly; kvq uses the codebook for V too
-  (at equal bits it measured better on the default model, ../shared/MEASURED.md).  Served by the
-  torch reference only for now.
+  (at equal bits it measured better on the default model, ../shared/MEASURED.md).  The Triton
+  kernels serve them (the CUDA decode does not yet).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _rot(name: str, k_bits: int, v_bits: int, k_centred: bool = False):
         centred = role == "k" and k_centred
         return TensorFormat(name, role, "rot", "uint8", bits, scale="centred_norm" if centred else "token_norm",
                             scale_dtype="float16", group_size=group if centred else None,
-                            reference_only=True, rotation_seed=ROTATION_SEED)
+                            rotation_seed=ROTATION_SEED)
 
     return build
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.attention.triton.tiles import format_code, load_tile, tile_channel
+from kvq.attention.triton.tiles import format_code, load_tile, rot_table, tile_channel
 from kvq.cache.pool import LayerKV
 
 _LOG2E = 1.4426950408889634
@@ -139,6 +139,15 @@ def _scale_strides(fmt_code: int, planes: dict[str, torch.Tensor]) -> tuple[int,
     return st[0], st[1], st[2] if t.dim() >= 3 else 0
 
 
+def static_arg(layer: LayerKV, role: str) -> torch.Tensor:
+    """What the kernels read as a role's static table: its static scales, or a rotated codebook's
+    rotation, levels and thresholds (kvq.attention.triton.tiles.rot_table)."""
+    fmt = layer.tensor_format(role)
+    if fmt.family == "rot":
+        return rot_table(fmt, layer.head_dim, layer.k_hp.device)
+    return layer.static_scale(role)
+
+
 def layer_args(layer: LayerKV) -> tuple[list, dict]:
     """Pointer/stride arguments and constexprs describing a layer's K and V pools."""
     args, meta = [], {}
@@ -146,9 +155,9 @@ def layer_args(layer: LayerKV) -> tuple[list, dict]:
         planes, fmt = layer.planes(role), layer.tensor_format(role)
         data = planes["data"]
         args += [data, _plane(planes, "scale", data), _plane(planes, "zero", data), layer.hp(role),
-                 layer.static_scale(role)]
+                 static_arg(layer, role)]
         meta[f"{role}_fmt"] = format_code(fmt)
-        meta[f"{role}_per"] = fmt.values_per_byte
+        meta[f"{role}_per"] = 1 if fmt.family == "rot" else fmt.values_per_byte
         meta[f"{role}_g"] = fmt.group_size or 1
     strides = []
     for role in ("k", "v"):

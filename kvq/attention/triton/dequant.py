@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.attention.triton.tiles import KIVI_K, load_tile
+from kvq.attention.triton.tiles import KIVI_K, ROT, load_tile, rot_values
 
 #: Scratch bytes (K and V together) above which the prefill dequantizes in its loop instead.
 SCRATCH_CAP_BYTES = 512 * 1024 * 1024
@@ -60,6 +60,12 @@ def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
     if bid < 0:  # a high-precision page (sinks, recent window)
         hrow = (-bid - 1).to(tl.int64) * s_hb + head * s_hh + off.to(tl.int64) * s_ht
         x = tl.load(hp_ptr + hrow[:, None] + c[None, :]).to(tl.float32)
+    elif FMT >= ROT:
+        qb = bid.to(tl.int64)
+        row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
+        mrow = qb * (s_sb * D // G) + head * (s_sh * D // G) + (off // G) * D
+        x = rot_values(data_ptr, scale_ptr, zero_ptr, static_ptr, row, qb * s_sb + head * s_sh + off * s_st, mrow,
+                       D, FMT)
     elif PER == 1:
         qb = bid.to(tl.int64) + tl.zeros((PAGE,), tl.int64)
         raw, sc = load_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr, s_db, s_dh, s_dt, s_sb, s_sh, s_st,

@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton.tiles import (
-    BLOCK_SCALE, DENSE, FP8_STATIC, KIVI_K, TOKEN_SCALE, format_code, to_fp8,
+    BLOCK_SCALE, DENSE, FP8_STATIC, KIVI_K, ROT, ROT_C, TOKEN_SCALE, format_code, to_fp8,
 )
+from kvq.attention.triton.decode import static_arg
 from kvq.cache.pool import LayerKV
 
 
@@ -81,6 +82,40 @@ def _pack(codes, R: tl.constexpr, D: tl.constexpr, PER: tl.constexpr):
 
 
 @triton.jit
+def _rot_store(x, data_ptr, norm_ptr, mean_ptr, table_ptr, d_row, s_row, rmask,
+               R: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr):
+    """A rotated codebook tile (kvq.formats.reference's rule): K of ROT_C loses its per-channel group
+    mean (fp16, stored at the block's mean rows: ``s_row``'s first element times D / G), then each row
+    is rotated (one [R, D] x [D, D] product), coded against the thresholds, and its norm corrected."""
+    BITS: tl.constexpr = (FMT - ROT) % 3 + 2
+    m2 = rmask[:, None]
+    c = tl.arange(0, D)
+    if FMT >= ROT_C:  # whole blocks: groups of G rows
+        g = tl.reshape(x, (R // G, G, D))
+        mean = (tl.sum(g, axis=1) / G).to(mean_ptr.dtype.element_ty)
+        gi = tl.arange(0, R // G)
+        tl.store(mean_ptr + tl.min(s_row, axis=0) * D // G + gi[:, None] * D + c[None, :], mean)
+        x = tl.reshape(g - mean.to(tl.float32)[:, None, :], (R, D))
+    fwd = tl.load(table_ptr + c[:, None] * D + c[None, :])
+    r = tl.dot(x, fwd, input_precision="ieee")
+    n = tl.sqrt(tl.sum(r * r, axis=1))
+    u = r / _safe(n)[:, None] * tl.sqrt(D * 1.0)
+    codes = tl.zeros((R, D), tl.int32)
+    for i in tl.static_range((tl.constexpr(1) << BITS) - 1):
+        codes += (u >= tl.load(table_ptr + 2 * D * D + 16 + i)).to(tl.int32)
+    uh = tl.load(table_ptr + 2 * D * D + codes)
+    nc = (n / _safe(tl.sqrt(tl.sum(uh * uh, axis=1)))).to(norm_ptr.dtype.element_ty)
+    tl.store(norm_ptr + s_row, nc, mask=rmask)
+    if BITS == 3:
+        tl.store(data_ptr + d_row[:, None] + tl.arange(0, D // 4)[None, :], _pack(codes & 3, R, D, 4), mask=m2)
+        tl.store(data_ptr + d_row[:, None] + (D // 4 + tl.arange(0, D // 8))[None, :], _pack(codes >> 2, R, D, 8),
+                 mask=m2)
+    else:
+        tl.store(data_ptr + d_row[:, None] + tl.arange(0, D * BITS // 8)[None, :], _pack(codes, R, D, 8 // BITS),
+                 mask=m2)
+
+
+@triton.jit
 def _quant_store(
     x, data_ptr, scale_ptr, zero_ptr, static_ptr, head,
     d_row, s_row,  # [R] element offsets of each row's data / scale row (KIVI K: of the block's scale row)
@@ -126,6 +161,8 @@ def _quant_store(
         y = _divide(g - zr.to(tl.float32)[:, None, :], s[:, None, :], False)
         codes = tl.reshape(_int_code(y, 0.0, QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER))
+    elif FMT >= ROT:
+        _rot_store(x, data_ptr, scale_ptr, zero_ptr, static_ptr, d_row, s_row, rmask, R, D, FMT, G)
     else:  # KIVI_V: per row, groups of G channels
         g = tl.reshape(x, (R, D // G, G))
         mn = tl.min(g, axis=2)
@@ -248,13 +285,14 @@ def _warps(layer: LayerKV) -> int:
 def _role_args(layer: LayerKV, role: str) -> tuple[list, list, dict]:
     planes, fmt = layer.planes(role), layer.tensor_format(role)
     data = planes["data"]
-    ptrs = [data, planes.get("scale", data), planes.get("zero", data), layer.hp(role), layer.static_scale(role)]
+    ptrs = [data, planes.get("scale", data), planes.get("zero", data), layer.hp(role), static_arg(layer, role)]
     sc = planes.get("scale")
     sst = list(sc.stride()) + [0, 0] if sc is not None else [0, 0, 0]
     if sc is not None and sc.dim() == 2:  # per block: [nb, H]
         sst[2] = 0
     strides = [data.stride(0), data.stride(1), data.stride(2), sst[0], sst[1], sst[2]]
-    meta = dict(fmt=format_code(fmt), per=fmt.values_per_byte, qmax=float(fmt.qmax or 0.0),
+    meta = dict(fmt=format_code(fmt), per=1 if fmt.family == "rot" else fmt.values_per_byte,
+                qmax=float(fmt.qmax or 0.0),
                 direct=fmt.write_direct, g=fmt.group_size or 1)
     return ptrs, strides, meta
 

@@ -21,8 +21,10 @@ no data is ever shuffled to restore the natural order.
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -39,12 +41,19 @@ TOKEN_SCALE = tl.constexpr(2)
 BLOCK_SCALE = tl.constexpr(3)
 KIVI_K = tl.constexpr(4)
 KIVI_V = tl.constexpr(5)
+#: rotated codebooks (kvq.formats.codebook): ROT + bits - 2 (norm per token), ROT_C + bits - 2 (K centred
+#: per channel over its group); the kernels read the rotation, the levels and the thresholds from the
+#: format's table (:func:`rot_table`) where other formats read their static scale
+ROT = tl.constexpr(6)
+ROT_C = tl.constexpr(9)
 
 
 def format_code(fmt: TensorFormat) -> int:
     """The kernels' code for a tensor format (every stored format has one)."""
     if fmt.family == "dense":
         return DENSE.value
+    if fmt.family == "rot":
+        return (ROT_C.value if fmt.scale == "centred_norm" else ROT.value) + fmt.bits - 2
     return {
         "static": FP8_STATIC,
         "token_head": TOKEN_SCALE,
@@ -90,6 +99,59 @@ def to_fp8(y, dtype):
     return y.to(dtype)
 
 
+def rot_table(fmt: TensorFormat, head_dim: int, device):
+    """float32 ``[2 D^2 + 32]``: ``R^T`` for the rotation ``R = H diag(s) / sqrt(D)`` (row-major: a row
+    ``x`` rotates as ``x @ R^T``), then ``R`` (back: ``y @ R``), the ``2^bits`` levels from ``2 D^2`` and
+    the thresholds from ``2 D^2 + 16`` (kvq.formats.codebook; one table per format, head dim and device, cached)."""
+    return _rot_table(fmt.bits, fmt.rotation_seed, head_dim, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _rot_table(bits: int, seed: int, D: int, device: str):
+    from kvq.formats import codebook
+
+    eye = torch.eye(D)
+    rt = codebook.rotate(eye, seed)  # row i is R e_i: R^T, so a row x rotates as x @ R^T
+    levels, thresholds = codebook.lloyd_max(bits, D)
+    out = torch.zeros(2 * D * D + 32, dtype=torch.float32)
+    out[:D * D] = rt.reshape(-1)
+    out[D * D:2 * D * D] = rt.T.reshape(-1)  # and back as y @ R (R orthogonal)
+    out[2 * D * D:2 * D * D + len(levels)] = torch.tensor(levels)
+    out[2 * D * D + 16:2 * D * D + 16 + len(thresholds)] = torch.tensor(thresholds)
+    return out.to(device)
+
+
+@triton.jit
+def rot_codes(data_ptr, row, D: tl.constexpr, BITS: tl.constexpr):
+    """[N, D] int32 codes in natural channel order from rows at element offsets ``row`` [N] (each lane
+    reads the byte of its channel: planar 2/4-bit rows, or a 2-bit plane then a 1-bit plane)."""
+    c = tl.arange(0, D)
+    if BITS == 3:
+        lo = tl.load(data_ptr + row[:, None] + (c % (D // 4))[None, :]).to(tl.int32)
+        hi = tl.load(data_ptr + row[:, None] + (D // 4 + c % (D // 8))[None, :]).to(tl.int32)
+        return ((lo >> ((c // (D // 4)) * 2)[None, :]) & 3) | (((hi >> (c // (D // 8))[None, :]) & 1) << 2)
+    else:
+        DP: tl.constexpr = D * BITS // 8
+        b = tl.load(data_ptr + row[:, None] + (c % DP)[None, :]).to(tl.int32)
+        return (b >> ((c // DP) * BITS)[None, :]) & ((tl.constexpr(1) << BITS) - 1)
+
+
+@triton.jit
+def rot_values(data_ptr, norm_ptr, mean_ptr, table_ptr, row, nrow, mrow, D: tl.constexpr, FMT: tl.constexpr):
+    """[N, D] float32 values of a rotated codebook tile in natural channel order: levels times the
+    row's norm, rotated back (one [N, D] x [D, D] product), plus the group mean of a centred K
+    (``mrow``: element offsets of each row's mean row)."""
+    BITS: tl.constexpr = (FMT - ROT) % 3 + 2
+    codes = rot_codes(data_ptr, row, D, BITS)
+    u = tl.load(table_ptr + 2 * D * D + codes) * tl.load(norm_ptr + nrow).to(tl.float32)[:, None]
+    c = tl.arange(0, D)
+    inv = tl.load(table_ptr + D * D + c[:, None] * D + c[None, :])
+    x = tl.dot(u, inv, input_precision="ieee")
+    if FMT >= ROT_C:
+        x = x + tl.load(mean_ptr + mrow[:, None] + c[None, :]).to(tl.float32)
+    return x
+
+
 @triton.jit
 def tile_channel(p, PER: tl.constexpr, D: tl.constexpr):
     """Natural channel index of tile position ``p``."""
@@ -129,7 +191,11 @@ def load_tile(
     p = tl.arange(0, D)
     chan = tile_channel(p, PER, D)
     row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
-    if PER == 1:
+    if FMT >= ROT:  # rotated codebook: values in natural order, no factor per row
+        srow = qb * s_sb + head * s_sh + off * s_st
+        mrow = qb * (s_sb * D // GROUP) + head * (s_sh * D // GROUP) + (off // GROUP) * D
+        raw = rot_values(data_ptr, scale_ptr, zero_ptr, static_ptr, row, srow, mrow, D, FMT)
+    elif PER == 1:
         raw = tl.load(data_ptr + row[:, None] + p[None, :]).to(DOT)
     else:
         pb = tl.arange(0, D // PER)
@@ -165,7 +231,7 @@ def load_tile(
         sc = tl.load(scale_ptr + srow[:, None] + (chan // GROUP)[None, :]).to(tl.float32)
         zr = tl.load(zero_ptr + srow[:, None] + (chan // GROUP)[None, :]).to(tl.float32)
         raw = (raw.to(tl.float32) * sc + zr).to(DOT)
-    else:
+    else:  # dense, FP8 and int8 codes, rotated codebook values
         raw = raw.to(DOT)
     if HAS_HP:
         # sinks and the recent window are a few tiles at the ends of a table: a tile with no
