@@ -97,10 +97,12 @@ def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
     from kvq.attention.triton.band import band_attention
     from kvq.attention.triton.decode import layer_args
     from kvq.cache.plan import bare_model, make_plan
+    from kvq.formats.registry import resolve_format
     from kvq.cache.pool import KVPool
 
     for fmt in formats:
-        for D, group in ((64, 3), (128, 4)):
+        rotated = any(resolve_format(fmt, r).family == "rot" for r in ("k", "v"))
+        for D, group in ((128, 4),) if rotated else ((64, 3), (128, 4)):  # rotated: the code is D-generic
             plan = make_plan(bare_model(1, 2, D, num_attention_heads=2 * group), fmt, sink_tokens=16,
                              residual_tokens=32)
             layer = KVPool.create(plan, 8, 4).layers[0]

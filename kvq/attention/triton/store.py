@@ -97,7 +97,7 @@ def _rot_store(x, data_ptr, norm_ptr, mean_ptr, table_ptr, d_row, s_row, rmask,
         tl.store(mean_ptr + tl.min(s_row, axis=0) * D // G + gi[:, None] * D + c[None, :], mean)
         x = tl.reshape(g - mean.to(tl.float32)[:, None, :], (R, D))
     fwd = tl.load(table_ptr + c[:, None] * D + c[None, :])
-    r = tl.dot(x, fwd, input_precision="ieee")
+    r = tl.dot(x, fwd, input_precision="tf32x3")
     n = tl.sqrt(tl.sum(r * r, axis=1))
     u = r / _safe(n)[:, None] * tl.sqrt(D * 1.0)
     codes = tl.zeros((R, D), tl.int32)

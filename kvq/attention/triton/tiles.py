@@ -146,7 +146,7 @@ def rot_values(data_ptr, norm_ptr, mean_ptr, table_ptr, row, nrow, mrow, D: tl.c
     u = tl.load(table_ptr + 2 * D * D + codes) * tl.load(norm_ptr + nrow).to(tl.float32)[:, None]
     c = tl.arange(0, D)
     inv = tl.load(table_ptr + D * D + c[:, None] * D + c[None, :])
-    x = tl.dot(u, inv, input_precision="ieee")
+    x = tl.dot(u, inv, input_precision="tf32x3")
     if FMT >= ROT_C:
         x = x + tl.load(mean_ptr + mrow[:, None] + c[None, :]).to(tl.float32)
     return x
