@@ -280,6 +280,25 @@ def test_sigint_while_loading_exits_130_without_a_traceback(tmp_path):
         server.stop()
 
 
+def test_a_signal_during_the_triton_import_is_delivered_after_it():
+    """Ctrl-C that lands while triton's native module starts (which aborted the server with exit -6) is held
+    back and delivered as a KeyboardInterrupt once the import is done (kvq.attention.backends._import_triton)."""
+    code = ("import builtins, os, signal, sys\n"
+            "import kvq.attention.backends as b\n"
+            "real = builtins.__import__\n"
+            "def imp(name, *a, **k):\n"
+            "    if name == 'triton' and 'triton' not in sys.modules:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = imp\n"
+            "try:\n"
+            "    b._import_triton()\n"
+            "except KeyboardInterrupt:\n"
+            "    print('interrupted after the import:', 'triton' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "interrupted after the import: True" in r.stdout, (r.returncode, r.stdout, r.stderr)
+
+
 def _caught(pid: int) -> int:
     """The signals process ``pid`` has handlers for (Linux: SigCgt in /proc/PID/status), 0 once it is gone."""
     try:

@@ -76,12 +76,36 @@ TRITON_HEAD_DIMS = (64, 128, 256)
 TRITON_PAGE_SIZES = (16, 32, 64, 128)
 
 
+def _import_triton() -> None:
+    """``import triton`` with SIGINT/SIGTERM held back: a KeyboardInterrupt raised inside its native
+    module's start-up (Python code called from its nanobind extension) ends the process in
+    std::terminate (exit -6, seen in tests/test_server_shutdown.py when Ctrl-C landed there); a signal
+    that arrives meanwhile is delivered to the usual handler right after the import."""
+    import signal
+    import sys
+    import threading
+
+    if "triton" in sys.modules or threading.current_thread() is not threading.main_thread():
+        import triton  # noqa: F401
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
+    try:
+        import triton  # noqa: F401
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: a handler not set from Python
+    for s in dict.fromkeys(caught):
+        signal.raise_signal(s)
+
+
 def _triton_check(plan: CachePlan, device: torch.device, dtype: torch.dtype) -> str | None:
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if device.type != "cuda" and not interpret:
         return f"needs a CUDA device (got {device.type})"
     try:
-        import triton  # noqa: F401
+        _import_triton()
     except ImportError:
         return "triton is not installed (pip install 'kvq[gpu]')"
     if dtype not in (torch.bfloat16, torch.float16):
