@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import math
 import os
 import platform
 import sys
@@ -46,6 +47,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench_decode import Results, Timer, err_str, log, pkg_version  # noqa: E402
 from benchmarks.bench_engine import tree_commit  # noqa: E402
+from kvq.formats.registry import resolve_kv  # noqa: E402
 
 SHAPES = "8x0+1024,4x0+4096,1x0+8192,1x7168+1024,1x0+32768,1x0+131072,1x122880+8192"
 FORMATS = "bfloat16,fp8_e4m3,int8_per_token_head,int4_kivi,int2_kivi"
@@ -94,7 +96,7 @@ def fill(fmt: str, kernels, B: int, past: int, chunk: int, H: int, D: int, group
 
     from kvq.cache.step import apply_ops, each_to, host_step, stage_step
 
-    bs = 32 if "kivi" in fmt else 16
+    bs = math.lcm(16, resolve_kv(fmt).min_block_size())
     nblk = B * -(-(past + chunk) // bs) + 8
     h = make_harness(fmt, kernels, H=H, D=D, group=group, num_q=nblk, num_hp=nblk, device=device)
     layer, pol = h.layer, h.plan.window_policy

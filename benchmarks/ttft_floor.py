@@ -27,16 +27,14 @@ on a GPU, ``time.perf_counter`` on the CPU.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_decode import Timer as DecodeTimer
+
 MiB = 1 << 20
-#: GPU spin after the flush, before each timed call (~0.5 ms): the launch overlaps it.
-SLEEP_CYCLES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -84,38 +82,12 @@ def attention_flops(shape: PrefillShape, n: int) -> float:
     return 4 * shape.heads * shape.head_dim * n * n / 2
 
 
-class Timer:
-    """Median seconds of single calls, L2 flushed before each (CUDA events on a GPU)."""
-
-    def __init__(self, device: torch.device, flush_bytes: int = 256 * MiB):
-        self.cuda = device.type == "cuda"
-        self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
-        self.sleep = getattr(torch.cuda, "_sleep", None) if self.cuda else None
+class Timer(DecodeTimer):
+    """benchmarks/bench_decode.py's timer (median of single calls, L2 flushed before each, CUDA events on
+    a GPU), in seconds."""
 
     def __call__(self, fn, iters: int, warmup: int) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        if self.cuda:
-            torch.cuda.synchronize()
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(iters)]
-            for start, end in events:
-                self.flush.zero_()
-                if self.sleep is not None:
-                    self.sleep(SLEEP_CYCLES)
-                start.record()
-                fn()
-                end.record()
-            torch.cuda.synchronize()
-            times = [s.elapsed_time(e) / 1e3 for s, e in events]
-        else:
-            for _ in range(iters):
-                self.flush.zero_()
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return super().__call__(fn, iters, warmup)["us"] / 1e6
 
 
 def _error(e: BaseException) -> str:

@@ -85,11 +85,9 @@ def windowed(args):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from paged_harness import kv_data, make_harness
-
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.bench_prefill import fill
     from kvq.attention.triton import kernels, prefill
-    from kvq.cache.step import apply_ops, each_to, host_step, stage_step
     from kvq.models.llama import attend
 
     B, H, group, D = args.B, 8, 4, 128
@@ -97,31 +95,14 @@ def windowed(args):
     timer = bench if dev == "cuda" else _wall
     formats = "bfloat16,int4_kivi,int2_kivi,fp8_e4m3" if "--formats" not in sys.argv else args.formats
     gen = torch.Generator().manual_seed(0)
-    L = args.past + args.chunk
     flops = 4 * B * H * group * D * (args.chunk * args.past + args.chunk * args.chunk / 2)
     default = {kind: dict(t) for kind, t in prefill.TILES.items()}
     keys = ("block_m", "block_n", "num_warps", "num_stages")
     tiles = [tuple(int(x) for x in c.split("x")) for c in args.tiles.split(",")] if args.tiles else [None]
     base = {}
     for fmt in formats.split(","):
-        bs = 32 if "kivi" in fmt else 16
-        nblk = B * -(-L // bs) + 8
-        h = make_harness(fmt, kernels, H=H, D=D, group=group, num_q=nblk, num_hp=nblk, device=dev)
-        layer, pol = h.layer, h.plan.window_policy
-        sids = list(range(B))
-        for chunk in ([args.past] if args.past else []) + [args.chunk]:
-            ops = []
-            for sid in sids:
-                if sid in h.manager:
-                    ops += h.manager.append_slots(sid, [0] * chunk)
-                else:
-                    h.manager.allocate_prompt(sid, list(range(chunk)))
-            apply_ops(h.pool, kernels, ops)
-            meta, _ = stage_step(host_step(h.manager, sids, [chunk] * B), h.plan.block_size, each_to(dev),
-                                 policy=pol)
-            k, v = (torch.cat(x) for x in zip(*(kv_data(gen, chunk, H, D, dev) for _ in sids)))
-            kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)
-        q = torch.randn(k.shape[0], H * group, D, device=dev, dtype=torch.bfloat16)
+        h, meta, q, k, v = fill(fmt, kernels, B, args.past, args.chunk, H, D, group, dev, gen)
+        layer = h.layer
         sm = D ** -0.5
         win = meta.window
         rows = f"{len(win.exact_rows)} exact + {len(win.sealed_rows)} sealed extra pages" if win else "no window"
