@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from kvq.cache.tiers import TierRule, parse_ages, parse_policies, parse_tiers
 from kvq.cache.window import WindowPolicy, rule_counts
 from kvq.formats.registry import default_window, resolve_kv
 from kvq.formats.spec import FP8_MAX, KVFormat
@@ -53,13 +54,45 @@ class CachePlan:
     residual_tokens: int
     skip_layers: tuple[int, ...]
     label: str | None = None  # a plan file's name (``kvq tune``); None: named after its format
+    #: elastic precision (kvq.cache.tiers): the formats of tiers 1, 2, ... per layer, and their rule
+    tiers: tuple[tuple[KVFormat, ...], ...] = ()
+    tier_rule: TierRule | None = None
 
     def __post_init__(self) -> None:
         assert len(self.layers) == self.model.num_layers, (len(self.layers), self.model.num_layers)
+        assert all(len(t) == self.model.num_layers for t in self.tiers), "a tier needs one format per layer"
+        assert (self.tier_rule is None) == (not self.tiers), "tiers come with their rule"
+        assert self.tier_rule is None or self.tier_rule.num_tiers == len(self.tiers)
         m = self.model
-        for fmt in (*self.layers, self.hp):
+        for fmt in (*self.layers, self.hp, *(f for t in self.tiers for f in t)):
             fmt.k.check_shape(m.num_kv_heads, m.head_dim, self.block_size)
             fmt.v.check_shape(m.num_kv_heads, m.head_dim, self.block_size)
+
+    # -- tiers -----------------------------------------------------------------------------
+    @property
+    def num_tiers(self) -> int:
+        """Tiers below the resident format (0 without elastic precision)."""
+        return len(self.tiers)
+
+    def tier_layers(self, tier: int) -> tuple[KVFormat, ...]:
+        """Each layer's format in ``tier`` (0: the resident formats)."""
+        return self.layers if tier == 0 else self.tiers[tier - 1]
+
+    def tier_layer_bytes(self, tier: int, layer: int) -> int:
+        """Bytes of one block of ``tier`` in ``layer``, K and V, sidecars included."""
+        m = self.model
+        return self.tier_layers(tier)[layer].block_bytes(m.num_kv_heads, m.head_dim, self.block_size)
+
+    def tier_bytes_per_block(self, tier: int) -> int:
+        """One block of ``tier`` across all layers (tier 0: :attr:`bytes_per_block`)."""
+        return sum(self.tier_layer_bytes(tier, i) for i in range(self.model.num_layers))
+
+    def tier_names(self) -> list[str]:
+        """The ladder, resident format first: ``['fp8_e4m3', 'int4_kivi']``."""
+        def name(fmts):
+            stored = [fmts[i] for i in self.stored_layers] or list(fmts)
+            return stored[0].name
+        return [name(self.tier_layers(t)) for t in range(self.num_tiers + 1)]
 
     # -- bytes -----------------------------------------------------------------------------
     def layer_block_bytes(self, layer: int) -> int:
@@ -154,13 +187,24 @@ class CachePlan:
         """The plan in one string: its format (``k=...,v=...`` when they differ), with the
         skipped layers, e.g. ``fp8_e4m3 (layers 0,31 in bfloat16)``; a plan file's ``plan:NAME``."""
         if self.label:
-            return f"plan:{self.label}"
+            return f"plan:{self.label}{self.tier_suffix()}"
         ref = self.layers[self.stored_layers[0]] if self.stored_layers else self.hp
         base = ref.name
         if self.skip_layers and self.stored_layers:
             which = ",".join(str(i) for i in self.skip_layers)
             base += f" (layer{'s' if len(self.skip_layers) > 1 else ''} {which} in {self.hp.name})"
-        return base
+        return base + self.tier_suffix()
+
+    def tier_suffix(self) -> str:
+        """The ladder in a name: ``>int4_kivi@1152`` (age policy), ``>int4_kivi`` (pressure), both:
+        ``>int4_kivi@1152+pressure``; empty without tiers."""
+        if not self.tiers:
+            return ""
+        r = self.tier_rule
+        out = "".join(f">{n}" for n in self.tier_names()[1:])
+        if r.ages:
+            out += "@" + ",".join(map(str, r.ages)) + ("+pressure" if r.pressure else "")
+        return out
 
     def describe(self) -> dict:
         """What every report names: the plan's name, K and V of its stored layers (not of layer
@@ -174,7 +218,9 @@ class CachePlan:
         return {"name": self.name, "k": ref.k.name, "v": ref.v.name, "per_layer": self.layer_names(),
                 "skip_layers": list(self.skip_layers), "sink_tokens": self.sink_tokens,
                 "sink_tokens_kept": self.window_policy.sink_blocks * self.block_size,  # whole blocks
-                "residual_tokens": self.residual_tokens, "block_size": self.block_size}
+                "residual_tokens": self.residual_tokens, "block_size": self.block_size,
+                **({"tiers": self.tier_names()[1:], "tier_policy": list(self.tier_rule.policies),
+                    "tier_ages": list(self.tier_rule.ages)} if self.tiers else {})}
 
 
 def _skip_set(model: ModelShape, skip_layers) -> tuple[int, ...]:
@@ -214,6 +260,9 @@ class KVCacheConfig:
     group_size: int | None = None
     block_size: int | None = None
     plan_file: str | None = None  # ``--kv-cache-plan``: formats per layer and K/V from a file (kvq tune)
+    tiers: tuple[str, ...] = ()  # ``--kv-cache-tiers``: formats below the resident one (kvq.cache.tiers)
+    tier_age: tuple[int, ...] = ()  # ``--kv-tier-age``: the age policy's thresholds, one per tier
+    tier_policy: tuple[str, ...] = ()  # ``--kv-tier-policy``: age, pressure or both (default from tier_age)
 
     def __post_init__(self) -> None:
         """Types and ranges, before any model is read (what needs the model: :meth:`plan`)."""
@@ -233,6 +282,12 @@ class KVCacheConfig:
                 raise ValueError(f"{flag} must be an int >= {low}, got {val!r}")
         if self.group_size is not None and self.group_size & (self.group_size - 1):
             raise ValueError(f"--kivi-group-size must be a power of two, got {self.group_size}")
+        object.__setattr__(self, "tiers", parse_tiers(self.tiers))
+        object.__setattr__(self, "tier_age", parse_ages(self.tier_age))
+        if self.tiers:
+            object.__setattr__(self, "tier_policy", parse_policies(self.tier_policy, bool(self.tier_age)))
+        elif self.tier_age or self.tier_policy:
+            raise ValueError("--kv-tier-age and --kv-tier-policy need --kv-cache-tiers (the formats blocks move down to)")
 
     def _load_plan_file(self) -> None:
         from kvq.cache.plan_file import PlanFile
@@ -293,10 +348,12 @@ class KVCacheConfig:
 
     def plan(self, model: ModelShape) -> CachePlan:
         if self.plan_file is not None:
-            return plan_from_file(model, self.plan_spec, block_size=self.block_size)
+            return plan_from_file(model, self.plan_spec, block_size=self.block_size, tiers=self.tiers,
+                                  tier_age=self.tier_age, tier_policy=self.tier_policy)
         return make_plan(model, self.dtype, k=self.k, v=self.v, block_size=self.block_size,
                          skip_layers=self.skip_layers, sink_tokens=self.sink_tokens,
-                         residual_tokens=self.residual_tokens, group_size=self.group_size)
+                         residual_tokens=self.residual_tokens, group_size=self.group_size, tiers=self.tiers,
+                         tier_age=self.tier_age, tier_policy=self.tier_policy)
 
 
 #: Option letters of a format spec (:meth:`KVCacheConfig.with_spec`) -> the field they set.
@@ -314,13 +371,17 @@ def make_plan(
     sink_tokens: int | None = None,
     residual_tokens: int | None = None,
     group_size: int | None = None,
+    tiers=(),
+    tier_age=(),
+    tier_policy=(),
 ) -> CachePlan:
     """Build a plan; every bad choice raises ValueError naming what is valid."""
     fmt = resolve_kv(kv_cache_dtype, k, v, model_dtype=model.dtype, group_size=group_size)
     hp = resolve_kv(model.dtype, model_dtype=model.dtype)
     skips = _skip_set(model, skip_layers)
     layers = tuple(hp if i in skips else fmt for i in range(model.num_layers))
-    min_bs = math.lcm(*(f.min_block_size() for f in layers))
+    ladder = _tier_formats(model, parse_tiers(tiers), layers, hp, group_size)
+    min_bs = math.lcm(*(f.min_block_size() for f in (*layers, *(f for t in ladder for f in t))))
     if block_size is None:
         block_size = math.lcm(DEFAULT_BLOCK_SIZE, min_bs)
     elif block_size < 1 or block_size % min_bs:
@@ -328,33 +389,79 @@ def make_plan(
             f"block size {block_size} does not fit {fmt.name}: it must be a positive multiple of {min_bs} "
             f"(KIVI K is quantized over whole groups of tokens inside one block)"
         )
-    d_sink, d_res = default_window(fmt)
+    # the ladder's lowest rungs ask for the widest windows (fp8_e4m3 over int4_kivi: KIVI's sinks and window)
+    d_sink, d_res = (max(w) for w in zip(*(default_window(f) for f in (fmt, *(t[0] for t in ladder)))))
     sink_tokens = d_sink if sink_tokens is None else int(sink_tokens)
     residual_tokens = d_res if residual_tokens is None else int(residual_tokens)
     if sink_tokens < 0 or residual_tokens < 0:
         raise ValueError(f"sink and residual tokens must be >= 0 (got {sink_tokens}, {residual_tokens})")
+    rule = _tier_rule(ladder, block_size, sink_tokens, residual_tokens, parse_ages(tier_age),
+                      parse_policies(tier_policy, bool(tier_age)) if ladder else ())
     if not any(f.is_quantized for f in layers):
-        sink_tokens = residual_tokens = 0  # everything is already high precision
-    return CachePlan(model, layers, hp, block_size, sink_tokens, residual_tokens, skips)
+        sink_tokens = residual_tokens = 0  # everything is already high precision (a tier's windows: its rule)
+    return CachePlan(model, layers, hp, block_size, sink_tokens, residual_tokens, skips, tiers=ladder, tier_rule=rule)
 
 
-def plan_from_file(model: ModelShape, pf, block_size: int | None = None) -> CachePlan:
+def _tier_formats(model: ModelShape, names: tuple[str, ...], layers: tuple[KVFormat, ...], hp: KVFormat,
+                  group_size: int | None) -> tuple[tuple[KVFormat, ...], ...]:
+    """Each tier's format per layer (layers kept in the model dtype stay so in every tier); raises
+    ValueError unless every rung takes fewer bytes a block than the one above it."""
+    if not names:
+        return ()
+    H, D = model.num_kv_heads, model.head_dim
+    stored = [i for i, f in enumerate(layers) if (f.k, f.v) != (hp.k, hp.v)] or range(len(layers))
+    ladder, above = [], layers
+    for name in names:
+        try:
+            fmt = resolve_kv(name, model_dtype=model.dtype, group_size=group_size)
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-tiers: {e}") from None
+        tier = tuple(fmt if i in stored else layers[i] for i in range(len(layers)))
+        # a block size that lays out every format: bytes compared at the least common one
+        bs = math.lcm(DEFAULT_BLOCK_SIZE, *(f.min_block_size() for f in (*above, *tier)))
+        new, old = (sum(t[i].block_bytes(H, D, bs) for i in stored) for t in (tier, above))
+        if new >= old:
+            raise ValueError(f"--kv-cache-tiers: {fmt.name} takes {new} bytes a block of {bs} tokens, not fewer than "
+                             f"{above[stored[0]].name} above it ({old}); a tier must be smaller than the one above")
+        ladder.append(tier)
+        above = tier
+    return tuple(ladder)
+
+
+def _tier_rule(ladder, block_size: int, sink_tokens: int, residual_tokens: int, ages: tuple[int, ...],
+               policies: tuple[str, ...]) -> TierRule | None:
+    if not ladder:
+        return None
+    if ages and len(ages) == 1 and len(ladder) > 1:
+        ages = tuple(ages[0] * (t + 1) for t in range(len(ladder)))  # one age for all: tier t at t x age
+    if ages and ages[0] < residual_tokens:
+        raise ValueError(f"--kv-tier-age {ages[0]} lies inside the recent window ({residual_tokens} tokens kept in "
+                         f"high precision): give an age >= {residual_tokens}")
+    return TierRule(len(ladder), block_size, math.ceil(sink_tokens / block_size), residual_tokens,
+                    ages=ages if "age" in policies else (), pressure="pressure" in policies)
+
+
+def plan_from_file(model: ModelShape, pf, block_size: int | None = None, tiers=(), tier_age=(),
+                   tier_policy=()) -> CachePlan:
     """The plan a :class:`~kvq.cache.plan_file.PlanFile` describes, for ``model`` (ValueError when
     it was made for another geometry, or its formats cannot lay out the block size)."""
     pf.check_model(model)
     layers = pf.formats(model.dtype)
     hp = resolve_kv(model.dtype, model_dtype=model.dtype)
+    ladder = _tier_formats(model, parse_tiers(tiers), layers, hp, None)
     block_size = block_size or pf.block_size
-    min_bs = math.lcm(*(f.min_block_size() for f in layers))
+    min_bs = math.lcm(*(f.min_block_size() for f in (*layers, *(f for t in ladder for f in t))))
     if block_size is None:
         block_size = math.lcm(DEFAULT_BLOCK_SIZE, min_bs)
     elif block_size % min_bs:
         raise ValueError(f"{pf.path or 'plan'}: block size {block_size} must be a multiple of {min_bs} "
                          f"(KIVI K is quantized over whole groups of tokens inside one block)")
     quantized = any(f.is_quantized for f in layers)
+    rule = _tier_rule(ladder, block_size, pf.sink_tokens, pf.residual_tokens, parse_ages(tier_age),
+                      parse_policies(tier_policy, bool(tier_age)) if ladder else ())
     sink, resid = (pf.sink_tokens, pf.residual_tokens) if quantized else (0, 0)
     skips = tuple(i for i, f in enumerate(layers) if (f.k, f.v) == (hp.k, hp.v))
-    return CachePlan(model, layers, hp, block_size, sink, resid, skips, label=pf.name)
+    return CachePlan(model, layers, hp, block_size, sink, resid, skips, label=pf.name, tiers=ladder, tier_rule=rule)
 
 
 def bare_model(num_layers: int, num_kv_heads: int, head_dim: int, *, num_attention_heads: int | None = None,

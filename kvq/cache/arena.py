@@ -1,0 +1,356 @@
+"""One byte arena for the blocks of every tier (elastic precision, :mod:`kvq.cache.tiers`).
+
+The arena is cut into *slabs* of equal bytes.  A slab belongs to at most one tier at a time
+and holds ``per_slab[t]`` blocks of it; a tier takes a free slab when its own are full and
+gives a slab back as soon as none of its blocks is in use or cached, so demoting blocks to a
+smaller tier frees memory that any tier can use (e.g. five 8-bit blocks of fp8_e4m3 in the
+bytes of eight int4_kivi blocks).  Tensor-free: :class:`ArenaLayout` says where a tier's
+block lies (kvq.cache.pool views each tier's planes over one tensor per layer), the
+allocators hand out ids.
+
+Layout.  Tier ``t``'s block ``b`` of layer ``l`` starts at byte ``b * stride(t, l)``: slab
+``b // per_slab[t]`` holds it, and ``per_slab[t] * stride(t, l)`` is the slab's bytes in
+layer ``l`` for every tier, so each tier sees its planes as ordinary block-indexed tensors
+whose block stride is its padded block bytes.  Inside a block the planes of K, then V, lie
+one after the other, each at a multiple of :data:`ALIGN` bytes.
+
+Allocation (:class:`TierAllocator`, a :class:`~kvq.cache.block_allocator.BlockAllocator` with
+the same contract per tier) takes, in order: a free block of a slab the tier holds (the
+fullest slab first, so the others can empty), a free slab of the arena (never the last
+``reserve_slabs`` unless the caller demotes: demotion needs room to start), the tier's own
+least recently used cached block, and last a slab of another tier that holds only cached
+blocks (evicted).  ``num_free`` counts exactly what that order can give.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvq.cache.block_allocator import BlockAllocator, NoFreeBlocksError
+
+#: Byte alignment of every plane and block stride in the arena (16: vector loads, any dtype).
+ALIGN = 16
+#: Most blocks of the resident tier per slab, and the largest share of a slab a tier may leave
+#: unused before a larger slab is preferred (:func:`plan_arena`).
+MAX_PER_SLAB = 16
+MAX_WASTE = 1 / 16
+
+
+def _up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def plane_offsets(fmt, num_kv_heads: int, head_dim: int, block_size: int) -> tuple[list[tuple[str, object, int]], int]:
+    """``([(role, plane, byte offset)], block bytes)``: a :class:`~kvq.formats.spec.KVFormat`'s
+    planes inside one arena block, K's then V's, each aligned to :data:`ALIGN`."""
+    out, off = [], 0
+    for role, tf in (("k", fmt.k), ("v", fmt.v)):
+        for plane in tf.planes(num_kv_heads, head_dim, block_size):
+            out.append((role, plane, off))
+            off += _up(plane.nbytes, ALIGN)
+    return out, off
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """How slabs hold each tier's blocks (module docstring)."""
+
+    per_slab: tuple[int, ...]  # blocks of tier t in one slab
+    slab_bytes: tuple[int, ...]  # bytes of one slab in each layer
+    block_bytes: tuple[tuple[int, ...], ...]  # [tier][layer]: a block's aligned bytes
+
+    def stride(self, tier: int, layer: int) -> int:
+        """Bytes from one block of ``tier`` to the next in ``layer``."""
+        return self.slab_bytes[layer] // self.per_slab[tier]
+
+    @property
+    def bytes_per_slab(self) -> int:
+        """One slab across all layers."""
+        return sum(self.slab_bytes)
+
+    def waste(self, tier: int) -> float:
+        """Share of a slab of ``tier`` that holds no block (padding and the rest after the last block)."""
+        return 1 - self.per_slab[tier] * sum(self.block_bytes[tier]) / self.bytes_per_slab
+
+    def slabs_for(self, memory_bytes: int) -> int:
+        return memory_bytes // self.bytes_per_slab
+
+
+def plan_arena(block_bytes: Sequence[Sequence[int]], align: int = ALIGN, max_per_slab: int = MAX_PER_SLAB,
+               max_waste: float = MAX_WASTE) -> ArenaLayout:
+    """The layout for tiers whose blocks take ``block_bytes[t][l]`` bytes in layer ``l`` (tier 0
+    the largest): the fewest resident blocks per slab that leave every tier at most
+    ``max_waste`` of a slab unused, else the least wasteful up to ``max_per_slab``."""
+    B = [tuple(_up(b, align) for b in row) for row in block_bytes]
+    if not B or any(len(row) != len(B[0]) for row in B):
+        raise ValueError("block_bytes needs one row per tier, one entry per layer")
+    total = [sum(row) for row in B]
+    best = None
+    for n0 in range(1, max_per_slab + 1):
+        per = [n0] + [max(1, n0 * total[0] // total[t]) for t in range(1, len(B))]
+        unit = math.lcm(*per) * align
+        slab = tuple(_up(max(per[t] * B[t][l] for t in range(len(B))), unit) for l in range(len(B[0])))
+        layout = ArenaLayout(tuple(per), slab, tuple(B))
+        worst = max(layout.waste(t) for t in range(len(B)))
+        if best is None or worst < best[0] - 1e-12:
+            best = (worst, layout)
+        if worst <= max_waste:
+            break
+    return best[1]
+
+
+class Arena:
+    """The slabs, their owners, and one :class:`TierAllocator` per tier (module docstring)."""
+
+    def __init__(self, per_slab: Sequence[int], num_slabs: int, block_size: int, enable_prefix_caching: bool = True,
+                 reserve_slabs: int = 0):
+        if not isinstance(num_slabs, int) or num_slabs < 0:
+            raise ValueError(f"arena: num_slabs must be an int >= 0, got {num_slabs!r}")
+        if not per_slab or any(not isinstance(n, int) or n < 1 for n in per_slab):
+            raise ValueError(f"arena: per_slab must be ints >= 1, got {per_slab!r}")
+        self.per_slab = tuple(per_slab)
+        self.num_slabs = num_slabs
+        self.reserve_slabs = max(0, int(reserve_slabs))
+        self.owner: list[int | None] = [None] * num_slabs
+        self._unowned: list[int] = list(range(num_slabs - 1, -1, -1))  # a stack: slab 0 handed out first
+        self.tiers = [TierAllocator(self, t, n, block_size, enable_prefix_caching) for t, n in enumerate(per_slab)]
+
+    # -- slabs --------------------------------------------------------------------------------
+    @property
+    def num_unowned(self) -> int:
+        return len(self._unowned)
+
+    def slabs_of(self, tier: int) -> int:
+        return sum(1 for o in self.owner if o == tier)
+
+    def grantable(self, reserve_ok: bool) -> int:
+        """Free slabs a tier may take now (the reserve only for demotion)."""
+        return max(0, len(self._unowned) - (0 if reserve_ok else self.reserve_slabs))
+
+    def reclaimable(self, tier: int) -> int:
+        """Slabs of other tiers that hold only cached blocks (evictable)."""
+        return sum(len(t._idle) for t in self.tiers if t.tier != tier)
+
+    def _grant(self, tier: int, reserve_ok: bool) -> int | None:
+        if self.grantable(reserve_ok):
+            s = self._unowned.pop()
+        else:
+            victims = [t for t in self.tiers if t.tier != tier and t._idle]
+            if not victims:
+                return None
+            s = victims[0]._surrender()
+        self.owner[s] = tier
+        return s
+
+    def _release(self, slab: int) -> None:
+        self.owner[slab] = None
+        self._unowned.append(slab)
+
+    def check_integrity(self) -> None:
+        owned = {s for s, o in enumerate(self.owner) if o is not None}
+        if owned & set(self._unowned) or len(owned) + len(self._unowned) != self.num_slabs:
+            raise AssertionError("arena: slabs are neither owned nor free, or both")
+        if len(set(self._unowned)) != len(self._unowned):
+            raise AssertionError("arena: a slab is free twice")
+        for t in self.tiers:
+            t.check_integrity()
+
+    def describe(self) -> list[dict]:
+        """Per tier: slabs, blocks in use, cached and allocatable."""
+        return [{"tier": t.tier, "slabs": self.slabs_of(t.tier), "used": t.num_used, "cached": t.num_cached,
+                 "free": t.num_free} for t in self.tiers]
+
+
+class TierAllocator(BlockAllocator):
+    """One tier's blocks in an :class:`Arena`: ids ``0 .. num_slabs * per_slab - 1``, block ``b`` in
+    slab ``b // per_slab``; only the blocks of slabs the tier holds exist for it."""
+
+    def __init__(self, arena: Arena, tier: int, per_slab: int, block_size: int, enable_prefix_caching: bool):
+        super().__init__(arena.num_slabs * per_slab, block_size, enable_prefix_caching, name=f"tier {tier}")
+        self.arena, self.tier, self.per_slab = arena, tier, per_slab
+        self._free = []  # unused: free ids live per slab below
+        self._slab_free: dict[int, list[int]] = {}  # held slab -> its free ids
+        self._used_in = [0] * arena.num_slabs  # used blocks per slab
+        self._cached_in = [0] * arena.num_slabs  # cached-free blocks per slab
+        # held slabs with a free id, by how many blocks they use (allocation fills the fullest first)
+        self._by_used: list[dict[int, None]] = [{} for _ in range(per_slab)]
+        self._idle: dict[int, None] = {}  # held slabs with cached blocks only (another tier may reclaim them)
+        self._num_free_ids = 0
+
+    # -- counters -----------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self.available(False)
+
+    def available(self, reserve_ok: bool) -> int:
+        """Blocks :meth:`allocate` can give now (``reserve_ok``: a demotion, which may use the reserve)."""
+        a = self.arena
+        return (self._num_free_ids + len(self._cached)
+                + (a.grantable(reserve_ok) + a.reclaimable(self.tier)) * self.per_slab)
+
+    @property
+    def num_slabs(self) -> int:
+        return sum(1 for o in self.arena.owner if o == self.tier)
+
+    # -- slab bookkeeping ---------------------------------------------------------------------
+    def _slab(self, block_id: int) -> int:
+        return block_id // self.per_slab
+
+    def _file(self, s: int) -> None:
+        """Put held slab ``s`` where its counts say: in the bucket of its use while it has free ids,
+        idle while no block of it is in use (another tier may reclaim it), back to the arena empty."""
+        for bucket in self._by_used:
+            bucket.pop(s, None)
+        self._idle.pop(s, None)
+        used, free = self._used_in[s], len(self._slab_free.get(s, ()))
+        if used == 0 and self._cached_in[s] == 0:
+            self._num_free_ids -= len(self._slab_free.pop(s, ()))
+            self.arena._release(s)
+            return
+        if free:
+            self._by_used[used][s] = None
+        if used == 0:
+            self._idle[s] = None
+
+    def _take_slab(self, reserve_ok: bool) -> bool:
+        s = self.arena._grant(self.tier, reserve_ok)
+        if s is None:
+            return False
+        ids = list(range((s + 1) * self.per_slab - 1, s * self.per_slab - 1, -1))
+        self._slab_free[s] = ids
+        self._num_free_ids += len(ids)
+        self._by_used[0][s] = None  # empty, about to be used (not released, not idle)
+        return True
+
+    def _surrender(self) -> int:
+        """Give an idle slab back to the arena, evicting its cached blocks; -> the slab."""
+        s = next(iter(self._idle))
+        for b in range(s * self.per_slab, (s + 1) * self.per_slab):
+            if b in self._cached:
+                del self._cached[b]
+                self._drop_hash(b)
+        self._cached_in[s] = 0
+        self._idle.pop(s)
+        for bucket in self._by_used:
+            bucket.pop(s, None)
+        self._num_free_ids -= len(self._slab_free.pop(s, ()))
+        self.arena.owner[s] = None
+        return s
+
+    def _drop_hash(self, b: int) -> None:
+        del self._index[self._hash[b]]
+        self._hash[b] = None
+        self._tokens[b] = None
+
+    # -- allocation -----------------------------------------------------------------------------
+    def allocate(self, reserve_ok: bool = False) -> int:
+        """A block with refcount 1 (order: module docstring); NoFreeBlocksError when none."""
+        bucket = next((b for b in reversed(self._by_used) if b), None)
+        if bucket is None and not self.arena.grantable(reserve_ok) and self._cached:
+            b = next(iter(self._cached))  # this tier's least recently freed cached block
+            del self._cached[b]
+            self._drop_hash(b)
+            self._cached_in[self._slab(b)] -= 1
+            return self._hand_out(b)
+        if bucket is None:
+            if not self._take_slab(reserve_ok):
+                raise NoFreeBlocksError(f"{self.name}: no free blocks ({self.num_used} in use, "
+                                        f"{self.arena.num_unowned} free slabs of {self.arena.num_slabs})")
+            bucket = next(b for b in reversed(self._by_used) if b)
+        b = self._slab_free[next(iter(bucket))].pop()
+        self._num_free_ids -= 1
+        return self._hand_out(b)
+
+    def _hand_out(self, b: int) -> int:
+        assert self._refcount[b] == 0 and self._hash[b] is None, (self.name, b)
+        s = self._slab(b)
+        self._refcount[b] = 1
+        self._num_used += 1
+        self._used_in[s] += 1
+        self._file(s)
+        return b
+
+    def free(self, block_id: int) -> None:
+        self._check_held(block_id)
+        rc = self._refcount[block_id]
+        if rc == 0:
+            raise ValueError(f"{self.name}: double free of block {block_id} (refcount is already 0)")
+        self._refcount[block_id] = rc - 1
+        if rc > 1:
+            return
+        s = self._slab(block_id)
+        self._num_used -= 1
+        self._used_in[s] -= 1
+        if self._hash[block_id] is not None:
+            self._cached[block_id] = None
+            self._cached_in[s] += 1
+        else:
+            self._slab_free.setdefault(s, []).append(block_id)
+            self._num_free_ids += 1
+        self._file(s)
+
+    def lookup(self, block_hash: int, token_ids) -> int | None:
+        block_id = self.probe(block_hash, token_ids)
+        revived = block_id is not None and self._refcount[block_id] == 0
+        got = super().lookup(block_hash, token_ids)
+        if revived:
+            s = self._slab(got)
+            self._cached_in[s] -= 1
+            self._used_in[s] += 1
+            self._file(s)
+        return got
+
+    def incref(self, block_id: int) -> None:
+        self._check_held(block_id)
+        super().incref(block_id)
+
+    def _check_held(self, block_id: int) -> None:
+        self._check_id(block_id)
+        if self.arena.owner[self._slab(block_id)] != self.tier:
+            raise ValueError(f"{self.name}: block {block_id} lies in a slab this tier does not hold")
+
+    # -- checks -------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        def fail(msg: str) -> None:
+            raise AssertionError(f"{self.name}: {msg}")
+
+        held = {s for s, o in enumerate(self.arena.owner) if o == self.tier}
+        used = {b for b in range(self._num_blocks) if self._refcount[b] > 0}
+        cached = set(self._cached)
+        free = [b for ids in self._slab_free.values() for b in ids]
+        if len(set(free)) != len(free) or len(free) != self._num_free_ids:
+            fail("free ids repeat, or their count is off")
+        free_set = set(free)
+        if free_set & used or free_set & cached or used & cached:
+            fail("a block is in two states")
+        if any(self._slab(b) not in held for b in used | cached | free_set):
+            fail("a block outside the tier's slabs")
+        if self._num_used != len(used):
+            fail(f"num_used {self._num_used} != {len(used)}")
+        for s in held:
+            ids = set(range(s * self.per_slab, (s + 1) * self.per_slab))
+            u, c, f = len(ids & used), len(ids & cached), len(ids & free_set)
+            if u + c + f != self.per_slab:
+                fail(f"slab {s}: used {u} + cached {c} + free {f} != {self.per_slab}")
+            if (u, c) != (self._used_in[s], self._cached_in[s]):
+                fail(f"slab {s}: counters ({self._used_in[s]}, {self._cached_in[s]}) != ({u}, {c})")
+            if u == 0 and c == 0:
+                fail(f"slab {s} is empty but still held")
+            buckets = [i for i, b in enumerate(self._by_used) if s in b]
+            if buckets != ([u] if f else []) or (s in self._idle) != (u == 0):
+                fail(f"slab {s} is filed wrong (buckets {buckets}, idle {s in self._idle}; used {u}, free {f})")
+        for h, b in self._index.items():
+            if self._hash[b] != h:
+                fail(f"index maps a hash to block {b}, which does not hold it")
+        for b in cached:
+            if self._hash[b] is None:
+                fail(f"cached-free block {b} holds no hash")
+        for b in free_set:
+            if self._hash[b] is not None:
+                fail(f"free block {b} holds a hash")
+
+    def __repr__(self) -> str:
+        return (f"TierAllocator({self.tier}, per_slab={self.per_slab}, slabs={self.num_slabs}, "
+                f"used={self._num_used}, cached={len(self._cached)}, free_ids={self._num_free_ids})")
