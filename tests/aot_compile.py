@@ -135,6 +135,14 @@ def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
             dequant.dequantize_pages(largs, lmeta, tables, lens, 4, 2, bs, D, dtype=torch.bfloat16)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=False)
+    # demotion between the tiers of elastic precision (kvq.attention.triton.demote): every ordered pair
+    for base, tiers in (("fp8_e4m3", "int4_kivi,int2_kivi"), ("bfloat16", "fp8_e4m3"),
+                        ("int8_per_token_head", "int4_per_token")):
+        for D, group in ((64, 3), (128, 4)):
+            plan = make_plan(bare_model(1, 2, D, num_attention_heads=2 * group), base, tiers=tiers)
+            layer = KVPool.create(plan, 0, 2, num_slabs=2).layers[0]
+            for src, dst in itertools.combinations(range(plan.num_tiers + 1), 2):
+                kernels.demote_pairs(layer, torch.tensor([[0, 0]]), src, dst)
     from kvq.models.sampling_triton import sample_rows
 
     # the sampler's kernels: logits in a model's dtype, one chunk (no second kernel) or several

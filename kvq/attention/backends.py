@@ -138,7 +138,8 @@ def _cuda_layers(plan: CachePlan, dtype: torch.dtype) -> tuple[list[int], str | 
     group = m.num_attention_heads // m.num_kv_heads
     served, why_not = [], None
     for i, f in enumerate(plan.layers):
-        why = decode8.layer_reason(f.k, f.v, m.head_dim, plan.block_size, group)
+        why = decode8.TIERED_REASON if plan.tiers else decode8.layer_reason(f.k, f.v, m.head_dim, plan.block_size,
+                                                                            group)
         if why is None:
             served.append(i)
         elif why_not is None:

@@ -119,6 +119,24 @@ def seal_blocks(layer: LayerKV, src_hp: torch.Tensor, dst_q: torch.Tensor) -> No
             fp8.index_copy_(layer.planes(role)[name], 0, dst_q, val)
 
 
+# -- demote (elastic precision) ------------------------------------------------------------------
+def demote_pairs(layer: LayerKV, pairs: torch.Tensor, src_tier: int, dst_tier: int) -> None:
+    """Re-store whole blocks in another tier (kvq.cache.tiers): block ``pairs[i, 0]`` of tier
+    ``src_tier`` is dequantized to float32 and quantized into block ``pairs[i, 1]`` of tier
+    ``dst_tier``, K and V, exactly as a seal of those values would store them; rows whose
+    destination is negative are padding and skipped."""
+    keep = pairs[:, 1] >= 0
+    src_ids, dst_ids = pairs[keep, 0], pairs[keep, 1]
+    if dst_ids.numel() == 0:
+        return
+    src, dst = layer.tier(src_tier), layer.tier(dst_tier)
+    for role in ("k", "v"):
+        planes = {name: fp8.index_select(t, 0, src_ids) for name, t in src.planes(role).items()}
+        x = dequantize(src.tensor_format(role), planes, layer.static_scale(role), torch.float32)
+        for name, val in quantize(dst.tensor_format(role), x, layer.static_scale(role)).items():
+            fp8.index_copy_(dst.planes(role)[name], 0, dst_ids, val)
+
+
 # -- read ----------------------------------------------------------------------------------------
 def gather_kv(layer: LayerKV, role: str, table: torch.Tensor, n: int, dtype=torch.float32) -> torch.Tensor:
     """Dequantized [H, n, D] of one sequence's first ``n`` tokens (``table`` [>= ceil(n/bs)] signed)."""

@@ -101,6 +101,13 @@ def plan_arena(block_bytes: Sequence[Sequence[int]], align: int = ALIGN, max_per
     return best[1]
 
 
+def arena_layout(plan) -> ArenaLayout:
+    """The layout of a :class:`~kvq.cache.plan.CachePlan` with tiers."""
+    m = plan.model
+    return plan_arena([[plane_offsets(plan.tier_layers(t)[i], m.num_kv_heads, m.head_dim, plan.block_size)[1]
+                        for i in range(m.num_layers)] for t in range(plan.num_tiers + 1)])
+
+
 class Arena:
     """The slabs, their owners, and one :class:`TierAllocator` per tier (module docstring)."""
 

@@ -24,9 +24,11 @@ from typing import Iterable, Sequence
 
 import torch
 
+from kvq.cache.arena import ArenaLayout, arena_layout, plane_offsets
 from kvq.cache.plan import CachePlan
+from kvq.cache.tiers import pool_tier
 from kvq.formats import fp8
-from kvq.formats.spec import KVFormat, TensorFormat
+from kvq.formats.spec import KVFormat, TensorFormat, element_bytes
 
 
 def encode_ref(pool: str, block_id: int) -> int:
@@ -57,6 +59,18 @@ class LayerKV:
     k_scale: torch.Tensor  # [H] float32, static scales (ones unless the format is static-scaled)
     v_scale: torch.Tensor
     index: int = 0
+    # elastic precision: the planes of tiers 1, 2, ... (kvq.cache.tiers) and the byte arena that every
+    # tier's planes, tier 0's (``k``, ``v``) included, are views of (kvq.cache.arena); None untiered
+    tiers: tuple["TierPlanes", ...] = ()
+    arena: torch.Tensor | None = None
+
+    def tier(self, t: int) -> "LayerKV":
+        """This layer as tier ``t`` stores it: its format and planes in place of the resident ones
+        (hp pool and static scales shared), what a kernel takes to read or write that tier."""
+        if t == 0:
+            return self
+        tp = self.tiers[t - 1]
+        return replace(self, fmt=tp.fmt, k=tp.k, v=tp.v, tiers=(), arena=None)
 
     def planes(self, role: str) -> dict[str, torch.Tensor]:
         return self.k if role == "k" else self.v
@@ -79,6 +93,9 @@ class LayerKV:
         return self.k_hp.shape[3]
 
     def tensors(self) -> list[torch.Tensor]:
+        """The tensors that own the layer's memory (the arena, not its views, when tiered)."""
+        if self.arena is not None:
+            return [self.arena, self.k_hp, self.v_hp]
         return [*self.k.values(), *self.v.values(), self.k_hp, self.v_hp]
 
     def with_q_blocks(self, n: int) -> "LayerKV":
@@ -87,6 +104,31 @@ class LayerKV:
         H, D, bs = self.num_kv_heads, self.head_dim, self.block_size
         dev = self.k_hp.device
         return replace(self, k=_planes(self.fmt.k, n, H, D, bs, dev), v=_planes(self.fmt.v, n, H, D, bs, dev))
+
+
+@dataclass
+class TierPlanes:
+    """One tier's format and planes in a layer (views of the layer's arena)."""
+
+    fmt: KVFormat
+    k: dict[str, torch.Tensor]
+    v: dict[str, torch.Tensor]
+
+
+def arena_planes(arena: torch.Tensor, fmt: KVFormat, n: int, stride: int, H: int, D: int, bs: int
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(K planes, V planes) of ``n`` blocks of ``fmt`` in a uint8 ``arena``, block ``b`` at byte
+    ``b * stride`` (kvq.cache.arena.plane_offsets inside it): ``[n, *plane.shape]`` views whose
+    block stride is ``stride`` bytes."""
+    out: dict[str, dict[str, torch.Tensor]] = {"k": {}, "v": {}}
+    for role, plane, off in plane_offsets(fmt, H, D, bs)[0]:
+        elt = element_bytes(plane.dtype)
+        inner = [1]
+        for d in reversed(plane.shape[1:]):
+            inner.insert(0, inner[0] * d)
+        base = arena.view(fp8.torch_dtype(plane.dtype))
+        out[role][plane.name] = base.as_strided((n, *plane.shape), (stride // elt, *inner), off // elt)
+    return out["k"], out["v"]
 
 
 def _planes(fmt: TensorFormat, n: int, H: int, D: int, bs: int, device) -> dict[str, torch.Tensor]:
@@ -108,6 +150,8 @@ class KVPool:
     # sees each layer's new K and V before the write (``observe(layer, k, v)``): the warm-up of
     # static scales (kvq.cache.scales_warmup); None otherwise
     observer: object = None
+    layout: ArenaLayout | None = None  # tiered plans: the arena's layout (num_q_blocks = slabs x per_slab[0])
+    num_slabs: int = 0
 
     @classmethod
     def create(
@@ -117,11 +161,20 @@ class KVPool:
         num_hp_blocks: int,
         device: torch.device | str = "cpu",
         static_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        num_slabs: int | None = None,
     ) -> "KVPool":
         """Allocate zeroed pools.  ``static_scales[layer] = (k_scale, v_scale)``, each a
-        scalar or ``[H]`` tensor, for FP8 formats with static scales (default 1.0)."""
+        scalar or ``[H]`` tensor, for FP8 formats with static scales (default 1.0).  A plan with
+        tiers takes ``num_slabs`` slabs of its arena instead of ``num_q_blocks``."""
         if num_q_blocks < 0 or num_hp_blocks < 0:
             raise ValueError("block counts must be >= 0")
+        if (num_slabs is not None) != bool(plan.tiers):
+            raise ValueError("a plan with tiers sizes its arena in slabs (num_slabs), a plan without in q blocks")
+        layout = arena_layout(plan) if plan.tiers else None
+        if layout is not None:
+            if num_slabs < 0:
+                raise ValueError("num_slabs must be >= 0")
+            num_q_blocks = num_slabs * layout.per_slab[0]
         device = torch.device(device)
         plan.check_numerics(device)
         m, bs = plan.model, plan.block_size
@@ -140,32 +193,49 @@ class KVPool:
                     if not bool((s > 0).all()):
                         raise ValueError(f"layer {i}: static KV scales must be positive")
                 scales.append(s)
+            if layout is None:
+                k, v, tiers, arena = (_planes(fmt.k, num_q_blocks, H, D, bs, device),
+                                      _planes(fmt.v, num_q_blocks, H, D, bs, device), (), None)
+            else:
+                arena = torch.zeros(num_slabs * layout.slab_bytes[i], dtype=torch.uint8, device=device)
+                views = [arena_planes(arena, plan.tier_layers(t)[i], num_slabs * layout.per_slab[t],
+                                      layout.stride(t, i), H, D, bs) for t in range(plan.num_tiers + 1)]
+                (k, v), tiers = views[0], tuple(TierPlanes(plan.tier_layers(t)[i], *views[t])
+                                                for t in range(1, plan.num_tiers + 1))
             layers.append(
                 LayerKV(
                     fmt=fmt,
                     block_size=bs,
-                    k=_planes(fmt.k, num_q_blocks, H, D, bs, device),
-                    v=_planes(fmt.v, num_q_blocks, H, D, bs, device),
+                    k=k,
+                    v=v,
                     k_hp=torch.zeros(num_hp_blocks, H, bs, D, dtype=hp_dtype, device=device),
                     v_hp=torch.zeros(num_hp_blocks, H, bs, D, dtype=hp_dtype, device=device),
                     k_scale=scales[0],
                     v_scale=scales[1],
                     index=i,
+                    tiers=tiers,
+                    arena=arena,
                 )
             )
-        return cls(plan, num_q_blocks, num_hp_blocks, device, layers)
+        return cls(plan, num_q_blocks, num_hp_blocks, device, layers, layout=layout, num_slabs=num_slabs or 0)
 
     def nbytes(self) -> int:
         """Bytes actually allocated (static scales excluded: per layer, not per block)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
 
     def expected_nbytes(self) -> int:
-        """What the plan says these pools take."""
-        return self.num_q_blocks * self.plan.bytes_per_block + self.num_hp_blocks * self.plan.hp_bytes_per_block
+        """What the plan says these pools take (a tiered plan: its arena's slabs)."""
+        hp = self.num_hp_blocks * self.plan.hp_bytes_per_block
+        if self.layout is not None:
+            return self.num_slabs * self.layout.bytes_per_slab + hp
+        return self.num_q_blocks * self.plan.bytes_per_block + hp
 
     def copy_blocks(self, pool: str, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole blocks (all layers, all planes) within one pool (copy-on-write)."""
+        """Copy whole blocks (all layers, all planes) within one pool (copy-on-write): ``hp``, or the
+        q pool of a tier (``q``, ``q1``...)."""
+        tier = pool_tier(pool)
         for layer in self.layers:
-            tensors = [*layer.k.values(), *layer.v.values()] if pool == "q" else [layer.k_hp, layer.v_hp]
+            lt = layer if tier is None else layer.tier(tier)
+            tensors = [lt.k_hp, lt.v_hp] if tier is None else [*lt.k.values(), *lt.v.values()]
             for t in tensors:
                 fp8.index_copy_(t, 0, dst, fp8.index_select(t, 0, src))

@@ -119,9 +119,15 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
     return None
 
 
+#: Why a layer of a tiered plan (kvq.cache.arena: planes are strided views of one arena) decodes in Triton.
+TIERED_REASON = "a tiered cache's planes are views of its arena (this kernel reads contiguous pools)"
+
+
 def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str | None:
     """None if this kernel serves decode over ``layer``, else why not."""
     why = layer_reason(layer.fmt.k, layer.fmt.v, layer.head_dim, layer.block_size, group)
+    if why is None and not all(t.is_contiguous() for t in (*layer.k.values(), *layer.v.values())):
+        why = TIERED_REASON
     if why is None and q_dtype not in (torch.bfloat16, torch.float16):
         why = f"queries must be bfloat16 or float16, not {q_dtype}"
     return why

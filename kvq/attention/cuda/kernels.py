@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from kvq.attention.cuda import decode8, seal
 from kvq.attention.triton import decode as triton_decode
+from kvq.attention.triton.demote import demote_pairs  # noqa: F401 (the Triton kernel serves every tier)
 from kvq.attention.triton import store
 from kvq.attention.triton.prefill import paged_attention
 
-__all__ = ["paged_attention", "paged_decode", "seal_blocks", "seal_pairs", "write_kv"]
+__all__ = ["demote_pairs", "paged_attention", "paged_decode", "seal_blocks", "seal_pairs", "write_kv"]
 
 
 def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None):
