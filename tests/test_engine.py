@@ -181,7 +181,7 @@ def test_seals_run_inside_the_forward_like_apply_ops(tmp_path, monkeypatch, fmt)
 
     def run(in_forward: bool):
         if not in_forward:
-            monkeypatch.setattr(model_runner, "layer_seals", lambda ops: None)
+            monkeypatch.setattr(model_runner, "layer_ops", lambda ops: None)
         eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", kv_cache_dtype=fmt,
                                      kv_sink_tokens=0, kv_residual_tokens=40, max_num_seqs=4,
                                      max_num_batched_tokens=64, kv_cache_memory="4MiB", progress=False, seed=0))

@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvq.cache.block_manager import (BlockManager, CopyOp, HostLoadOp, HostStoreOp, SealOp, SwapOp, WindowPolicy,
-                                     block_state)
+from kvq.cache.block_manager import (BlockManager, CopyOp, DemoteOp, HostLoadOp, HostStoreOp, SealOp, SwapOp,
+                                     WindowPolicy, block_state)
+from kvq.cache.tiers import TierRule
 from kvq.engine.sampling_params import SamplingParams
 from kvq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, peak_blocks, rule_counts
 from kvq.engine.sequence import SeqStatus, Sequence
@@ -64,7 +65,8 @@ class Engine:
     """A fake engine around a real BlockManager and Scheduler."""
 
     def __init__(self, policy: WindowPolicy, nq=64, nhp=16, prefix=True, eos=EOS, pipelined=False, host=(0, 0),
-                 tier=(0, 0), copy_seed=0, copy_faults=(0.0, 0.0), remote=0.0, **cfg):
+                 tier=(0, 0), copy_seed=0, copy_faults=(0.0, 0.0), remote=0.0, tiers=None, **cfg):
+        """``tiers``: (TierRule, blocks per slab of each tier, slabs, reserve slabs) for elastic precision."""
         if pipelined:  # asynchronous scheduling: step N+1 is scheduled and launched before step N's update
             cfg["max_inflight"] = 2
         self.pipelined = pipelined
@@ -72,11 +74,13 @@ class Engine:
         cfg.setdefault("max_model_len", 64)
         cfg.setdefault("max_num_seqs", 4)
         self.policy, self.bs = policy, policy.block_size
-        self.bm = BlockManager(nq, nhp, policy, enable_prefix_caching=prefix, host_blocks=host, host_tier_blocks=tier)
+        arena = dict(tiers=tiers[0], arena=tiers[1:]) if tiers else {}
+        self.bm = BlockManager(nq, nhp, policy, enable_prefix_caching=prefix, host_blocks=host, host_tier_blocks=tier,
+                               **arena)
         self.cfg = SchedulerConfig(block_size=self.bs, **cfg)
         self.clock = Clock()
         self.s = Scheduler(self.cfg, self.bm, eos_token_id=eos, clock=self.clock)
-        self.mem = {"q": [[None] * self.bs for _ in range(nq)], "hp": [[None] * self.bs for _ in range(nhp)]}
+        self.mem = {p: [[None] * self.bs for _ in range(self.bm.allocator(p).num_blocks)] for p in self.bm.pools}
         self.host = {p: [[None] * self.bs for _ in range(n + t)] for p, n, t in zip(("q", "hp"), host, tier)}
         # the CPU prefix tier's copies in flight: [op, steps left, fault]; each completes after a random
         # number of steps, fails ("fail": reported, nothing copied) or, for loads, ends late ("hang": after
@@ -102,8 +106,15 @@ class Engine:
         return seq
 
     def execute(self, ops) -> None:
+        if all(isinstance(op, (SealOp, DemoteOp)) for op in ops):  # the runner's order: demotions, then seals
+            ops = [op for op in ops if isinstance(op, DemoteOp)] + [op for op in ops if isinstance(op, SealOp)]
         for op in ops:
-            if isinstance(op, CopyOp):
+            if isinstance(op, DemoteOp):
+                i, bs = op.logical_index, self.bs
+                expect = kv_chain(self.seqs[op.seq_id].all_token_ids)[i * bs:(i + 1) * bs]
+                assert self.mem[op.src.pool][op.src.block_id] == expect, "a demotion read an incomplete block"
+                self.mem[op.dst.pool][op.dst.block_id] = list(expect)
+            elif isinstance(op, CopyOp):
                 self.mem[op.dst.pool][op.dst.block_id] = list(self.mem[op.src.pool][op.src.block_id])
             elif isinstance(op, SwapOp):  # blocks between the device and the host tier, as they are
                 src, dst = (self.mem, self.host) if op.direction == "out" else (self.host, self.mem)
@@ -197,7 +208,7 @@ class Engine:
             # start (a prompt chunk as much as a decode), new blocks at its end.
             for i, ref in enumerate(t):
                 n = item.start if i * self.bs < item.start else end
-                assert ref.pool == block_state(i, n, self.policy), (item, i, t)
+                assert ("q" if ref.pool.startswith("q") else ref.pool) == block_state(i, n, self.policy), (item, i, t)
 
     def forward(self, item, prev: dict) -> int | None:
         """``prev``: the previous launch's samples, which feed a pending token (the real runner
@@ -284,7 +295,7 @@ class Engine:
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
     def used_blocks(self) -> int:
-        return sum(self.bm.allocator(p).num_used for p in ("q", "hp"))
+        return sum(self.bm.allocator(p).num_used for p in self.bm.pools)
 
 
 # -- SamplingParams / Sequence ------------------------------------------------------------------
@@ -683,21 +694,31 @@ class SchedulerMachine(RuleBasedStateMachine):
                 swap=st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 6))),
                 tier=st.one_of(st.none(), *[st.tuples(st.integers(0, 24), st.integers(0, 8))] * 3),
                 copy_seed=st.integers(0, 2**16), faults=st.sampled_from([(0.0, 0.0), (0.2, 0.2)]),
-                remote=st.sampled_from([0.0, 0.0, 0.5, 1.0]))
+                remote=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
+                tiers=st.one_of(st.none(), st.tuples(st.sampled_from([(1, 2), (2, 3), (2, 3, 5)]),
+                                                     st.sampled_from([None, 2, 6]), st.booleans())))
     def setup(self, bs, sink, res, direct, prefix, mml, dq, dhp, seqs, extra, chunked, pipelined, swap,
-              tier, copy_seed, faults, remote):
+              tier, copy_seed, faults, remote, tiers):
         policy = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=direct)
         # Pools around what one long request needs: sometimes too small (rejections), often contended.
         nb = -(-mml // bs)
         nq = max(0, nb + dq * max(1, nb // 4))
         nhp = 0 if direct and res == 0 and sink == 0 else max(0, min(sink, nb) + -(-res // bs) + 2 + dhp)
         budget = max(seqs, 1 if chunked else mml) + extra
+        arena = None
+        if tiers:  # elastic precision: the resident pool's bytes as slabs of an arena, a reserve for pressure
+            per, age, pressure = tiers
+            ages = () if age is None else tuple(max(res, 1) + age * (t + 1) for t in range(len(per) - 1))
+            reserve = int(pressure or not ages)
+            arena = (TierRule(len(per) - 1, bs, sink, res, ages=ages, pressure=pressure or not ages), per,
+                     -(-nq // per[0]) + reserve, reserve)
+            event("tiers: " + "+".join(arena[0].policies))
         self.e = Engine(policy, nq=nq, nhp=nhp, prefix=prefix, max_model_len=mml, max_num_seqs=seqs,
                         max_num_batched_tokens=budget, chunked_prefill=chunked,
                         pipelined=pipelined,
                         host=swap or (0, 0), preemption_mode="swap" if swap else "recompute",
                         tier=tier or (0, 0), copy_seed=copy_seed, copy_faults=faults, load_timeout_s=4.0,
-                        remote=remote)
+                        remote=remote, tiers=arena)
         event("pipelined" if pipelined else "synchronous")
         self.history: list[list[int]] = [[]]
         self.next_id = 0
@@ -705,7 +726,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def fits(self, prompt, max_tokens) -> bool:
         q, hp = literal_peak(len(prompt) + max_tokens - 1, self.e.policy, self.e.cfg.max_num_batched_tokens)
-        return q <= self.e.bm.allocator("q").num_blocks and hp <= self.e.bm.allocator("hp").num_blocks
+        return q <= self.e.bm.usable_blocks("q") and hp <= self.e.bm.usable_blocks("hp")
 
     @rule(data=st.data(), burst=st.integers(1, 4))
     def add(self, data, burst):
@@ -763,7 +784,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.e.s.check_integrity()
         self.e.bm.check_integrity()
-        for pool in ("q", "hp"):
+        for pool in ("q", "hp") if self.e.bm.arena is None else ("hp",):
             a = self.e.bm.allocator(pool)
             assert a.num_free + a.num_used == a.num_blocks
 
@@ -779,6 +800,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert (seq.output_token_ids, seq.finish_reason) == \
                     reference(seq.prompt_token_ids, seq.params, e.cfg.max_model_len), sid
         event(f"teardown: {'preemptions' if e.num_preempted else 'no preemption'}")
+        if e.bm.arena is not None and sum(e.bm.num_demotions):
+            event("teardown: demoted " + ("under pressure" if e.s.num_demotions else "by age"))
         if e.s.num_swapped_out:
             event("teardown: swapped out and back")
         assert e.s.num_swapped_in <= e.s.num_swapped_out  # the rest finished (abort, stop) while swapped
@@ -834,3 +857,26 @@ def test_a_scored_prompt_is_chunked_to_bound_its_logit_rows():
         (item,) = out.scheduled
         assert item.num_new_tokens == (SCORED_CHUNK_MIN if scored else n)
         assert item.prompt_rows == (tuple(range(SCORED_CHUNK_MIN)) if scored else ())
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_pressure_demotes_instead_of_preempting(pipelined):
+    """Elastic precision: four long requests in a pool that holds two of them at full precision.  The
+    plain cache preempts; the tiered one (pressure policy, a tier half the size) moves cold blocks down
+    and serves all four without a preemption.  Outputs equal the unbatched run in both (the fake engine
+    checks that every sample reads exactly its own KV, through tables built only from the outputs)."""
+    policy = WindowPolicy(4, sink_blocks=1, residual_tokens=4)
+    runs = {}
+    for tiered in (False, True):
+        arena = (TierRule(1, 4, 1, 4, pressure=True), (2, 4), 12, 1) if tiered else None
+        e = Engine(policy, nq=22, nhp=24, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
+                   pipelined=pipelined, tiers=arena)
+        for sid in range(4):
+            e.add(sid, [1 + sid, 2, 3, 4, 1], max_tokens=40, ignore_eos=True)
+        e.run()
+        for sid, seq in e.seqs.items():
+            assert (seq.output_token_ids, seq.finish_reason) == reference(seq.prompt_token_ids, seq.params, 64)
+        assert e.used_blocks() == 0
+        runs[tiered] = (e.num_preempted, e.s.num_demotions)
+    assert runs[False][0] > 0 and runs[False][1] == 0
+    assert runs[True][0] == 0 and runs[True][1] > 0, runs

@@ -301,6 +301,8 @@ def select_prefill(name: str, choice: BackendChoice, plan: CachePlan, device: to
     device = torch.device(device)
     own = _own_prefill(choice.resolved)
     why = (f"the {choice.resolved} attention backend runs its own prefill" if own == "torch"
+           else "a tiered cache (--kv-cache-tiers) prefills through the Triton kernel, which reads each block "
+                "in its tier" if plan.tiers
            else flashinfer_lib.unavailable_reason(device, plan.model.head_dim))
     if name == "flashinfer":
         if why is not None:

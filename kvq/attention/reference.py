@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kvq.cache.pool import LayerKV
+from kvq.cache.pool import TIER_BASE, LayerKV
 from kvq.cache.window import exact_from
 from kvq.formats import fp8
 from kvq.formats.reference import dequantize, quantize, quantize_tokens
@@ -148,10 +148,14 @@ def gather_kv(layer: LayerKV, role: str, table: torch.Tensor, n: int, dtype=torc
     is_hp = ids < 0
     if bool(is_hp.any()):
         out[is_hp] = layer.hp(role).index_select(0, -ids[is_hp] - 1).to(dtype)
-    if bool((~is_hp).any()):
-        qids = ids[~is_hp]
-        planes = {name: fp8.index_select(t, 0, qids) for name, t in layer.planes(role).items()}
-        out[~is_hp] = dequantize(layer.tensor_format(role), planes, layer.static_scale(role), dtype)
+    tier = torch.where(is_hp, -1, ids // TIER_BASE)  # elastic precision: each block as its tier stores it
+    for t in range(len(layer.tiers) + 1):
+        mask = tier == t
+        if bool(mask.any()):
+            lt = layer.tier(t)
+            qids = ids[mask] - t * TIER_BASE
+            planes = {name: fp8.index_select(x, 0, qids) for name, x in lt.planes(role).items()}
+            out[mask] = dequantize(lt.tensor_format(role), planes, layer.static_scale(role), dtype)
     return out.permute(1, 0, 2, 3).reshape(H, nb * bs, D)[:, :n]
 
 
@@ -287,11 +291,15 @@ def paged_attention(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     host=None,
+    tiers=None,
+    tiered: bool = False,
 ) -> torch.Tensor:
     """Causal attention of new tokens over the paged cache (prefill chunks and decode).
 
     ``max_q_len``, ``has_hp``, ``max_seq_len`` and ``host`` (the host copy of the lengths) are
-    launch hints of the kernels, unused here.
+    launch hints of the kernels, unused here; so are ``tiers`` (kvq.cache.step.TierTables, the
+    kernels' per-tier tables) and ``tiered``: this reads each block of a tiered cache as its tier stores it
+    from the table's tags (kvq.cache.pool.TIER_BASE).
     ``window`` (with ``k_new``, ``v_new`` [T, H, D], the rows of ``q``): per-query exact
     windows (module docstring)."""
     T, Hq, D = q.shape
@@ -317,8 +325,8 @@ def paged_attention(
     return out
 
 
-def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None):
-    """One new token per sequence: q [B, Hq, D] -> [B, Hq, D]."""
+def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None, tiers=None):
+    """One new token per sequence: q [B, Hq, D] -> [B, Hq, D] (``tiers``: see :func:`paged_attention`)."""
     B = q.shape[0]
     cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     return paged_attention(q, layer, cu, block_tables, seq_lens, sm_scale)

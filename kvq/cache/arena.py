@@ -91,7 +91,7 @@ def plan_arena(block_bytes: Sequence[Sequence[int]], align: int = ALIGN, max_per
     for n0 in range(1, max_per_slab + 1):
         per = [n0] + [max(1, n0 * total[0] // total[t]) for t in range(1, len(B))]
         unit = math.lcm(*per) * align
-        slab = tuple(_up(max(per[t] * B[t][l] for t in range(len(B))), unit) for l in range(len(B[0])))
+        slab = tuple(_up(max(per[t] * B[t][i] for t in range(len(B))), unit) for i in range(len(B[0])))
         layout = ArenaLayout(tuple(per), slab, tuple(B))
         worst = max(layout.waste(t) for t in range(len(B)))
         if best is None or worst < best[0] - 1e-12:
@@ -201,6 +201,17 @@ class TierAllocator(BlockAllocator):
     def num_slabs(self) -> int:
         return sum(1 for o in self.arena.owner if o == self.tier)
 
+    def slab_of(self, block_id: int) -> int:
+        return block_id // self.per_slab
+
+    def slab_used(self, slab: int) -> int:
+        """Blocks of ``slab`` in use (refcount >= 1)."""
+        return self._used_in[slab]
+
+    def is_idle(self, block_id: int) -> bool:
+        """Whether the block's slab holds no block in use (another tier may reclaim it)."""
+        return self._slab(block_id) in self._idle
+
     # -- slab bookkeeping ---------------------------------------------------------------------
     def _slab(self, block_id: int) -> int:
         return block_id // self.per_slab
@@ -297,6 +308,13 @@ class TierAllocator(BlockAllocator):
             self._slab_free.setdefault(s, []).append(block_id)
             self._num_free_ids += 1
         self._file(s)
+
+    def discard(self, block_id: int) -> None:
+        """:meth:`free` that forgets the block's hash when it drops the last reference, so the block is
+        free at once, not cached (a demoted source: its slab may empty and go back to the arena)."""
+        if self._refcount[block_id] == 1 and self._hash[block_id] is not None:
+            self._drop_hash(block_id)
+        self.free(block_id)
 
     def lookup(self, block_hash: int, token_ids) -> int | None:
         block_id = self.probe(block_hash, token_ids)

@@ -16,7 +16,10 @@ def check_block_manager(bm) -> None:
     """
     for a in bm._alloc.values():
         a.check_integrity()
-    refs = {"q": [0] * bm._alloc["q"].num_blocks, "hp": [0] * bm._alloc["hp"].num_blocks}
+    if bm.arena is not None:
+        bm.arena.check_integrity()
+    refs = {p: [0] * a.num_blocks for p, a in bm._alloc.items()}
+    q_pools = set(bm._alloc) - {"hp"}
     bs = bm.block_size
     for sid, seq in bm._seqs.items():
         n = len(seq.tokens)
@@ -24,14 +27,16 @@ def check_block_manager(bm) -> None:
             raise AssertionError(f"seq {sid!r}: {len(seq.table)} blocks for {n} tokens")
         if not (0 <= seq.num_settled <= n and 0 <= seq.num_computed <= n):
             raise AssertionError(f"seq {sid!r}: num_settled/num_computed outside [0, {n}]")
-        if any(r.pool != "q" for r in seq.table[bm.policy.sink_blocks:seq.seal_from]):
+        if any(r.pool not in q_pools for r in seq.table[bm.policy.sink_blocks:seq.seal_from]):
             raise AssertionError(f"seq {sid!r}: an hp block below seal_from={seq.seal_from}")
         for i, ref in enumerate(seq.table):
             refs[ref.pool][ref.block_id] += 1
             at = seq.num_settled if i * bs < seq.num_settled else n
-            if ref.pool != block_state(i, at, bm.policy):
+            if ("q" if ref.pool in q_pools else ref.pool) != block_state(i, at, bm.policy):
                 raise AssertionError(f"seq {sid!r}: block {i} is in {ref.pool}, rule says "
                                      f"{block_state(i, at, bm.policy)} at n={at}")
+            if ref.pool not in ("q", "hp") and (i < bm.policy.sink_blocks or (i + 1) * bs > seq.num_computed):
+                raise AssertionError(f"seq {sid!r}: block {i} is in {ref.pool} but is a sink or not computed")
             stored = bm._alloc[ref.pool].block_tokens(ref.block_id)
             if stored is not None and stored != tuple(bm._block_tokens(seq.tokens, i)):
                 raise AssertionError(f"seq {sid!r}: block {i} ({ref}) holds other tokens")

@@ -48,39 +48,29 @@ prefill has reserved but not yet written.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
+from kvq.cache.arena import Arena
 from kvq.cache.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
 from kvq.cache.block_integrity import check_block_manager
 from kvq.cache.block_loads import LoadsMixin
+from kvq.cache.block_prefix import PrefixMixin
 from kvq.cache.block_swap import SwapMixin
-from kvq.cache.block_types import (PENDING_TOKEN, BlockRef, CopyOp, HostLoadOp, HostOp, HostStoreOp,  # noqa: F401
-                                   Op, PrefixHit, RemoteLoadOp, SealOp, SeqBlocks, SeqId, SwapOp)
-from kvq.cache.host_tier import HostBlock, HostHit, HostPrefixTier
+from kvq.cache.block_tiers import TiersMixin
+from kvq.cache.block_types import (PENDING_TOKEN, BlockRef, CopyOp, DemoteOp, HostLoadOp, HostOp,  # noqa: F401
+                                   HostStoreOp, Op, PrefixHit, RemoteLoadOp, SealOp, SeqBlocks, SeqId, SwapOp)
+from kvq.cache.tiers import TierRule
+from kvq.cache.host_tier import HostHit, HostPrefixTier
 from kvq.cache.window import POOLS, Pool, WindowPolicy, block_state  # noqa: F401 (re-exported)
-
-#: Id of a token appended before it is known (see :meth:`BlockManager.set_token`).
-class _PromptPlan(NamedTuple):
-    """A prompt's reservation: device hits (block ids), their hashes, whether the lookup missed,
-    whether it fits, the reserved length, and the blocks to load from the CPU prefix tier."""
-
-    hits: list[int]
-    hashes: list[int]
-    miss: bool
-    ok: bool
-    L: int
-    loads: list[HostBlock]
-
-
 
 def _pick(allocators: dict[str, BlockAllocator], pool: Pool) -> BlockAllocator:
     if pool not in allocators:
-        raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
+        raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(allocators)}")
     return allocators[pool]
 
 
-class BlockManager(LoadsMixin, SwapMixin):
-    """Block tables for sequences, over a q pool and an hp pool.
+class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
+    """Block tables for sequences, over a q pool and an hp pool (and, with elastic precision, the
+    lower tiers' pools ``q1``, ``q2``... out of one arena with ``q``: kvq.cache.block_tiers).
 
     Every method that can run out of blocks checks first and raises
     :class:`NoFreeBlocksError` with the manager unchanged. Unknown sequence ids
@@ -88,16 +78,33 @@ class BlockManager(LoadsMixin, SwapMixin):
     """
 
     def __init__(self, num_q_blocks: int, num_hp_blocks: int, policy: WindowPolicy, enable_prefix_caching: bool = True,
-                 host_blocks: tuple[int, int] = (0, 0), host_tier_blocks: tuple[int, int] = (0, 0)):
+                 host_blocks: tuple[int, int] = (0, 0), host_tier_blocks: tuple[int, int] = (0, 0),
+                 tiers: TierRule | None = None, arena: tuple[tuple[int, ...], int, int] | None = None):
+        """``tiers`` with ``arena`` = (blocks of each tier per slab, slabs, reserve slabs): the q pools
+        of every tier come out of one :class:`~kvq.cache.arena.Arena` (``num_q_blocks`` is ignored)."""
         if not isinstance(policy, WindowPolicy):
             raise TypeError(f"policy must be a WindowPolicy, got {type(policy).__name__}")
+        if (tiers is None) != (arena is None):
+            raise ValueError("tiers and their arena come together")
         self.policy = policy
         self.block_size = policy.block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.tiers = tiers
+        self.arena = None
+        if tiers is not None:
+            per_slab, num_slabs, reserve = arena
+            if len(per_slab) != tiers.num_tiers + 1:
+                raise ValueError(f"the arena holds {len(per_slab)} tiers, the rule {tiers.num_tiers + 1}")
+            self.arena = Arena(per_slab, num_slabs, policy.block_size, enable_prefix_caching, reserve)
+        self._fresh: set[BlockRef] = set()  # blocks sealed this step: never moved in it
+        self.num_demotions = [0] * ((tiers.num_tiers if tiers else 0) + 1)  # by destination tier
         self._alloc = {
-            "q": BlockAllocator(num_q_blocks, policy.block_size, enable_prefix_caching, name="q"),
+            "q": (self.arena.tiers[0] if self.arena else
+                  BlockAllocator(num_q_blocks, policy.block_size, enable_prefix_caching, name="q")),
             "hp": BlockAllocator(num_hp_blocks, policy.block_size, enable_prefix_caching, name="hp"),
         }
+        for t in range(1, (tiers.num_tiers if tiers else 0) + 1):
+            self._alloc[f"q{t}"] = self.arena.tiers[t]
         self._seqs: dict[SeqId, SeqBlocks] = {}
         # The host tier of request-level swap: (q, hp) blocks in host memory, no prefix index.
         self._host = {pool: BlockAllocator(n, policy.block_size, False, name=f"host {pool}")
@@ -156,6 +163,14 @@ class BlockManager(LoadsMixin, SwapMixin):
         """The pool's allocator, for counters and stats; do not mutate it directly."""
         return _pick(self._alloc, pool)
 
+    def usable_blocks(self, pool: Pool) -> int:
+        """Blocks of ``pool`` one sequence could hold with the others gone: all of them, but for the
+        resident tier of an arena, whose reserve slabs only demotion takes."""
+        a = self.allocator(pool)
+        if self.arena is not None and pool == "q":
+            return max(0, self.arena.num_slabs - self.arena.reserve_slabs) * a.per_slab
+        return a.num_blocks
+
     def num_free_blocks(self, pool: Pool) -> int:
         return self.allocator(pool).num_free
 
@@ -192,6 +207,9 @@ class BlockManager(LoadsMixin, SwapMixin):
     def _block_tokens(self, tokens: Sequence[int], i: int) -> Sequence[int]:
         return tokens[i * self.block_size:(i + 1) * self.block_size]
 
+    def _chain_hash(self, parent: int | None, tokens: Sequence[int]) -> int:
+        return hash_block_tokens(parent, tokens)
+
     def _hashes_upto(self, seq: SeqBlocks, upto: int) -> list[int]:
         """Hashes of full blocks ``[len(seq.hashes), upto)``, not stored (planning must not mutate)."""
         extra: list[int] = []
@@ -215,96 +233,6 @@ class BlockManager(LoadsMixin, SwapMixin):
         seq.num_registered = upto
 
     # -- prompts ----------------------------------------------------------------------------
-    def _prefix_blocks(self, token_ids: Sequence[int], use_host: bool = True
-                       ) -> tuple[list[int], list[dict[Pool, int]], list[dict[Pool, int]]]:
-        """Hashes of the prompt's leading full blocks found cached, and in which pools of the device
-        and of the CPU prefix tier (host ids), up to the first block neither holds (no mutation).
-        The last token is never covered: it is always computed."""
-        bs = self.block_size
-        hashes: list[int] = []
-        found: list[dict[Pool, int]] = []
-        host: list[dict[Pool, int]] = []
-        if not self.enable_prefix_caching:
-            return hashes, found, host
-        tier = self.host_tier if use_host else None
-        parent = None
-        for i in range((len(token_ids) - 1) // bs):
-            toks = token_ids[i * bs:(i + 1) * bs]
-            h = hash_block_tokens(parent, toks)
-            where = {p: b for p in POOLS if (b := self._alloc[p].probe(h, toks)) is not None}
-            there = {} if tier is None else {p: b for p in POOLS if (b := tier.probe(p, h, toks)) is not None}
-            if not where and not there:
-                break
-            hashes.append(h)
-            found.append(where)
-            host.append(there)
-            parent = h
-        return hashes, found, host
-
-    def _valid_hits(self, found: list[dict[Pool, int]], host: list[dict[Pool, int]]) -> list[tuple[int, int]]:
-        """``(h, k)``, longest ``h`` first and ``(0, 0)`` last: cached prefixes of ``h`` blocks the
-        window rule lets a prompt reuse, the first ``k`` from the device and the others loaded from
-        the CPU prefix tier.  Block ``i < h`` must be cached in pool ``block_state(i, h * bs)``, the
-        pool it has when the first computed token (at ``h * bs``) reads it (so that query reads
-        exact what the rule says); ``k`` is the first block the device lacks there, and every
-        block from ``k`` on must be in the tier (in that pool)."""
-        bs, out = self.block_size, []
-        for h in range(len(found), 0, -1):
-            pools = [block_state(i, h * bs, self.policy) for i in range(h)]
-            k = next((i for i in range(h) if pools[i] not in found[i]), h)
-            if all(pools[i] in host[i] for i in range(k, h)):
-                out.append((h, k))
-        return out + [(0, 0)]
-
-    def _plan_prompt(self, token_ids: Sequence[int], use_cache: bool = True, end=None,
-                     use_host: bool = True) -> _PromptPlan:
-        """How a prompt would be reserved now, without mutating anything (:class:`_PromptPlan`).
-
-        ``end(hit_tokens)`` is how much of the prompt to reserve for a hit of that many tokens
-        (default: all of it).  The longest valid hit whose reservation fits is taken: a shorter hit
-        can need fewer blocks (a hit block of the window is a high-precision block that the prompt
-        without it would store quantized; a block loaded from the host needs a device block), and
-        no hit at all is always a candidate, so the cache never makes a prompt that fits without
-        it fail."""
-        bs = self.block_size
-        hashes, found, host = self._prefix_blocks(token_ids, use_host) if use_cache else ([], [], [])
-        first = None
-        for h, k in self._valid_hits(found, host):
-            L = len(token_ids) if end is None else end(h * bs)
-            assert h * bs < L <= len(token_ids), (h, L, len(token_ids))
-            pools = [block_state(i, h * bs, self.policy) for i in range(h)]
-            hits = [found[i][pools[i]] for i in range(k)]
-            loads = [HostBlock(pools[i], host[i][pools[i]], hashes[i]) for i in range(k, h)]
-            taken_free = {"q": 0, "hp": 0}  # cached-free hits stop being allocatable
-            for i, bid in enumerate(hits):
-                taken_free[pools[i]] += self._alloc[pools[i]].refcount(bid) == 0
-            need = {"q": 0, "hp": 0}
-            for b in loads:  # a device block to load into
-                need[b.pool] += 1
-            for i in range(h, -(-L // bs)):
-                need[block_state(i, L, self.policy)] += 1
-            ok = all(need[p] <= self._alloc[p].num_free - taken_free[p] for p in POOLS)
-            miss = h < (L - 1) // bs and self.enable_prefix_caching and use_cache  # a lookup that did not hit
-            plan = _PromptPlan(hits, hashes[:h], miss, ok, L, loads)
-            if ok:
-                return plan
-            first = first or plan
-        return first
-
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, end=None,
-                     use_host: bool = True) -> bool:
-        """Whether :meth:`allocate_prompt` of ``num_tokens`` tokens would succeed now.
-
-        With ``token_ids`` the prefix cache is taken into account (``end`` and ``use_host`` as there).
-        """
-        if token_ids is None:
-            if num_tokens < 1:
-                raise ValueError(f"a prompt needs at least one token, got {num_tokens}")
-            return self._plan_prompt([0] * num_tokens, use_cache=False, end=end).ok
-        if len(token_ids) != num_tokens or num_tokens < 1:
-            raise ValueError(f"num_tokens={num_tokens} with {len(token_ids)} token ids; a prompt needs >= 1")
-        return self._plan_prompt(token_ids, end=end, use_host=use_host).ok
-
     def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int], end=None, use_host: bool = True,
                         use_cache: bool = True) -> PrefixHit:
         """Reserve blocks for a prompt, or for its first chunk (``end(hit_tokens)``: how far to
@@ -339,8 +267,7 @@ class BlockManager(LoadsMixin, SwapMixin):
         token_ids = token_ids[:L]
         k, h = len(plan.hits), len(plan.hits) + len(plan.loads)
         table: list[BlockRef] = []
-        for i, want in enumerate(plan.hits):  # take hits before allocating, so none is evicted
-            pool = block_state(i, h * bs, self.policy)
+        for i, (pool, want) in enumerate(plan.hits):  # take hits before allocating, so none is evicted
             got = self._alloc[pool].lookup(plan.hashes[i], self._block_tokens(token_ids, i))
             assert got == want, (pool, got, want)
             table.append(BlockRef(pool, got))
@@ -372,7 +299,8 @@ class BlockManager(LoadsMixin, SwapMixin):
         return [i for i in range(seq.seal_from, hi) if seq.table[i].pool == "hp"], max(seq.seal_from, hi)
 
     def _plan_append(self, seq: SeqBlocks, k: int):
-        """(seals, dedup, seal_from, feasible) for appending ``k`` tokens, without mutating anything."""
+        """(seals, dedup, seal_from, feasible, (q, hp) blocks it takes: :meth:`append_need`) for appending
+        ``k`` tokens, without mutating anything."""
         n_old, bs = len(seq.tokens), self.block_size
         q, hp = self._alloc["q"], self._alloc["hp"]
         seals, seal_from = self._seal_candidates(seq, n_old)
@@ -394,13 +322,18 @@ class BlockManager(LoadsMixin, SwapMixin):
         for i in range(len(seq.table), -(-(n_old + k) // bs)):
             need[block_state(i, n_old + k, self.policy)] += 1
         ok = need["q"] <= q.num_free - taken_q and need["hp"] <= hp.num_free + free_hp
-        return seals, dedup, seal_from, ok
+        return seals, dedup, seal_from, ok, (need["q"] + taken_q, need["hp"] - free_hp)
 
     def _appends_in_place(self, seq: SeqBlocks, n_old: int) -> bool:
         """Whether one token appended at ``n_old`` (inside the partial tail block) needs nothing of
-        :meth:`append_slots`' general path: no block leaves the window and the tail is not shared
-        (the decode step's common case, kept cheap: it runs once per running sequence per step)."""
+        :meth:`append_slots`' general path: no block leaves the window or ages into a lower tier and
+        the tail is not shared (the decode step's common case, kept cheap: it runs once per running
+        sequence per step)."""
         p = self.policy
+        if self.tiers is not None and self.tiers.ages:
+            r = self.tiers
+            if not seq.tier_from or any(max(0, (n_old - a) // p.block_size) > f for a, f in zip(r.ages, seq.tier_from)):
+                return False
         if not (p.write_direct and p.residual_tokens == 0):
             hi = min(max(n_old - p.residual_tokens, 0) // p.block_size, len(seq.table))
             if hi > seq.seal_from:  # a block may have left the window: the general path decides
@@ -413,6 +346,12 @@ class BlockManager(LoadsMixin, SwapMixin):
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         return self._plan_append(self._seq(seq_id), num_new_tokens)[3]
+
+    def append_need(self, seq_id: SeqId, num_new_tokens: int) -> tuple[int, int]:
+        """(resident, hp) blocks :meth:`append_slots` of ``num_new_tokens`` tokens would take now,
+        cached blocks it revives included, hp blocks its seals release deducted (what demotion must
+        free for it: kvq.cache.block_tiers)."""
+        return self._plan_append(self._seq(seq_id), num_new_tokens)[4]
 
     def append_slots(self, seq_id: SeqId, new_token_ids: Sequence[int]) -> list[Op]:
         """Extend a sequence by ``new_token_ids`` and return the data movement to do first.
@@ -433,7 +372,7 @@ class BlockManager(LoadsMixin, SwapMixin):
             return []
         new_token_ids = list(new_token_ids)
         k = len(new_token_ids)
-        seals, dedup, seal_from, ok = self._plan_append(seq, k)
+        seals, dedup, seal_from, ok, _ = self._plan_append(seq, k)
         if not ok:
             raise NoFreeBlocksError(
                 f"cannot append {k} tokens to {seq_id!r}: "
@@ -455,6 +394,8 @@ class BlockManager(LoadsMixin, SwapMixin):
                 if self.enable_prefix_caching:
                     q.register(dst, seq.hashes[i], self._block_tokens(seq.tokens, i))
                 ops.append(SealOp(seq_id, i, src, dst))
+                if self.tiers is not None:
+                    self._fresh.add(BlockRef("q", dst))  # written by this step: it may not move in it
             seq.table[i] = BlockRef("q", dst)
             seq.changed = min(seq.changed, i)
             hp.free(src)
@@ -476,6 +417,8 @@ class BlockManager(LoadsMixin, SwapMixin):
             seq.table.append(BlockRef(pool, self._alloc[pool].allocate()))
         seq.tokens.extend(new_token_ids)
         seq.num_settled = n_old
+        if self.tiers is not None:  # after every allocation: they take only what is left
+            ops += self._age(seq_id, seq, n_old)
         return ops
 
     def set_token(self, seq_id: SeqId, position: int, token_id: int) -> None:

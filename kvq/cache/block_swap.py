@@ -23,9 +23,12 @@ class SwapMixin:
 
     def can_swap_out(self, seq_id: SeqId) -> bool:
         """Whether the host tier has a block for every block of the sequence (its budget)."""
-        need = self._count(self._seq(seq_id).table)
+        table = self._seq(seq_id).table
         if seq_id in self._loading:  # its prefix is not on the device yet
             return False
+        if any(r.pool not in POOLS for r in table):  # a lower tier's block: the host tier holds none (yet)
+            return False
+        need = self._count(table)
         return all(need[p] <= self._host[p].num_free for p in POOLS)
 
     def swap_out(self, seq_id: SeqId) -> SwapOp:

@@ -31,6 +31,17 @@ class SealOp:
 
 
 @dataclass(frozen=True)
+class DemoteOp:
+    """Re-store ``src`` (a q block of one tier) into ``dst`` (a block of a lower tier, already in the
+    table): dequantized and quantized again (elastic precision, kvq.cache.tiers)."""
+
+    seq_id: SeqId
+    logical_index: int
+    src: BlockRef
+    dst: BlockRef
+
+
+@dataclass(frozen=True)
 class CopyOp:
     """Copy ``src`` to ``dst`` (same pool) before writing into ``dst`` (copy-on-write)."""
 
@@ -114,14 +125,15 @@ class RemoteLoadOp:
         return [(i, r.block_id) for i, r in enumerate(self.table) if r.pool == pool]
 
 
-Op = SealOp | CopyOp | SwapOp
+Op = SealOp | CopyOp | SwapOp | DemoteOp
 HostOp = HostStoreOp | HostLoadOp
 
 
 class SeqBlocks:
     """Mutable per-sequence state; private to the manager."""
 
-    __slots__ = ("changed", "hashes", "num_computed", "num_registered", "num_settled", "seal_from", "table", "tokens")
+    __slots__ = ("changed", "hashes", "num_computed", "num_registered", "num_settled", "seal_from", "table",
+                 "tier_from", "tokens")
 
     def __init__(self, tokens: list[int], table: list[BlockRef], num_computed: int, hashes: list[int], sink: int):
         self.tokens = tokens  # ids of all tokens with reserved slots
@@ -132,8 +144,10 @@ class SeqBlocks:
         self.hashes = hashes  # chained hashes of leading full blocks (a cache)
         self.seal_from = sink  # blocks [sink, seal_from) are known to be q
         self.changed = 0  # table entries [changed, len) changed since the last table_delta()
+        self.tier_from: list[int] = []  # age policy: blocks [sink, tier_from[t - 1]) were seen at tier t or lower
 
     def clone(self) -> SeqBlocks:
         s = SeqBlocks(list(self.tokens), list(self.table), self.num_computed, list(self.hashes), 0)
         s.num_settled, s.num_registered, s.seal_from = self.num_settled, self.num_registered, self.seal_from
+        s.tier_from = list(self.tier_from)
         return s  # changed = 0: the clone's table is new to whoever mirrors it

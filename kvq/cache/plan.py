@@ -287,7 +287,8 @@ class KVCacheConfig:
         if self.tiers:
             object.__setattr__(self, "tier_policy", parse_policies(self.tier_policy, bool(self.tier_age)))
         elif self.tier_age or self.tier_policy:
-            raise ValueError("--kv-tier-age and --kv-tier-policy need --kv-cache-tiers (the formats blocks move down to)")
+            raise ValueError("--kv-tier-age and --kv-tier-policy need --kv-cache-tiers (the formats blocks move "
+                             "down to)")
 
     def _load_plan_file(self) -> None:
         from kvq.cache.plan_file import PlanFile

@@ -31,18 +31,33 @@ from kvq.formats import fp8
 from kvq.formats.spec import KVFormat, TensorFormat, element_bytes
 
 
+#: Table entries of tier ``t >= 1`` (kvq.cache.tiers) are ``t * TIER_BASE + block``: kernels that read
+#: one tier take tables of that tier's blocks only (kvq.cache.step.TierTables), the reference reads the tag.
+TIER_BASE = 1 << 26
+_TIER_OFFSET = {"q": 0, **{f"q{t}": t * TIER_BASE for t in range(1, 8)}}
+
+
 def encode_ref(pool: str, block_id: int) -> int:
-    assert pool in ("q", "hp") and block_id >= 0, (pool, block_id)
-    return block_id if pool == "q" else -block_id - 1
+    assert (pool == "hp" or pool in _TIER_OFFSET) and 0 <= block_id < TIER_BASE, (pool, block_id)
+    return -block_id - 1 if pool == "hp" else _TIER_OFFSET[pool] + block_id
+
+
+def decode_ref(entry: int) -> tuple[str, int]:
+    """(pool, block id) of a signed table entry (:func:`encode_ref`)."""
+    if entry < 0:
+        return "hp", -entry - 1
+    t, b = divmod(entry, TIER_BASE)
+    return ("q" if t == 0 else f"q{t}"), b
 
 
 def encode_table(refs: Iterable) -> list[int]:
     """BlockRef-like objects (``.pool``, ``.block_id``) -> signed table entries."""
-    return [r.block_id if r.pool == "q" else -r.block_id - 1 for r in refs]  # encode_ref, inlined (hot)
+    return [r.block_id if r.pool == "q" else encode_ref(r.pool, r.block_id) for r in refs]  # "q" inlined (hot)
 
 
 def encode_slots(slots: Sequence[tuple[str, int, int]], block_size: int) -> list[int]:
-    """``(pool, block, offset)`` per token -> signed slot ids."""
+    """``(pool, block, offset)`` per token -> signed slot ids (tokens are written to ``q`` or ``hp``
+    only: the lower tiers are written by demotion)."""
     return [b * block_size + o if p == "q" else -(b * block_size + o) - 1 for p, b, o in slots]  # encode_ref, inlined
 
 

@@ -18,8 +18,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvq.cache.block_manager import BlockManager, CopyOp, SealOp, SwapOp
-from kvq.cache.pool import KVPool, encode_slots, encode_table
+from kvq.cache.block_manager import BlockManager, CopyOp, DemoteOp, SealOp, SwapOp
+from kvq.cache.tiers import pool_tier
+from kvq.cache.pool import TIER_BASE, KVPool, encode_slots, encode_table
 from kvq.cache.window import WindowPolicy, can_seal, exact_from
 
 
@@ -39,6 +40,11 @@ class StepMetadata:
                    write (rows with a negative q block are padding), or None
     prefill_host   (cu, lens) of the prefill sequences as host tuples (``prefill_cu`` and their
                    ``seq_lens``): what a library prefill plans its calls with, once per step
+    tiers          the decode rows' tables split by tier (:class:`TierTables`) when a table holds a
+                   block of a lower tier (elastic precision), else None
+    has_tiers      some table holds a lower tier's block (host bool): the prefill reads them by tag
+    demotes        ((src tier, dst tier, [S, 2] int64 (src block, dst block)), ...): blocks each layer
+                   re-stores one tier down before its seals and its K/V write, deepest source first
     """
 
     slots: torch.Tensor
@@ -54,6 +60,59 @@ class StepMetadata:
     seals: torch.Tensor | None = None
     window: PrefillWindow | None = None
     prefill_host: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    tiers: TierTables | None = None
+    has_tiers: bool = False
+    demotes: tuple[tuple[int, int, torch.Tensor], ...] = ()
+
+
+@dataclass(frozen=True)
+class TierTables:
+    """A decode step's tables split by tier (elastic precision, kvq.cache.tiers): ``base`` holds each
+    sequence's hp and resident blocks in order with the lower tiers' blocks left out (their lengths
+    shortened by them), ``tiers`` one table of tier-local block ids per lower tier in the step.
+    A decode reads every key of its sequence, so each part is attended with its own format's
+    kernel and the parts merge by log-sum-exp; a lower tier's blocks are always whole.
+
+    base_tables [B, W] int32, base_lens [B] int32, base_max_len (host)
+    tiers       ((tier, tables [B, Wt] int32, lens [B] int32, max_len), ...)
+    """
+
+    base_tables: torch.Tensor
+    base_lens: torch.Tensor
+    base_max_len: int
+    tiers: tuple[tuple[int, torch.Tensor, torch.Tensor, int], ...]
+
+
+def split_tiers(table: np.ndarray, lens: Sequence[int], block_size: int
+                ) -> tuple[list[np.ndarray], list[int], list[int]] | None:
+    """Host half of :class:`TierTables` for rows ``table`` ``[B, W]`` (signed, tagged) of lengths
+    ``lens``: -> ([base table, base lens, tier 1 table, tier 1 lens, ...] as int32 arrays, the tiers
+    present, each part's longest length); None when no row holds a lower tier's block."""
+    B = table.shape[0]
+    if B == 0:
+        return None
+    lens = np.asarray(lens, np.int64)
+    used = np.arange(table.shape[1])[None, :] < -(-lens // block_size)[:, None]
+    tier = np.where(table < 0, 0, table // TIER_BASE)
+    tier[~used] = -1
+    present = sorted(int(t) for t in np.unique(tier) if t > 0)
+    if not present:
+        return None
+    arrays, maxes = [], []
+    lower = np.zeros(B, np.int64)
+    for t in [0, *present]:
+        mask = tier == t
+        count = mask.sum(axis=1)
+        order = np.argsort(~mask, axis=1, kind="stable")[:, :max(int(count.max()), 1)]
+        part = np.take_along_axis(table, order, axis=1)
+        part = np.where(np.arange(part.shape[1])[None, :] < count[:, None], part - t * TIER_BASE, 0)
+        if t:
+            lower += count
+            n = count * block_size
+        arrays += [part.astype(np.int32), None if t == 0 else n.astype(np.int32)]
+    arrays[1] = (lens - lower * block_size).astype(np.int32)
+    maxes = [int(a.max()) for a in arrays[1::2]]
+    return arrays, present, maxes
 
 
 @dataclass(frozen=True)
@@ -138,6 +197,7 @@ class HostStep:
     seq_lens: list[int]
     num_new: list[int]
     seals: list[tuple[int, int]] = ()  # (hp block, q block): sealed by each layer before its write
+    demotes: tuple[tuple[int, int, list[tuple[int, int]]], ...] = ()  # (src tier, dst tier, pairs), deepest first
 
     @property
     def num_decodes(self) -> int:
@@ -209,10 +269,22 @@ def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarra
     seals = np.asarray(step.seals, np.int64).reshape(-1, 2)
     rows = prefill_window_rows(step, table, policy)
     win = [np.asarray(r, np.int64).reshape(-1, 3) for r in rows] if rows else []
+    has_tiers = bool(table.size) and bool((table >= TIER_BASE).any())
+    split = split_tiers(table[:nd], step.seq_lens[:nd], block_size) if has_tiers else None
+    demotes = [(s_, d_, np.asarray(pairs, np.int64).reshape(-1, 2)) for s_, d_, pairs in step.demotes]
     arrays = [np.asarray(step.slots, np.int64), fb, cu, table, np.asarray(step.seq_lens, np.int32),
-              cu[nd:] - cu[nd], seals, *extra, *win]
+              cu[nd:] - cu[nd], seals, *extra, *win, *(split[0] if split else ()), *(d[2] for d in demotes)]
     t = stage(arrays)
-    extra_t, win_t = t[7:7 + len(extra)], t[7 + len(extra):]
+    n_split = len(split[0]) if split else 0
+    extra_t, win_t = t[7:7 + len(extra)], t[7 + len(extra):7 + len(extra) + len(win)]
+    split_t = t[7 + len(extra) + len(win):7 + len(extra) + len(win) + n_split]
+    demote_t = t[7 + len(extra) + len(win) + n_split:]
+    tiers = None
+    if split:
+        _, present, maxes = split
+        tiers = TierTables(split_t[0], split_t[1], maxes[0],
+                           tuple((tt, split_t[2 + 2 * i], split_t[3 + 2 * i], maxes[1 + i])
+                                 for i, tt in enumerate(present)))
     window = None
     host = (tuple(int(c) for c in cu[nd:] - cu[nd]), tuple(int(n) for n in step.seq_lens[nd:]))
     if rows:
@@ -227,6 +299,9 @@ def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarra
         seals=t[6] if step.seals else None,
         window=window,
         prefill_host=host if nd < len(num_new) else None,
+        tiers=tiers,
+        has_tiers=has_tiers,
+        demotes=tuple((s_, d_, x) for (s_, d_, _), x in zip(demotes, demote_t)),
     )
     return meta, extra_t
 
@@ -235,17 +310,32 @@ def to_device(step: HostStep, block_size: int, device: torch.device | str) -> St
     return stage_step(step, block_size, each_to(device))[0]
 
 
-def layer_seals(ops: Sequence) -> list[tuple[int, int]] | None:
-    """The step's ops as (hp block, q block) pairs when they are all seals, which each layer
-    can then run just before writing its own K/V (:attr:`StepMetadata.seals`); None when
-    a copy is among them and :func:`apply_ops` must run the whole list first, in order."""
-    if not all(isinstance(op, SealOp) for op in ops):
+def demote_runs(ops: Sequence[DemoteOp]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Demotions as runs of one tier pair, in the order made: ``(src tier, dst tier, [(src, dst)])``."""
+    runs: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for op in ops:
+        s, d = pool_tier(op.src.pool), pool_tier(op.dst.pool)
+        if not runs or runs[-1][:2] != (s, d):
+            runs.append((s, d, []))
+        runs[-1][2].append((op.src.block_id, op.dst.block_id))
+    return runs
+
+
+def layer_ops(ops: Sequence) -> tuple[list[tuple[int, int]], list] | None:
+    """The step's ops as each layer runs them just before writing its own K/V, when they are all
+    seals and demotions: ((hp block, q block) seal pairs (:attr:`StepMetadata.seals`), demotion runs
+    (:func:`demote_runs`, :attr:`StepMetadata.demotes`)); every demotion runs before every seal,
+    which is the manager's order where it matters (a demoted source may be sealed into; a block sealed
+    in the step is never demoted in it).  None when a copy or a swap is among them and
+    :func:`apply_ops` must run the whole list first, in order."""
+    if not all(isinstance(op, (SealOp, DemoteOp)) for op in ops):
         return None
-    return [(op.src_hp_block, op.dst_q_block) for op in ops]
+    return ([(op.src_hp_block, op.dst_q_block) for op in ops if isinstance(op, SealOp)],
+            demote_runs([op for op in ops if isinstance(op, DemoteOp)]))
 
 
 def apply_ops(pool: KVPool, kernels, ops: Sequence, swap=None) -> None:
-    """Run seal, copy-on-write and swap ops in the order the manager returned them.
+    """Run seal, demotion, copy-on-write and swap ops in the order the manager returned them.
 
     Order matters: a seal's hp source or a swapped-out block is already free in the
     manager, and a later op of the same step may reuse it.  Consecutive ops of one
@@ -271,6 +361,11 @@ def apply_ops(pool: KVPool, kernels, ops: Sequence, swap=None) -> None:
                 src = torch.tensor([op.src.block_id], dtype=torch.int64, device=pool.device)
                 dst = torch.tensor([op.dst.block_id], dtype=torch.int64, device=pool.device)
                 pool.copy_blocks(op.src.pool, src, dst)
+        elif isinstance(run[0], DemoteOp):
+            for s_, d_, pairs in demote_runs(run):
+                t = torch.tensor(pairs, dtype=torch.int64, device=pool.device)
+                for layer in pool.layers:
+                    kernels.demote_pairs(layer, t, s_, d_)
         elif isinstance(run[0], SwapOp):
             if swap is None:
                 raise RuntimeError("a swap op without a host tier (preemption_mode='swap' needs cpu_offload_gb)")

@@ -59,6 +59,15 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-plan", default=None, metavar="PLAN.json",
                    help="formats per layer and K/V, and windows, from a plan file written by `kvq tune` "
                         "(instead of the format flags above; docs/calibration.md)")
+    g.add_argument("--kv-cache-tiers", default=None, metavar="FORMAT[,FORMAT...]",
+                   help="elastic precision: formats, each smaller than the one before, that sealed blocks move "
+                        "down to, out of one byte budget (e.g. int4_kivi or int4_kivi,int2_kivi; docs/engine.md)")
+    g.add_argument("--kv-tier-age", default=None, metavar="TOKENS[,TOKENS...]",
+                   help="age policy: a block this many tokens behind its sequence's head moves to the next tier "
+                        "(one per tier, or one for all: tier t at t x TOKENS)")
+    g.add_argument("--kv-tier-policy", default=None, metavar="POLICY",
+                   help="age, pressure (demote the coldest blocks instead of preempting) or age,pressure "
+                        "(default: age with --kv-tier-age, else pressure)")
 
 
 BARE_MODEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -88,7 +97,9 @@ def kv_config_from_args(args: argparse.Namespace) -> KVCacheConfig:
     kv = KVCacheConfig(dtype=args.kv_cache_dtype, k=args.kv_cache_dtype_k, v=args.kv_cache_dtype_v,
                        skip_layers=tuple(args.kv_cache_dtype_skip_layers or ()), sink_tokens=args.kv_sink_tokens,
                        residual_tokens=args.kv_residual_tokens, group_size=args.kivi_group_size,
-                       block_size=args.block_size, plan_file=getattr(args, "kv_cache_plan", None))
+                       block_size=args.block_size, plan_file=getattr(args, "kv_cache_plan", None),
+                       tiers=getattr(args, "kv_cache_tiers", None), tier_age=getattr(args, "kv_tier_age", None),
+                       tier_policy=getattr(args, "kv_tier_policy", None))
     kv.check_options_apply()
     return kv
 

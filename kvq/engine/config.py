@@ -41,6 +41,10 @@ class EngineConfig:
     kivi_group_size: int | None = None
     block_size: int | None = None
     kv_cache_plan: str | None = None  # a plan file (`kvq tune`): formats per layer and K/V, windows
+    # elastic precision (kvq.cache.tiers): formats sealed blocks move down to, by age and/or under pressure
+    kv_cache_tiers: tuple[str, ...] | str = ()
+    kv_tier_age: tuple[int, ...] | str | int = ()
+    kv_tier_policy: tuple[str, ...] | str = ()
     attention_backend: str = "auto"
     prefill_backend: str = "auto"  # the prefill attention kernel (kvq.attention.backends.select_prefill)
     device: str = "auto"  # cuda if available, else cpu
@@ -181,7 +185,8 @@ class EngineConfig:
         return KVCacheConfig(dtype=self.kv_cache_dtype, k=self.kv_cache_dtype_k, v=self.kv_cache_dtype_v,
                              skip_layers=tuple(self.kv_cache_dtype_skip_layers), sink_tokens=self.kv_sink_tokens,
                              residual_tokens=self.kv_residual_tokens, group_size=self.kivi_group_size,
-                             block_size=self.block_size, plan_file=self.kv_cache_plan)
+                             block_size=self.block_size, plan_file=self.kv_cache_plan, tiers=self.kv_cache_tiers,
+                             tier_age=self.kv_tier_age, tier_policy=self.kv_tier_policy)
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:

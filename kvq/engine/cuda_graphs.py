@@ -35,6 +35,7 @@ import time
 import numpy as np
 import torch
 
+from kvq.cache.pool import TIER_BASE
 from kvq.cache.step import HostStep, StepMetadata, table_array
 from kvq.engine.staging import Staging, layout, views
 
@@ -113,7 +114,12 @@ class DecodeGraphs:
         n = len(step.num_new)
         seals_fit = len(step.seals) <= n if self.seals is not None else not step.seals
         return (0 < n <= self.sizes[-1] and step.num_decodes == n and max(step.seq_lens) <= self.max_model_len
-                and seals_fit)
+                and seals_fit and not step.demotes and not self._tiered(step))
+
+    def _tiered(self, step: HostStep) -> bool:
+        """A table holds a lower tier's block (elastic precision): attention merges the tiers'
+        parts, which the captured graphs do not (yet)."""
+        return self.pool.layers[0].arena is not None and bool((table_array(step.tables) >= TIER_BASE).any())
 
     def run(self, ids: list[int], positions: list[int], step: HostStep,
             fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -90,8 +90,10 @@ class LLMEngine:
             max_model_len=self.max_model_len, block_size=self.plan.block_size,
             max_inflight=2 if self.async_scheduling else 1, preemption_mode=cfg.preemption_mode)
         num_q, num_hp, host, tier = w.num_q_blocks, w.num_hp_blocks, w.host_blocks, w.tier_blocks
+        arena = w.arena()  # elastic precision: every tier's blocks out of one arena (kvq.cache.arena)
         self.block_manager = BlockManager(num_q, num_hp, self.plan.window_policy, cfg.enable_prefix_caching,
-                                          host_blocks=host, host_tier_blocks=tier)
+                                          host_blocks=host, host_tier_blocks=tier,
+                                          **({} if arena is None else dict(tiers=self.plan.tier_rule, arena=arena)))
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         self.scheduler = Scheduler(sched_config, self.block_manager, eos_token_id=eos)
         self.connectors: list[KVConnector] = []  # called in this order at each point of the step
@@ -125,7 +127,7 @@ class LLMEngine:
                                   "prefill_reason": self.backend_choice.prefill_reason},
             "block_size": self.plan.block_size,
             "kv_pool": {"q_blocks": int(num_q), "hp_blocks": num_hp, "tokens": int(num_q) * self.plan.block_size,
-                        "bytes": self.pool.nbytes()},
+                        "bytes": self.pool.nbytes(), **self._arena_info(arena)},
             "max_model_len": self.max_model_len,
             "preemption_mode": cfg.preemption_mode,
             "cpu_offload": {"q_blocks": host[0], "hp_blocks": host[1],
@@ -178,6 +180,19 @@ class LLMEngine:
 
         warmup = WarmupScales(self.pool, static_layers(self.plan), tokens, on_freeze=report)
         self.pool.observer = self.worker.runner.warmup = warmup
+
+    def _arena_info(self, arena) -> dict:
+        """The tiers' arena in the engine's info: slabs, reserve, and per tier its format, blocks a slab
+        and bytes a block (elastic precision; empty untiered)."""
+        if arena is None:
+            return {}
+        per, slabs, reserve = arena
+        lay = self.pool.layout
+        return {"arena": {"slabs": slabs, "reserve_slabs": reserve, "bytes_per_slab": lay.bytes_per_slab,
+                          "tiers": [{"tier": t, "format": name, "blocks_per_slab": per[t],
+                                     "bytes_per_block": self.plan.tier_bytes_per_block(t),
+                                     "tokens_if_all": slabs * per[t] * self.plan.block_size}
+                                    for t, name in enumerate(self.plan.tier_names())]}}
 
     def _pool_blocks(self, memory: int) -> tuple[int, int]:
         """(resident, high-precision) blocks that ``memory`` bytes hold (kvq.engine.worker)."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvq.cache.pool import encode_slots
-from kvq.cache.step import HostStep, apply_ops, layer_seals, stage_step
+from kvq.cache.step import HostStep, apply_ops, layer_ops, stage_step
 from kvq.engine.block_tables import BlockTables
 from kvq.engine.staging import Staging
 
@@ -79,10 +79,12 @@ class ModelRunner:
                 sample_ids.append(item.seq_id)
             if item.prompt_rows:  # rare (prompt_logprobs): no generator per item on the hot path
                 prompt_rows += (base + off for off in item.prompt_rows)
-        seals = layer_seals(sched.ops)
-        if seals is None:
+        in_layers = layer_ops(sched.ops)  # seals and demotions, run by each layer before its write
+        if in_layers is None:
             self.apply_ops(sched.ops)
-        step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums, seals or ())
+        seals, demotes = in_layers or ((), ())
+        step = HostStep(encode_slots(slots, self.block_size), tables.gather(seq_ids), lens, nums, seals,
+                        tuple(demotes))
         i64 = [np.int64] * 2
         if (self.graphs is not None and self.warmup is None and logits_rows == list(range(len(ids)))
                 and not prompt_rows and self.graphs.serves(step)):

@@ -68,10 +68,12 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from kvq.cache.block_manager import PENDING_TOKEN, BlockManager, NoFreeBlocksError, Op, RemoteLoadOp
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
 from kvq.engine.errors import RequestError
+from kvq.engine.scheduler_checks import ChecksMixin
 from kvq.engine.scheduler_loads import LoadsMixin
 from kvq.engine.scheduling import (PREEMPTION_MODES, ScheduledSeq, SchedulerConfig,  # noqa: F401 (re-exported)
                                    SchedulerOutput)
@@ -98,7 +100,7 @@ def _prompt_rows(seq: Sequence, start: int, n: int) -> tuple[int, ...]:
     return tuple(range(max(0, min(start + n, seq.num_prompt_tokens - 1) - start)))
 
 
-class Scheduler(LoadsMixin):
+class Scheduler(LoadsMixin, ChecksMixin):
     """Continuous batching with chunked prefill and preemption by recompute (policy: module docstring).
 
     ``eos_token_id``: one id or several; a sampled EOS finishes a request with
@@ -134,6 +136,7 @@ class Scheduler(LoadsMixin):
         self._remote_wanted: set[int] = set()  # sequences to prefill on a peer (add(remote=True))
         self._remote_loading: dict[int, RemoteLoadOp] = {}  # LOADING sequences waiting for a peer's fill
         self.num_remote_loads = self.num_remote_failures = 0
+        self.num_demotions = 0  # blocks moved down a tier under pressure (elastic precision)
 
     # -- queries ----------------------------------------------------------------------------
     def get(self, seq_id: int) -> Sequence:
@@ -184,7 +187,7 @@ class Scheduler(LoadsMixin):
                                f"{cfg.max_model_len}", "max_tokens")
         # The last output token is sampled but never cached: at most p + max_tokens - 1 tokens hold KV.
         q, hp = peak_blocks(p + m - 1, self.block_manager.policy, cfg.max_num_batched_tokens)
-        nq, nhp = (self.block_manager.allocator(pool).num_blocks for pool in ("q", "hp"))
+        nq, nhp = (self.block_manager.usable_blocks(pool) for pool in ("q", "hp"))
         if q > nq or hp > nhp:
             raise RequestError(f"the prompt ({p} tokens) + max_tokens ({m}) needs up to {q} q and {hp} hp KV "
                                f"blocks; the cache has {nq} q and {nhp} hp blocks", "max_tokens")
@@ -236,6 +239,7 @@ class Scheduler(LoadsMixin):
             raise RuntimeError(f"schedule() called with {len(self._inflight)} output(s) not yet update()d "
                                f"(max_inflight={self.config.max_inflight})")
         cfg, bm = self.config, self.block_manager
+        bm.begin_step()
         now = self._clock()
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -265,13 +269,34 @@ class Scheduler(LoadsMixin):
             budget += item.num_new_tokens
             seq.num_pending -= item.sample
 
+        def relieve(need: int) -> bool:
+            """Elastic precision's pressure policy: demote cold blocks until ``need`` resident blocks are
+            free (kvq.cache.block_tiers); the items already taken this step get their changed tables."""
+            made = bm.make_room(need) if need > 0 else []
+            if not made:
+                return False
+            ops.extend(made)
+            self.num_demotions += len(made)
+            touched = {op.seq_id for op in made}
+            for j, item in enumerate(scheduled):
+                if item.seq_id in touched:  # its delta was taken: merge the entries demotion changed
+                    start = min(item.table_start, bm.table_delta(item.seq_id)[0])
+                    table = bm.block_table(item.seq_id)
+                    scheduled[j] = replace(item, table_start=start, table_refs=tuple(table[start:]),
+                                           table_len=len(table))
+            return True
+
         def grow(seq: Sequence, tokens: list[int]) -> bool:
-            """Reserve ``tokens`` for ``seq``, preempting newer sequences (then itself) until they fit."""
+            """Reserve ``tokens`` for ``seq``, demoting cold blocks (elastic precision) or else preempting
+            newer sequences (then itself) until they fit."""
             while True:  # append_slots plans once and raises, the manager unchanged, when it cannot
                 try:
                     ops.extend(bm.append_slots(seq.seq_id, tokens))
                     return True
                 except NoFreeBlocksError:
+                    need_q, need_hp = bm.append_need(seq.seq_id, len(tokens))
+                    if need_hp <= bm.num_free_blocks("hp") and relieve(need_q):
+                        continue
                     victim = self._running[-1]  # the newest; `seq` itself when no newer one is left
                     taken = any(x.seq_id == victim.seq_id for x in scheduled)
                     if taken:
@@ -364,8 +389,13 @@ class Scheduler(LoadsMixin):
                 return hit + self._chunk(hit, n, b)
 
             use_host, cached = seq.seq_id not in self._no_host, not _scores_prompt(seq)  # scored: no hit
-            if not bm.can_allocate(len(tokens), tokens if cached else None, end=first_chunk_end, use_host=use_host):
-                break
+            args = (len(tokens), tokens if cached else None)
+            if not bm.can_allocate(*args, end=first_chunk_end, use_host=use_host):
+                # elastic precision: demote cold blocks of running sequences to admit it, if they can
+                first = first_chunk_end(0)
+                if not (relieve(-(-first // bm.block_size)) and bm.can_allocate(*args, end=first_chunk_end,
+                                                                                use_host=use_host)):
+                    break
             assert seq.num_pending == 0, "a sequence re-admitted before its in-flight token arrived"
             hit = bm.allocate_prompt(seq.seq_id, tokens, end=first_chunk_end, use_host=use_host, use_cache=cached)
             self._waiting.pop(0)
@@ -530,59 +560,3 @@ class Scheduler(LoadsMixin):
         seq.finish_reason = reason  # type: ignore[assignment]
         seq.stop_reason = stop_reason
         del self._seqs[seq.seq_id], self._rank[seq.seq_id]
-
-    def _check_output(self, out: SchedulerOutput) -> None:
-        cfg = self.config
-        ids = [s.seq_id for s in out.scheduled]
-        assert len(ids) == len(set(ids)), f"a sequence scheduled twice: {ids}"
-        assert len(ids) <= cfg.max_num_seqs, (len(ids), cfg.max_num_seqs)
-        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
-        assert out.num_batched_tokens <= cfg.max_num_batched_tokens, (out.num_batched_tokens, cfg)
-        assert not set(ids) & set(out.preempted), "a preempted sequence was scheduled"
-        assert all(s.num_new_tokens >= 1 for s in out.scheduled)
-
-    def check_integrity(self) -> None:
-        """Assert the queues, statuses and block manager agree (see the module docstring)."""
-        bm, cfg = self.block_manager, self.config
-        assert len(self._running) <= cfg.max_num_seqs
-        queues = (self._waiting, self._running, self._swapped)
-        assert set(self._seqs) == {s.seq_id for q in queues for s in q}
-        assert len(self._seqs) == sum(map(len, queues)), "a sequence queued twice"
-        assert len(bm) == len(self._running), "the block manager holds sequences the scheduler does not run"
-        assert bm.num_swapped == len(self._swapped) == len(self._swapped_from), "swapped sequences disagree"
-        assert self._remote_loading.keys() <= self._remote_wanted <= self._seqs.keys(), "remote fills disagree"
-        for seq in self._swapped:
-            assert seq.status is SeqStatus.SWAPPED and bm.is_swapped(seq.seq_id), seq
-            assert self._swapped_from[seq.seq_id] in (SeqStatus.PREFILL, SeqStatus.DECODE), seq
-        for queue in queues:
-            ranks = [self._rank[s.seq_id] for s in queue]
-            assert ranks == sorted(ranks), "queues must stay in arrival order"
-        for seq in self._waiting:
-            assert seq.status is SeqStatus.WAITING and seq.num_computed_tokens == 0, seq
-            assert seq.seq_id not in bm, seq
-        for seq in self._running:
-            sid, n = seq.seq_id, seq.num_tokens
-            assert seq.is_running and sid in bm, seq
-            assert n < cfg.max_model_len and seq.num_output_tokens < seq.params.max_tokens, seq
-            assert (seq.status is SeqStatus.LOADING) == (sid in self._load_since), seq
-            if sid in self._remote_loading:  # its whole prompt is reserved; a peer fills it
-                assert seq.status is SeqStatus.LOADING and bm.remote_state(sid) == "loading", seq
-                assert seq.num_computed_tokens == 0 and bm.num_tokens(sid) == n and not seq.output_token_ids, seq
-            if seq.status is SeqStatus.LOADING:  # its hit counts as scheduled; the device part is computed
-                assert seq.num_pending == 0 and seq.num_computed_tokens == seq.num_scheduled_tokens, seq
-                assert bm.num_computed(sid) <= seq.num_computed_tokens < bm.num_tokens(sid) <= n, seq
-                continue
-            assert seq.num_computed_tokens <= seq.num_scheduled_tokens, seq
-            assert seq.num_computed_tokens <= bm.num_computed(sid) <= seq.num_scheduled_tokens, seq
-            assert 0 <= seq.num_pending <= cfg.max_inflight, seq
-            if seq.status is SeqStatus.PREFILL:
-                assert seq.num_pending == 0 and 0 <= seq.num_scheduled_tokens < n, seq
-                # reserved chunk by chunk (a loaded prompt's first chunk is reserved before it runs)
-                assert seq.num_scheduled_tokens <= bm.num_tokens(sid) <= n, seq
-            else:
-                assert seq.num_scheduled_tokens == n + seq.num_pending - 1 == bm.num_tokens(sid), seq
-            known = min(bm.num_tokens(sid), n)  # slots past the known tokens hold in-flight ones
-            ids = list(bm.token_ids(sid))
-            assert ids[:known] == seq.all_token_ids[:known] and all(t == PENDING_TOKEN for t in ids[known:]), seq
-        for out, _ in self._inflight:
-            self._check_output(out)

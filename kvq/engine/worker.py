@@ -16,6 +16,7 @@ import math
 import torch
 
 from kvq.attention.backends import prefill_kernels, select_backend, select_prefill
+from kvq.cache.arena import arena_layout
 from kvq.cache.block_manager import BlockRef
 from kvq.cache.host_pool import HostKVPool
 from kvq.cache.partition import rank_plan
@@ -108,14 +109,19 @@ class Worker:
             memory = self._profiled_kv_memory()
         num_q, num_hp = self._pool_blocks(memory)
         if group is not None:  # one scheduler hands out block ids for every rank: the fewest any can hold
-            num_q, num_hp = group.min_int(num_q), group.min_int(num_hp)
+            num_q, num_hp = group.min_int(num_q), group.min_int(num_hp)  # (whole slabs on every rank: equal per_slab)
         self.num_q_blocks, self.num_hp_blocks = int(num_q), int(num_hp)
         # (not yet under tensor parallelism: NCCL collectives inside captured graphs have not run here)
         use_graphs = (self.device.type == "cuda" and not cfg.enforce_eager and group is None
                       and self.backend_choice.resolved in ("triton", "cuda"))
         # CUDA graphs pad batches with rows that write to a null block outside the manager's range
-        self.pool = KVPool.create(self.plan, self.num_q_blocks + int(use_graphs), num_hp, self.device,
-                                  self.static_scales)
+        if self.plan.tiers:  # the arena in whole slabs (a graph's null block: the first of one more)
+            per0 = arena_layout(self.plan).per_slab[0]
+            self.pool = KVPool.create(self.plan, 0, num_hp, self.device, self.static_scales,
+                                      num_slabs=self.num_q_blocks // per0 + int(use_graphs))
+        else:
+            self.pool = KVPool.create(self.plan, self.num_q_blocks + int(use_graphs), num_hp, self.device,
+                                      self.static_scales)
         # every rank's pool bytes, known to all (a collective: each rank's worker takes part once, here)
         self.rank_pool_bytes = group.all_ints(self.pool.nbytes()) if group is not None else [self.pool.nbytes()]
         # host memory: the swap tier's blocks, then the CPU prefix tier's, in one pool shaped like the
@@ -236,11 +242,26 @@ class Worker:
             # one request alone must fit, whatever its length: sinks and two windows while a chunk is reserved
             one_seq = peak_blocks(self.max_model_len, self.plan.window_policy, self.config.max_num_batched_tokens)[1]
             num_hp = max(one_seq, min(num_hp, memory // 4 // self.plan.hp_bytes_per_block))
-        num_q = (memory - num_hp * self.plan.hp_bytes_per_block) // self.plan.bytes_per_block
-        if num_q < 1:
+        unit = self.plan.bytes_per_block
+        if self.plan.tiers:  # elastic precision: the resident blocks as whole slabs of the tiers' arena
+            lay = arena_layout(self.plan)
+            unit = lay.bytes_per_slab
+        num_q = (memory - num_hp * self.plan.hp_bytes_per_block) // unit
+        if num_q < 1 + bool(self.plan.tiers and self.plan.tier_rule.pressure):
             raise ValueError(f"KV memory {memory} bytes is too small for this plan (needs "
-                             f"{num_hp * self.plan.hp_bytes_per_block + self.plan.bytes_per_block} bytes at least)")
+                             f"{num_hp * self.plan.hp_bytes_per_block + 2 * unit} bytes at least)")
+        if self.plan.tiers:
+            num_q *= lay.per_slab[0]
         return int(num_q), int(num_hp)
+
+    def arena(self) -> tuple[tuple[int, ...], int, int] | None:
+        """The block manager's arena of a tiered plan: (blocks of each tier per slab, slabs, reserve
+        slabs: one in 256, at least one, with the pressure policy), None untiered."""
+        if not self.plan.tiers:
+            return None
+        per = self.pool.layout.per_slab
+        slabs = self.num_q_blocks // per[0]
+        return per, slabs, (1 + slabs // 256) if self.plan.tier_rule.pressure else 0
 
     def _profiled_kv_memory(self) -> int:
         """The KV budget on CUDA without kv_cache_memory: gpu_memory_utilization of the device, less

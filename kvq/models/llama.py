@@ -213,12 +213,15 @@ def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float,
     win = {} if meta.prefill_host is None else dict(host=meta.prefill_host)
     if meta.window is not None:
         win.update(window=meta.window, k_new=k[nd:], v_new=v[nd:])
+    if meta.has_tiers:  # a tiered cache whose tables hold lower tiers' blocks (kvq.cache.tiers)
+        win.update(tiered=True)
     if nd == 0:
         return kernels.paged_attention(q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, scale,
                                        max_q_len=meta.max_q_len, has_hp=meta.has_hp, max_seq_len=meta.max_seq_len,
                                        **win)
     dec = kernels.paged_decode(q[:nd], layer, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                               max_seq_len=meta.max_seq_len, has_hp=meta.has_hp)
+                               max_seq_len=meta.max_seq_len, has_hp=meta.has_hp,
+                               **({} if meta.tiers is None else {"tiers": meta.tiers}))
     if nd == T:
         return dec
     pre = kernels.paged_attention(q[nd:], layer, meta.prefill_cu, meta.block_tables[nd:], meta.seq_lens[nd:], scale,
@@ -252,9 +255,13 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, positions)
+        if v.stride() != k.stride():  # the CPU's RoPE returns new tensors (the GPU's rotates in place): one layout
+            v = v.contiguous()
         layer = pool.layers[self.index]
         if pool.observer is not None:  # static-scale warm-up (kvq.cache.scales_warmup)
             pool.observer.observe(self.index, k, v)
+        for src, dst, pairs in meta.demotes:  # first: a seal or a write may reuse a demoted block
+            kernels.demote_pairs(layer, pairs, src, dst)
         if meta.seals is not None:  # before the write, which may reuse a sealed hp block
             kernels.seal_pairs(layer, meta.seals)
         kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)

@@ -20,13 +20,13 @@ from kvq.attention.triton.prefill import paged_attention
 __all__ = ["demote_pairs", "paged_attention", "paged_decode", "seal_blocks", "seal_pairs", "write_kv"]
 
 
-def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None):
+def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None, tiers=None):
     group = q.shape[1] // layer.num_kv_heads
-    if decode8.unsupported_reason(layer, group, q.dtype) is None:
+    if tiers is None and decode8.unsupported_reason(layer, group, q.dtype) is None:
         return decode8.paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len,
                                     has_hp=has_hp)
     return triton_decode.paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len,
-                                      has_hp=has_hp)
+                                      has_hp=has_hp, tiers=tiers)
 
 
 def seal_pairs(layer, pairs):

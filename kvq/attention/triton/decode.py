@@ -33,7 +33,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # the table width and split count change step to step, the table and length views' alignment too
 # (eager steps: a recompile in bf16's wave on the H200): no recompile for any
-@triton.jit(do_not_specialize=["s_tb", "num_splits"], do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
+@triton.jit(do_not_specialize=["s_tb", "num_splits", "split_base", "split_total"],
+            do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
 def _decode_split_kernel(
     q_ptr, s_qb, s_qh,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
@@ -43,9 +44,10 @@ def _decode_split_kernel(
     table_ptr, s_tb, lens_ptr,
     po_ptr, plse_ptr, num_splits,
     qk_scale,  # sm_scale * log2(e)
+    split_base, split_total,  # this launch's splits are [split_base, + num_splits) of split_total per row
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
-    K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr,
+    K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, PO_NATURAL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -87,10 +89,12 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(pv, v)
         m_i = m_new
 
-    # partial results: out [B, Hq, S, D] in V's tile order, lse [B, Hq, S] (log2 domain)
-    row = (b * tl.num_programs(1) * GROUP + h * GROUP + g).to(tl.int64) * num_splits + sp
+    # partial results: out [B, Hq, S, D] in V's tile order (PO_NATURAL: in channel order, so that parts
+    # of other formats merge with it), lse [B, Hq, S] (log2 domain)
+    row = (b * tl.num_programs(1) * GROUP + h * GROUP + g).to(tl.int64) * split_total + split_base + sp
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(po_ptr + row[:, None] * D + pos[None, :], acc / l_safe[:, None], mask=gmask[:, None])
+    chan = tile_channel(pos, V_PER, D) if PO_NATURAL else pos
+    tl.store(po_ptr + row[:, None] * D + chan[None, :], acc / l_safe[:, None], mask=gmask[:, None])
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
     tl.store(plse_ptr + row, lse, mask=gmask)
 
@@ -221,8 +225,13 @@ def paged_decode(
     num_warps: int = 4,
     num_stages: int | None = None,
     g_pad: int | None = None,
+    tiers=None,
 ) -> torch.Tensor:
     """Triton twin of :func:`kvq.attention.reference.paged_decode`.
+
+    ``tiers`` (kvq.cache.step.TierTables, a tiered cache whose tables hold lower tiers' blocks):
+    each part (the hp and resident blocks, then each lower tier's) runs its own format's split
+    launch into one set of partial results, which one reduction merges by log-sum-exp.
 
     ``max_seq_len`` (host int, an upper bound of ``seq_lens``) sizes the split grid
     without a device sync; pass it from the scheduler (a CUDA graph passes the
@@ -241,27 +250,36 @@ def paged_decode(
         max_seq_len = int(seq_lens.max().item())
     if has_hp is None:
         has_hp = layer.k_hp.shape[0] > 0
-    page = layer.block_size
-    auto_n, auto_stages, split_always = launch_defaults(layer)
-    block_n = block_n or auto_n
-    num_stages = num_stages or auto_stages
-    if num_splits is None:
-        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits, _ = choose_splits(B * H, max_seq_len, block_n, num_sms, split_always)
-    po = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
-    plse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    parts = [(layer, block_tables, seq_lens, max_seq_len, bool(has_hp))]
+    if tiers is not None:
+        parts = [(layer, tiers.base_tables, tiers.base_lens, tiers.base_max_len, bool(has_hp))]
+        parts += [(layer.tier(t), tab, lens, mx, False) for t, tab, lens, mx in tiers.tiers]
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    launches = []
+    for lay, tab, lens, longest, hp in parts:
+        auto_n, auto_stages, split_always = launch_defaults(lay)
+        bn = block_n or auto_n
+        splits = num_splits or choose_splits(B * H, max(int(longest), 1), bn, num_sms, split_always)[0]
+        launches.append((lay, tab, lens, hp, bn, num_stages or auto_stages, splits))
+    total = sum(x[-1] for x in launches)
+    po = torch.empty(B, Hq, total, D, dtype=torch.float32, device=q.device)
+    plse = torch.empty(B, Hq, total, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    args, meta = layer_args(layer)
-    _decode_split_kernel[(B, H, num_splits)](
-        q, q.stride(0), q.stride(1), *args,
-        block_tables, block_tables.stride(0), seq_lens, po, plse, num_splits, sm_scale * _LOG2E,
-        GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=page, BLOCK_N=block_n,
-        K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
-        K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=bool(has_hp), DOT=_dot_dtype(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    base, v_per = 0, None
+    for lay, tab, lens, hp, bn, stages, splits in launches:
+        args, meta = layer_args(lay)
+        v_per = meta["v_per"] if v_per is None else v_per
+        _decode_split_kernel[(B, H, splits)](
+            q, q.stride(0), q.stride(1), *args,
+            tab, tab.stride(0), lens, po, plse, splits, sm_scale * _LOG2E, base, total,
+            GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=lay.block_size,
+            BLOCK_N=bn, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
+            K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=hp, DOT=_dot_dtype(q.dtype), PO_NATURAL=len(parts) > 1,
+            num_warps=num_warps, num_stages=stages,
+        )
+        base += splits
     _decode_reduce_kernel[(B, Hq)](
-        po, plse, out, out.stride(0), out.stride(1), num_splits, Hq,
-        S_TILE=16, D=D, V_PER=meta["v_per"],
+        po, plse, out, out.stride(0), out.stride(1), total, Hq,
+        S_TILE=16, D=D, V_PER=1 if len(parts) > 1 else v_per,
     )
     return out

@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq.attention.triton.decode import layer_args
 from kvq.attention.triton.tiles import KIVI_K, ROT, load_tile, rot_values
+from kvq.cache.pool import TIER_BASE
 
 #: Scratch bytes (K and V together) above which the prefill dequantizes in its loop instead.
 SCRATCH_CAP_BYTES = 512 * 1024 * 1024
@@ -80,13 +82,14 @@ def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
 
 # widths change step to step, and so does the 16-byte alignment of the step's table and length views
 # (two recompiles in a wave on the H200): no recompile for either
-@triton.jit(do_not_specialize=["s_tb", "NB"], do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
+@triton.jit(do_not_specialize=["s_tb", "NB", "lo", "hi"], do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
 def _dequant_kernel(
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
     s_hb, s_hh, s_ht,
     table_ptr, s_tb, lens_ptr, out_k, out_v, s_ob, s_oh, s_ot, NB,
+    lo, hi,  # the table entries this launch reads (one tier's tag range); its blocks are entry - max(lo, 0)
     D: tl.constexpr, PAGE: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,  # noqa: E501
 ):
@@ -95,8 +98,10 @@ def _dequant_kernel(
     j = tl.program_id(1)
     h = tl.program_id(2)
     n = tl.load(lens_ptr + b)
-    if j * PAGE < n:
-        bid = tl.load(table_ptr + b.to(tl.int64) * s_tb + j)
+    inside = j * PAGE < n
+    ref = tl.load(table_ptr + b.to(tl.int64) * s_tb + j, mask=inside, other=0)
+    if inside & (ref >= lo) & (ref < hi):
+        bid = ref - tl.maximum(lo, 0)
         off = tl.arange(0, PAGE)
         c = tl.arange(0, D)
         dst = (b.to(tl.int64) * NB + j) * s_ob + h * s_oh + off[:, None].to(tl.int64) * s_ot + c[None, :]
@@ -113,24 +118,47 @@ def scratch_bytes(batch: int, blocks: int, num_kv_heads: int, page: int, head_di
     return 2 * 2 * batch * blocks * num_kv_heads * page * head_dim
 
 
+#: Table entries of every kind (hp and resident blocks, lower tiers' tags): the untiered read.
+ALL_ENTRIES = (-(2 ** 31), 2 ** 31 - 1)
+
+
 def dequantize_pages(args: list, meta: dict, block_tables: torch.Tensor, seq_lens: torch.Tensor, blocks: int,
                      num_kv_heads: int, page: int, head_dim: int, num_warps: int = 4, extra: int = 0,
-                     dtype: torch.dtype = torch.float16):
+                     dtype: torch.dtype = torch.float16, entries: tuple[int, int] = ALL_ENTRIES, into=None):
     """-> (k, v) ``dtype`` ``[B * blocks + extra, H, page, D]`` and the identity table ``[B, blocks]``
     that reads them: page ``j`` of sequence ``b`` sits at block ``b * blocks + j``; the
     ``extra`` pages after them are left for the caller.  ``dtype`` bf16 copies a bf16 pool exactly
     (the library prefill of a 16-bit layer that holds hp blocks).
-    ``args``/``meta`` are :func:`kvq.attention.triton.decode.layer_args` of the layer."""
+    ``args``/``meta`` are :func:`kvq.attention.triton.decode.layer_args` of the layer.  ``entries``
+    ``[lo, hi)``: only table entries in that range are read (one tier of a tiered cache, whose
+    blocks are ``entry - max(lo, 0)``); ``into``: the ``(k, v)`` scratch of an earlier call to fill."""
     B = seq_lens.shape[0]
     dev = seq_lens.device
     shape = (B * blocks + extra, num_kv_heads, page, head_dim)
-    k = torch.empty(shape, dtype=dtype, device=dev)
-    v = torch.empty(shape, dtype=dtype, device=dev)
+    k, v = into if into is not None else (torch.empty(shape, dtype=dtype, device=dev),
+                                          torch.empty(shape, dtype=dtype, device=dev))
     table = torch.arange(B * blocks, dtype=torch.int32, device=dev).view(B, blocks)
     if B and blocks:
         _dequant_kernel[(B, blocks, num_kv_heads)](
             *args, block_tables, block_tables.stride(0), seq_lens, k, v, k.stride(0), k.stride(1), k.stride(2), blocks,
-            D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
+            *entries, D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
             V_PER=meta["v_per"], K_G=meta["k_g"], V_G=meta["v_g"], num_warps=num_warps,
         )
+    return k, v, table
+
+
+def dequantize_layer_pages(layer, block_tables: torch.Tensor, seq_lens: torch.Tensor, blocks: int, extra: int = 0,
+                           dtype: torch.dtype = torch.float16, tiered: bool = False):
+    """:func:`dequantize_pages` of a layer's pages; ``tiered``: the tables hold lower tiers' tagged
+    blocks (elastic precision), each read through its own tier's format into the one scratch."""
+    H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
+    args, meta = layer_args(layer)
+    if not tiered:
+        return dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, page, D, extra=extra, dtype=dtype)
+    k, v, table = dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, page, D, extra=extra, dtype=dtype,
+                                   entries=(ALL_ENTRIES[0], TIER_BASE))
+    for t in range(1, len(layer.tiers) + 1):
+        targs, tmeta = layer_args(layer.tier(t))
+        dequantize_pages(targs, tmeta, block_tables, seq_lens, blocks, H, page, D, entries=(t * TIER_BASE,
+                         (t + 1) * TIER_BASE), into=(k, v))
     return k, v, table

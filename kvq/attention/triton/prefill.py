@@ -179,8 +179,12 @@ def paged_attention(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     host=None,
+    tiered: bool = False,
 ) -> torch.Tensor:
     """Triton twin of :func:`kvq.attention.reference.paged_attention`.
+
+    ``tiered``: the tables hold lower tiers' tagged blocks (elastic precision, kvq.cache.pool.TIER_BASE):
+    the pages are read through the f16 scratch, each through its tier's format.
 
     ``window`` (:class:`kvq.cache.step.PrefillWindow`, with the step's new ``k_new``,
     ``v_new``): per-query exact windows over a quantized layer, always through the f16
@@ -217,7 +221,16 @@ def paged_attention(
         blocks = min(blocks, triton.cdiv(max_seq_len, PAGE))
     if window is not None and layer.fmt.is_quantized and (window.exact_rows or window.sealed_rows):
         _windowed(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len, window, k_new, v_new,
-                  _tile("window", block_m, block_n))
+                  _tile("window", block_m, block_n), tiered)
+        return out
+    if tiered:  # every page through the scratch, group by group (as the windowed path, no window)
+        cu_h, lens_h = host if host is not None else (tuple(cu_seqlens_q.tolist()), tuple(seq_lens.tolist()))
+        for g in window_scratch(layer, cu_seqlens_q, block_tables, seq_lens, None, None, None,
+                                host=(cu_h, lens_h), tiered=True):
+            dargs, dmeta = _dense_args(g.k, g.v)
+            dot = tl.float16 if not INTERPRET else _dot_dtype(q.dtype)
+            _launch(q[g.r0:g.r1], out[g.r0:g.r1], g.cu, dargs, dmeta, g.tab_exact, None, g.lens, sm_scale, max_q_len,
+                    False, dot, _tile("dense", block_m, block_n), PAGE, H)
         return out
     if dequant_first is None:
         dequant_first = dequant_first_default(layer)
@@ -302,29 +315,34 @@ class WindowScratch:
     tab_q: torch.Tensor
 
 
-def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.float16) -> Iterator[WindowScratch]:
+def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.float16, host=None,
+                   tiered: bool = False) -> Iterator[WindowScratch]:
     """The page scratch of a prefill with per-query exact windows (kvq.attention.reference explains
     the rule), group by group (:func:`scratch_groups`): the step's pages dequantized, with two extra
     kinds of page, the exact new K/V of q blocks this step wrote and the sealed-then-read values
     of hp blocks some query reads quantized; two tables map each block to its exact and its
-    quantized page."""
+    quantized page.  Without a ``window`` (``host``: the host cu and lengths instead) only the
+    pages, which is how a tiered cache's prefill reads them (``tiered``: each page in its tier)."""
     H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
-    B, dev = len(window.lens), cu.device
-    args, meta = layer_args(layer)
-    for b0, b1, width in scratch_groups(window.lens, H, page, D):
-        r0, r1 = window.cu[b0], window.cu[b1]
+    host_cu, host_lens = (window.cu, window.lens) if window is not None else host
+    B, dev = len(host_lens), cu.device
+    no_rows = torch.zeros((0, 3), dtype=torch.int64, device=dev)
+    for b0, b1, width in scratch_groups(host_lens, H, page, D):
+        r0, r1 = host_cu[b0], host_cu[b1]
         if (b0, b1) == (0, B):
-            g_cu, ex, se = cu, window.exact, window.sealed
+            g_cu = cu
+            ex, se = (window.exact, window.sealed) if window is not None else (no_rows, no_rows)
         else:
             def rows(rs, rebase_row):
                 keep = [(b - b0, i, x - r0 if rebase_row else x) for b, i, x in rs if b0 <= b < b1]
                 return torch.tensor(keep, dtype=torch.int64, device=dev).reshape(-1, 3)
-            g_cu = torch.tensor([c - r0 for c in window.cu[b0:b1 + 1]], dtype=torch.int32, device=dev)
-            ex, se = rows(window.exact_rows, True), rows(window.sealed_rows, False)
+            g_cu = torch.tensor([c - r0 for c in host_cu[b0:b1 + 1]], dtype=torch.int32, device=dev)
+            ex, se = ((rows(window.exact_rows, True), rows(window.sealed_rows, False)) if window is not None
+                      else (no_rows, no_rows))
         g_tab, g_lens, nb = tables[b0:b1, :width], lens[b0:b1], (b1 - b0) * width
         E, S = ex.shape[0], se.shape[0]
-        kp, vp, ident = dequant.dequantize_pages(args, meta, g_tab, g_lens, width, H, page, D, extra=E + S,
-                                                 dtype=dtype)
+        kp, vp, ident = dequant.dequantize_layer_pages(layer, g_tab, g_lens, width, extra=E + S, dtype=dtype,
+                                                       tiered=tiered)
         tab_exact, tab_q = ident, ident
         if E:  # the new K/V of the q blocks this step wrote: [E, page, H, D] -> [E, H, page, D]
             at = ex[:, 2:3] + torch.arange(page, device=dev)
@@ -346,11 +364,11 @@ def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.fl
         yield WindowScratch(b0, b1, r0, r1, g_cu, g_lens, kp, vp, tab_exact, tab_q)
 
 
-def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, tile):
+def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, tile, tiered=False):
     """Prefill with per-query exact windows through the page scratch (:func:`window_scratch`);
     the kernel picks the exact or the quantized page per (query, key)."""
     dot = tl.float16 if not INTERPRET else _dot_dtype(q.dtype)
-    for g in window_scratch(layer, cu, tables, lens, window, k_new, v_new):
+    for g in window_scratch(layer, cu, tables, lens, window, k_new, v_new, tiered=tiered):
         dargs, dmeta = _dense_args(g.k, g.v)
         _launch(q[g.r0:g.r1], out[g.r0:g.r1], g.cu, dargs, dmeta, g.tab_exact, g.tab_q, g.lens, sm_scale, max_q_len,
                 False, dot, tile, layer.block_size, layer.num_kv_heads, window.sink_tokens,

@@ -1,0 +1,168 @@
+"""Elastic precision for :class:`~kvq.cache.block_manager.BlockManager`: sealed blocks move down the
+tiers of a :class:`~kvq.cache.tiers.TierRule` by age (at each append, like seals) and under
+pressure (:meth:`TiersMixin.make_room`, when the scheduler would preempt or cannot admit).
+
+Each move is a :class:`DemoteOp` (a new block of the lower tier, the table updated at once, the
+source released), which the engine runs like a seal: per layer, in the order they were made,
+before the step's seals and writes (kvq.cache.step), so a block may move down twice in one step.
+Blocks sealed in the current step (:meth:`TiersMixin.begin_step` clears that set) are never
+moved, nor shared blocks (a copy per sharer would cost memory instead of saving it), blocks not
+yet computed, or protected ones (sinks, the recent window: :func:`~kvq.cache.tiers.protected`).
+
+Pressure works slab by slab (kvq.cache.arena): it evacuates the tier-0 slab whose used blocks
+are demotable and coldest (tokens behind their sequence's head, on average), so that whole slabs
+return to the arena for any tier; when the tier below has no room, it evacuates that tier's slab
+first.  A demotion may use the arena's reserve slabs, which nothing else takes, and pressure goes
+on until the reserve is back (evacuated slabs refill it), so that the next time can start.  A
+demoted source is freed with its prefix hash forgotten (its demoted copy is indexed instead).
+"""
+
+from __future__ import annotations
+
+from kvq.cache.block_types import BlockRef, DemoteOp, SeqBlocks, SeqId
+from kvq.cache.tiers import age_tier, pool_tier, protected, tier_pool
+
+
+class TiersMixin:
+    """Demotion (state set up by BlockManager.__init__: ``tiers``, ``arena``, ``_fresh``,
+    ``num_demotions``)."""
+
+    def begin_step(self) -> None:
+        """A new scheduling step: blocks written or re-stored by the previous one may move again."""
+        self._fresh.clear()
+
+    @property
+    def num_tiers(self) -> int:
+        return 0 if self.tiers is None else self.tiers.num_tiers
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        """Every device pool: ``q``, ``hp``, then the lower tiers' (``q1``...)."""
+        return ("q", "hp", *(tier_pool(t) for t in range(1, self.num_tiers + 1)))
+
+    def tier_counts(self) -> list[dict]:
+        """Per tier: blocks in use, cached and allocatable, the slabs it holds, demotions into it."""
+        if self.arena is None:
+            return []
+        out = self.arena.describe()
+        for row in out:
+            row["demotions"] = self.num_demotions[row["tier"]]
+        return out
+
+    # -- one move ---------------------------------------------------------------------------------
+    def _demotable(self, seq: SeqBlocks, i: int) -> bool:
+        """Whether block ``i`` of ``seq`` may move down now (module docstring)."""
+        ref = seq.table[i]
+        t = pool_tier(ref.pool)
+        return (t is not None and t < self.tiers.num_tiers and ref not in self._fresh
+                and (i + 1) * self.block_size <= seq.num_computed
+                and not protected(i, len(seq.tokens), self.tiers)
+                and self._alloc[ref.pool].refcount(ref.block_id) == 1)
+
+    def _demote(self, seq_id: SeqId, seq: SeqBlocks, i: int, tier: int, reserve_ok: bool) -> DemoteOp | None:
+        """Move block ``i`` of ``seq`` into ``tier``; None (nothing changed) when that tier has no room."""
+        pool = tier_pool(tier)
+        below = self._alloc[pool]
+        if below.available(reserve_ok) == 0:
+            return None
+        src = seq.table[i]
+        new = BlockRef(pool, below.allocate(reserve_ok))
+        if i < seq.num_registered:  # a later prompt with this prefix hits the demoted copy, served as stored
+            below.register(new.block_id, seq.hashes[i], self._block_tokens(seq.tokens, i))
+        seq.table[i] = new
+        seq.changed = min(seq.changed, i)
+        # the source is free at once, its hash forgotten (the demoted copy serves the prefix now), so that
+        # an evacuated slab goes back to the arena whole
+        self._alloc[src.pool].discard(src.block_id)
+        self.num_demotions[tier] += 1
+        return DemoteOp(seq_id, i, src, new)
+
+    # -- age --------------------------------------------------------------------------------------
+    def _age(self, seq_id: SeqId, seq: SeqBlocks, n: int) -> list[DemoteOp]:
+        """Demotions the age policy asks of ``seq`` at length ``n`` (its blocks settled there), as far
+        as the tiers have room without the reserve; what cannot move now is retried at the next append."""
+        rule = self.tiers
+        if rule is None or not rule.ages:
+            return []
+        bs, sinks = self.block_size, rule.sink_blocks
+        his = [min(max(0, (n - a) // bs), len(seq.table)) for a in rule.ages]
+        if not seq.tier_from:
+            seq.tier_from = [sinks] * rule.num_tiers
+        todo = [t for t in range(rule.num_tiers) if his[t] > seq.tier_from[t]]
+        if not todo:
+            return []
+        ops, stuck = [], None
+        for i in range(max(sinks, min(seq.tier_from[t] for t in todo)), his[0]):
+            cur = pool_tier(seq.table[i].pool)
+            want = age_tier(i, n, rule)
+            if cur is None or cur >= want:
+                continue
+            if self._alloc[seq.table[i].pool].refcount(seq.table[i].block_id) > 1:
+                continue  # shared: it stays (a copy per sharer would cost memory)
+            op = self._demote(seq_id, seq, i, want, reserve_ok=False) if self._demotable(seq, i) else None
+            if op is None:
+                stuck = i
+                break
+            ops.append(op)
+        seq.tier_from = [min(h, stuck) if stuck is not None else h for h in his]
+        return ops
+
+    # -- pressure ---------------------------------------------------------------------------------
+    def make_room(self, need: int, headroom: int | None = None) -> list[DemoteOp]:
+        """Demote the coldest sealed blocks of running sequences until the resident tier can give
+        ``need`` blocks (``need + headroom`` where the blocks allow, so that the next steps do not come
+        back at once: default a slab or 1% of the resident tier's blocks, whichever is more); -> the
+        ops (empty without the pressure policy, or when nothing can move)."""
+        if self.tiers is None or not self.tiers.pressure or self._alloc["q"].num_free >= need:
+            return []
+        if headroom is None:
+            q = self._alloc["q"]
+            headroom = max(q.per_slab, q.num_blocks // 100)
+        cands = self._candidates()
+        ops: list[DemoteOp] = []
+        arena = self.arena
+        # until the step fits, and the arena has its reserve back (the next demotion starts from it)
+        while self._alloc["q"].num_free < need + headroom or arena.num_unowned < arena.reserve_slabs:
+            # the resident tier's slabs first; with none left to move, a lower tier's (its slabs go back too)
+            if not any(self._evacuate(t, cands, ops) for t in range(self.tiers.num_tiers)):
+                break
+        return ops
+
+    def _candidates(self) -> list[dict[int, list[tuple[int, SeqId, int]]]]:
+        """Per tier above the lowest, per slab: ``(tokens behind the head, seq id, block)`` of every
+        demotable block of the device's sequences (not those a load or a remote fill still writes)."""
+        bs = self.block_size
+        out: list[dict[int, list]] = [{} for _ in range(self.tiers.num_tiers)]
+        busy = set(self._loading) | set(self._remote_of)
+        for sid, seq in self._seqs.items():
+            if sid in busy:
+                continue
+            n = len(seq.tokens)
+            for i in range(self.tiers.sink_blocks, len(seq.table)):
+                if self._demotable(seq, i):
+                    ref = seq.table[i]
+                    t = pool_tier(ref.pool)
+                    slab = self._alloc[ref.pool].slab_of(ref.block_id)
+                    out[t].setdefault(slab, []).append((n - (i + 1) * bs, sid, i))
+        return out
+
+    def _evacuate(self, t: int, cands, ops: list[DemoteOp]) -> bool:
+        """Move the demotable blocks of one slab of tier ``t`` down one tier (the slab whose other
+        blocks block it least, then the coldest), making room below first; False when none moved."""
+        if t >= self.tiers.num_tiers or not cands[t]:
+            return False
+        alloc = self._alloc[tier_pool(t)]
+        slab = min(cands[t], key=lambda s: (alloc.slab_used(s) - len(cands[t][s]),
+                                            -sum(c for c, _, _ in cands[t][s]) / len(cands[t][s])))
+        moved = 0
+        for cold, sid, i in sorted(cands[t].pop(slab), key=lambda x: -x[0]):
+            while self._alloc[tier_pool(t + 1)].available(True) == 0:
+                if not self._evacuate(t + 1, cands, ops):
+                    return moved > 0
+            op = self._demote(sid, self._seqs[sid], i, t + 1, reserve_ok=True)
+            ops.append(op)
+            moved += 1
+            if t + 1 < self.tiers.num_tiers:  # it may move on down in this call (its op runs before)
+                below = self._alloc[op.dst.pool]
+                cands[t + 1].setdefault(below.slab_of(op.dst.block_id), []).append((cold, sid, i))
+        return moved > 0

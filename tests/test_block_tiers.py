@@ -1,0 +1,210 @@
+"""Elastic precision in the block manager (kvq.cache.block_tiers): age and pressure demotion.
+
+A stateful property test drives the manager's own machine (tests/test_block_manager.py) over a
+tiered arena: every demotion must read a block whose KV is complete, tables must keep reading
+their own prefix's KV, the arena must stay consistent, and nothing may leak.  Targeted tests
+check the age rule's placement, that pressure frees room by evacuating whole slabs, coldest
+first, and that a prefix hit on a demoted block is served as stored.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+
+from kvq.cache.block_manager import BlockManager, DemoteOp
+from kvq.cache.tiers import TierRule, age_tier, pool_tier
+from kvq.cache.window import WindowPolicy
+from tests.test_block_manager import ManagerMachine, kv_chain
+
+
+def tiered(bs=4, sink=1, res=4, ages=(), pressure=True, per=(2, 3), slabs=8, reserve=1, nhp=24, prefix=True,
+           direct=True) -> BlockManager:
+    policy = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=direct)
+    rule = TierRule(len(per) - 1, bs, sink, res, ages=ages, pressure=pressure)
+    return BlockManager(0, nhp, policy, enable_prefix_caching=prefix, tiers=rule, arena=(per, slabs, reserve))
+
+
+def grow(m: BlockManager, sid, n: int, start=0) -> list:
+    """Decode ``n`` tokens one by one (each a step), marking each computed; -> all ops."""
+    ops = []
+    for t in range(n):
+        m.begin_step()
+        ops += m.append_slots(sid, [start + t])
+        m.mark_computed(sid, m.num_tokens(sid) - 1)
+    return ops
+
+
+def test_age_policy_moves_each_block_to_its_tier():
+    m = tiered(ages=(8, 16), per=(2, 3, 5), slabs=12, pressure=False)
+    m.allocate_prompt(0, [7])
+    ops = grow(m, 0, 60)
+    m.check_integrity()
+    n_settled = m.num_tokens(0) - 1
+    table = m.block_table(0)
+    for i, ref in enumerate(table[:-(-n_settled // 4)]):
+        t = pool_tier(ref.pool)
+        if t is not None:  # sealed blocks sit where the age rule puts them at the settled length
+            assert t == age_tier(i, n_settled, m.tiers), (i, ref)
+    demotes = [op for op in ops if isinstance(op, DemoteOp)]
+    assert {(pool_tier(o.src.pool), pool_tier(o.dst.pool)) for o in demotes} == {(0, 1), (1, 2)}
+    assert m.num_demotions == [0, len([o for o in demotes if o.dst.pool == "q1"]),
+                               len([o for o in demotes if o.dst.pool == "q2"])]
+
+
+def test_pressure_evacuates_cold_slabs_until_the_step_fits():
+    m = tiered(per=(2, 3), slabs=6, reserve=1)
+    for sid in range(2):
+        m.allocate_prompt(sid, [sid] * 5)
+        m.mark_computed(sid, 5)
+    grow(m, 0, 14, 100)
+    grow(m, 1, 8, 200)
+    q = m.allocator("q")
+    while m.can_append_slots(1, 1):  # grow sequence 1 until its next token does not fit
+        grow(m, 1, 1, 300)
+    m.begin_step()
+    assert q.num_free == 0 and m.num_free_blocks("hp") > 2  # short of resident blocks, not hp ones
+    ops = m.make_room(1)
+    assert ops and all(isinstance(o, DemoteOp) and (o.src.pool, o.dst.pool) == ("q", "q1") for o in ops)
+    assert m.can_append_slots(1, 1)
+    m.check_integrity()
+    # the victims are whole slabs: every demoted source's slab now holds no block in use
+    for o in ops:
+        assert q.slab_used(q.slab_of(o.src.block_id)) == 0
+    # and they are cold: the oldest blocks go first (sequence 0 decoded first, its blocks are furthest back)
+    assert {o.seq_id for o in ops} <= {0, 1}
+    assert m.make_room(1) == []  # room now: nothing more moves
+
+
+def test_pressure_makes_room_below_first_when_the_next_tier_is_full():
+    """Three tiers, no free slab left: room in tier 1 comes from evacuating a tier-1 slab into
+    tier 2; the sequence keeps growing until even the lowest tier is full."""
+    m = tiered(per=(2, 3, 5), slabs=5, reserve=1, nhp=12)
+    m.allocate_prompt(0, [1, 2, 3])
+    m.mark_computed(0, 3)
+    moves, tokens = set(), 0
+    while True:
+        m.begin_step()
+        if not m.can_append_slots(0, 1):
+            ops = m.make_room(1)
+            moves |= {(o.src.pool, o.dst.pool) for o in ops}
+            m.check_integrity()
+            if not m.can_append_slots(0, 1):  # every block is in the lowest tier: the step cannot fit
+                assert all(r.pool in ("q2", "hp") for r in m.block_table(0))
+                break
+        m.append_slots(0, [tokens])
+        m.mark_computed(0, m.num_tokens(0) - 1)
+        tokens += 1
+    assert moves == {("q", "q1"), ("q1", "q2")}
+    # 5 slabs of 2 resident blocks hold 10 sealed blocks (8 beside the reserve); 4 slabs of the lowest tier 20
+    sealed = sum(r.pool != "hp" for r in m.block_table(0))
+    assert sealed == 16 and m.allocator("q2").num_used == 16
+
+
+def test_prefix_hit_on_a_demoted_block_is_served_as_stored():
+    m = tiered(ages=(8,), pressure=False, per=(2, 3), slabs=8)
+    prompt = list(range(5))
+    m.allocate_prompt(0, prompt)
+    m.mark_computed(0, 5)
+    ops = grow(m, 0, 20, 10)
+    assert any(isinstance(o, DemoteOp) for o in ops)
+    tokens = list(m.token_ids(0))
+    m.mark_computed(0, len(tokens))
+    table = m.block_table(0)
+    demoted = [i for i, r in enumerate(table) if r.pool == "q1"]
+    assert demoted
+    m.free(0)
+    hit = m.allocate_prompt(1, tokens)
+    assert hit.num_cached_tokens > 0
+    again = m.block_table(1)
+    for i in range(hit.num_cached_tokens // 4):
+        if i in demoted:  # the higher tier's copy was freed with its cache entry kept: either is valid
+            assert again[i].pool in ("q", "q1")
+    assert any(r.pool == "q1" for r in again[:hit.num_cached_tokens // 4]) or \
+        all(again[i].pool == "q" for i in demoted if i < hit.num_cached_tokens // 4)
+    m.check_integrity()
+
+
+def test_swap_out_refuses_a_sequence_with_lower_tier_blocks():
+    policy = WindowPolicy(4, sink_blocks=1, residual_tokens=4)
+    rule = TierRule(1, 4, 1, 4, ages=(8,))
+    m = BlockManager(0, 16, policy, host_blocks=(32, 16), tiers=rule, arena=((2, 3), 8, 0))
+    m.allocate_prompt(0, [1, 2, 3])
+    m.mark_computed(0, 3)
+    assert m.can_swap_out(0)
+    grow(m, 0, 30)
+    assert any(r.pool == "q1" for r in m.block_table(0))
+    assert not m.can_swap_out(0)  # the host tier holds no lower tier yet: recomputed instead
+
+
+class TieredManagerMachine(ManagerMachine):
+    """The block manager machine over a tiered arena, with age and pressure demotion (module
+    docstring).  A demotion copies the block's 'KV' (a re-quantization keeps it, for this model)."""
+
+    @initialize(bs=st.integers(1, 6), sink=st.integers(0, 2), res=st.integers(0, 10), direct=st.booleans(),
+                prefix=st.booleans(), per=st.sampled_from([(1, 2), (2, 3), (2, 3, 5), (3, 4)]),
+                slabs=st.integers(0, 10), reserve=st.integers(0, 2), nhp=st.integers(0, 16),
+                age=st.sampled_from([None, 1, 4, 9]), pressure=st.booleans())
+    def setup(self, bs, sink, res, direct, prefix, per, slabs, reserve, nhp, age, pressure):
+        self.policy = WindowPolicy(bs, sink_blocks=sink, residual_tokens=res, write_direct=direct)
+        ages = () if age is None else tuple(max(res, 1) + age * (t + 1) for t in range(len(per) - 1))
+        rule = TierRule(len(per) - 1, bs, sink, res, ages=ages, pressure=pressure or not ages)
+        self.m = BlockManager(0, nhp, self.policy, enable_prefix_caching=prefix, tiers=rule,
+                              arena=(per, slabs, reserve))
+        self.bs = bs
+        self.mem = {p: [[None] * bs for _ in range(a.num_blocks)] for p, a in self.m._alloc.items()}
+        self.tokens = {}
+        self.history = [[]]
+        self.next_id = 0
+
+    def execute(self, ops):
+        for op in ops:
+            if isinstance(op, DemoteOp):
+                i, bs = op.logical_index, self.bs
+                src = self.mem[op.src.pool][op.src.block_id]
+                assert src == kv_chain(self.tokens[op.seq_id])[i * bs:(i + 1) * bs], \
+                    "a demotion must only read a block whose KV is complete"
+                assert pool_tier(op.dst.pool) > pool_tier(op.src.pool)
+                self.mem[op.dst.pool][op.dst.block_id] = list(src)
+            else:
+                super().execute([op])
+
+    def do_append(self, sid, new) -> bool:
+        self.m.begin_step()
+        return super().do_append(sid, new)
+
+    @rule(data=st.data())
+    def pressure(self, data):
+        """The scheduler's call when a step does not fit: demote until ``need`` resident blocks are free."""
+        self.m.begin_step()
+        need = data.draw(st.integers(1, 12))
+        ops = self.m.make_room(need)
+        for op in ops:
+            event(f"pressure: {op.src.pool} -> {op.dst.pool}")
+        self.execute(ops)
+        if ops:
+            assert all(isinstance(op, DemoteOp) for op in ops)
+
+    def no_leaks(self):
+        for t in self.m.arena.tiers:
+            assert t.num_used == 0, f"tier {t.tier} leaked blocks"
+        assert self.m.allocator("hp").num_used == 0
+        self.m.arena.check_integrity()
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "m"):
+            return
+        self.m.check_integrity()
+        assert len(self.m) == len(self.tokens)
+        for sid, toks in self.tokens.items():
+            assert list(self.m.token_ids(sid)) == toks
+            got = [self.mem[p][b][o] for p, b, o in self.m.slots(sid, 0, len(toks))]
+            assert got == kv_chain(toks), f"seq {sid} reads wrong KV through its block table"
+
+
+TestTieredManagerMachine = TieredManagerMachine.TestCase
+TestTieredManagerMachine.settings = settings(max_examples=250, stateful_step_count=40, deadline=None,
+                                             suppress_health_check=[HealthCheck.too_slow,
+                                                                    HealthCheck.filter_too_much])

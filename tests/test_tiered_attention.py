@@ -1,0 +1,150 @@
+"""Attention over a tiered cache (elastic precision): each block read as its tier stores it.
+
+The reference reads a table's tier tags itself; it must equal plain softmax attention over the
+blocks dequantized one by one.  The Triton decode splits the tables by tier (kvq.cache.step
+.split_tiers, staged with the step) and merges the parts by log-sum-exp; the Triton prefill reads
+every page through its tier into the scratch, with and without the per-query exact windows.
+Both must give the reference's output.  K/V are real (tests/fixtures/kv_smollm2.pt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvq.attention import reference
+from kvq.attention.triton import decode as triton_decode
+from kvq.attention.triton import prefill as triton_prefill
+from kvq.cache.plan import bare_model, make_plan
+from kvq.cache.pool import KVPool, encode_ref
+from kvq.cache.step import HostStep, each_to, split_tiers, stage_step
+from kvq.formats.reference import dequantize
+
+FIXTURE = Path(__file__).parent / "fixtures" / "kv_smollm2.pt"
+H, GROUP, D = 3, 3, 64
+
+
+@pytest.fixture(scope="module")
+def kv():
+    data = torch.load(FIXTURE, weights_only=True)
+    return data["k"][2], data["v"][2]  # [896, 3, 64] bf16
+
+
+def tiered_layer(base: str, tiers: str, kv, layout: list[str]):
+    """A one-layer tiered pool holding one sequence whose logical block ``i`` lies in pool
+    ``layout[i]`` ("hp", "q", "q1"...), filled with consecutive real K/V; -> (layer, table, values)."""
+    plan = make_plan(bare_model(1, H, D, num_attention_heads=H * GROUP), base, tiers=tiers, sink_tokens=32,
+                     residual_tokens=32)
+    bs = plan.block_size
+    pool = KVPool.create(plan, 0, layout.count("hp") + 1, num_slabs=16)
+    layer = pool.layers[0]
+    k, v = kv
+    # tier t's blocks from slab 4t on (a slab belongs to one tier), apart where slabs hold several: ids are
+    # not positions
+    per = {p: pool.layout.per_slab[0 if p == "q" else int(p[1:])] for p in set(layout) if p != "hp"}
+    next_id = {p: 0 if p == "hp" else 4 * (0 if p == "q" else int(p[1:])) * per[p] for p in set(layout)}
+    table, dense_k, dense_v = [], [], []
+    for i, p in enumerate(layout):
+        x = [t[i * bs:(i + 1) * bs].transpose(0, 1).unsqueeze(0).contiguous() for t in (k, v)]  # [1, H, bs, D]
+        b = next_id[p]
+        next_id[p] += 1 + (p != "hp" and per[p] > 2)
+        if p == "hp":
+            layer.k_hp[b], layer.v_hp[b] = x[0][0], x[1][0]
+            vals = [t[0].float() for t in x]
+        else:
+            tier = 0 if p == "q" else int(p[1:])
+            lt = layer.tier(tier)
+            reference.seal_blocks(replace(lt, k_hp=x[0], v_hp=x[1]), torch.tensor([0]), torch.tensor([b]))
+            vals = [dequantize(lt.tensor_format(r), {n: t[b:b + 1] for n, t in lt.planes(r).items()},
+                               layer.static_scale(r))[0] for r in ("k", "v")]
+        table.append(encode_ref(p, b))
+        dense_k.append(vals[0])
+        dense_v.append(vals[1])
+    return layer, table, torch.cat(dense_k, dim=1), torch.cat(dense_v, dim=1)  # [H, n, D]
+
+
+LADDER = ("fp8_e4m3", "int4_kivi,int2_kivi")
+LAYOUT = ["hp", "q1", "q", "q2", "q1", "q", "q2", "q2", "hp", "hp"]
+
+
+def test_reference_reads_each_block_in_its_tier(kv):
+    layer, table, kk, vv = tiered_layer(*LADDER, kv, LAYOUT)
+    n = len(LAYOUT) * layer.block_size - 7  # a partial tail
+    q = torch.randn(2, H * GROUP, D, generator=torch.Generator().manual_seed(0)).bfloat16()
+    tables = torch.tensor([table, table], dtype=torch.int32)
+    lens = torch.tensor([n, n - 40], dtype=torch.int32)
+    got = reference.paged_decode(q, layer, tables, lens, D ** -0.5).float()
+    for b, m in enumerate(lens.tolist()):
+        s = torch.einsum("hgd,hnd->hgn", q[b].float().view(H, GROUP, D), kk[:, :m]) * D ** -0.5
+        want = torch.einsum("hgn,hnd->hgd", s.softmax(-1), vv[:, :m]).reshape(H * GROUP, D)
+        torch.testing.assert_close(got[b], want, rtol=0, atol=1e-2)
+    # the tolerance sees the tiers: the values as written (bf16) give another answer
+    k, v = (x[:n].float().transpose(0, 1) for x in kv)
+    s = torch.einsum("hgd,hnd->hgn", q[0].float().view(H, GROUP, D), k) * D ** -0.5
+    exact = torch.einsum("hgn,hnd->hgd", s.softmax(-1), v).reshape(H * GROUP, D)
+    assert (exact - got[0]).abs().max() > 5e-2
+
+
+@pytest.mark.parametrize("ladder", [LADDER, ("bfloat16", "fp8_e4m3")])
+def test_triton_decode_merges_the_tiers(ladder, kv):
+    layout = LAYOUT if ladder == LADDER else ["q", "q1", "q", "q1", "q1", "q"]
+    layer, table, _, _ = tiered_layer(*ladder, kv, layout)
+    bs = layer.block_size
+    other = [e for e in table if e < 0] + [table[2]]  # a second sequence with no lower tier's block
+    W = len(table)
+    rows = np.zeros((3, W), np.int32)
+    rows[0, :W], rows[1, :len(other)], rows[2, :W] = table, other, table
+    lens = [W * bs - 3, len(other) * bs, W * bs - bs]
+    step = HostStep(slots=[0, 1, 2], tables=rows, seq_lens=lens, num_new=[1, 1, 1])
+    meta, _ = stage_step(step, bs, each_to("cpu"))
+    assert meta.has_tiers and meta.tiers is not None and len(meta.tiers.tiers) == (2 if ladder == LADDER else 1)
+    q = torch.randn(3, H * GROUP, D, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = reference.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5).float()
+    got = triton_decode.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5,
+                                     max_seq_len=max(lens), tiers=meta.tiers).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+
+
+def test_split_tiers_keeps_order_and_lengths():
+    from kvq.cache.pool import TIER_BASE
+
+    t = np.array([[-1, 4, TIER_BASE + 2, 5, 2 * TIER_BASE, -3, 0]], np.int32)
+    arrays, present, maxes = split_tiers(t, [6 * 16 - 1], 16)
+    assert present == [1, 2]
+    assert arrays[0].tolist() == [[-1, 4, 5, -3]] and arrays[1].tolist() == [95 - 32]
+    assert arrays[2].tolist() == [[2]] and arrays[3].tolist() == [16]
+    assert arrays[4].tolist() == [[0]] and arrays[5].tolist() == [16] and maxes == [63, 16, 16]
+    assert split_tiers(np.array([[-1, 4]], np.int32), [20], 16) is None
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_triton_prefill_reads_each_page_in_its_tier(windowed, kv):
+    """A chunk of 40 new tokens after a tiered past; with ``windowed`` the block before the chunk is
+    still hp, and the chunk's first queries read it exact, its last ones quantized (the per-query
+    window rule)."""
+    layout = ["hp", "q1", "q", "q2", "q1", "hp", "hp", "hp"]
+    layer, table, _, _ = tiered_layer(*LADDER, kv, layout)
+    bs = layer.block_size
+    n = len(layout) * bs - 5
+    T = 40
+    policy = replace(make_plan(bare_model(1, H, D), "fp8_e4m3", sink_tokens=32, residual_tokens=32,
+                               tiers="int4_kivi").window_policy, block_size=bs, write_direct=False)
+    rows = np.asarray([table], np.int32)
+    step = HostStep(slots=list(range(T)), tables=rows, seq_lens=[n], num_new=[T])
+    meta, _ = stage_step(step, bs, each_to("cpu"), policy=policy if windowed else None)
+    assert meta.has_tiers and meta.tiers is None  # no decode rows: the prefill reads the tags
+    if windowed:
+        assert meta.window is not None and meta.window.sealed_rows  # hp block 5 is read quantized by some
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(T, H * GROUP, D, generator=g).bfloat16()
+    k_new, v_new = (torch.randn(T, H, D, generator=g).bfloat16() for _ in range(2))
+    win = dict(window=meta.window, k_new=k_new, v_new=v_new) if windowed else {}
+    args = (q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, D ** -0.5)
+    want = reference.paged_attention(*args, **win).float()
+    got = triton_prefill.paged_attention(*args, max_q_len=T, max_seq_len=n, host=meta.prefill_host, tiered=True,
+                                         **win).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
