@@ -26,6 +26,7 @@ from kvq.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pe
 from kvq.engine.sequence import SeqStatus, Sequence
 
 VOCAB, EOS = 5, 0
+POISON = "lost"  # the 'KV' a failed swap copy leaves behind
 
 
 def next_token(tokens) -> int:
@@ -105,28 +106,32 @@ class Engine:
         self.seqs[sid] = seq
         return seq
 
-    def execute(self, ops) -> None:
+    def execute(self, ops, failed=()) -> None:
+        """Run ops in the runner's order; a swap op in ``failed`` moves nothing and leaves its destination
+        blocks POISON, which every op reading them passes on (nothing valid may ever read it)."""
         if all(isinstance(op, (SealOp, DemoteOp)) for op in ops):  # the runner's order: demotions, then seals
             ops = [op for op in ops if isinstance(op, DemoteOp)] + [op for op in ops if isinstance(op, SealOp)]
         for op in ops:
             if isinstance(op, DemoteOp):
                 i, bs = op.logical_index, self.bs
                 expect = kv_chain(self.seqs[op.seq_id].all_token_ids)[i * bs:(i + 1) * bs]
-                assert self.mem[op.src.pool][op.src.block_id] == expect, "a demotion read an incomplete block"
-                self.mem[op.dst.pool][op.dst.block_id] = list(expect)
+                src = self.mem[op.src.pool][op.src.block_id]
+                assert src == expect or POISON in src, "a demotion read an incomplete block"
+                self.mem[op.dst.pool][op.dst.block_id] = list(src)
             elif isinstance(op, CopyOp):
                 self.mem[op.dst.pool][op.dst.block_id] = list(self.mem[op.src.pool][op.src.block_id])
             elif isinstance(op, SwapOp):  # blocks between the device and the host tier, as they are
                 src, dst = (self.mem, self.host) if op.direction == "out" else (self.host, self.mem)
                 for pool, pairs in (("q", op.q), ("hp", op.hp)):
                     for a, b in pairs:
-                        dst[pool][b] = list(src[pool][a])
+                        dst[pool][b] = [POISON] * self.bs if op in failed else list(src[pool][a])
             else:
                 assert isinstance(op, SealOp)
                 i, bs = op.logical_index, self.bs
                 expect = kv_chain(self.seqs[op.seq_id].all_token_ids)[i * bs:(i + 1) * bs]
-                assert self.mem["hp"][op.src_hp_block] == expect, "a seal read an incomplete hp block"
-                self.mem["q"][op.dst_q_block] = list(self.mem["hp"][op.src_hp_block])
+                src = self.mem["hp"][op.src_hp_block]
+                assert src == expect or POISON in src, "a seal read an incomplete hp block"
+                self.mem["q"][op.dst_q_block] = list(src)
 
     def issue(self, ops) -> None:
         for op in ops:
@@ -255,14 +260,14 @@ class Engine:
             assert not stalled, f"a running prefill got no chunk: {stalled}"
         self.mirror(out)
         if not out.scheduled:  # its ops still run: a swap-out can come with no work
-            self.execute(out.ops)
+            self.run_ops(out)
             self.clock.t += 1.0
             finished = self.flush()
             self.issue(self.s.take_host_ops())
             return out, finished
         if abort_one is not None:  # an abort between schedule() and update()
             assert self.s.abort(ids[abort_one % len(ids)])
-        self.execute(out.ops)
+        out = self.run_ops(out)
         prev = self.pending[1] if self.pending else {}
         sampled = {}
         for item in out.scheduled:
@@ -278,6 +283,24 @@ class Engine:
             self.pending = (out, sampled)
         self.issue(self.s.take_host_ops())  # the stores of requests freed by update()
         return out, finished
+
+    def run_ops(self, out):
+        """Run the step's ops; with copy faults a swap copy may fail (nothing moves), and the scheduler
+        then recomputes its sequence (a swap-in's item leaves the step): -> the output to run."""
+        if not any(isinstance(op, SwapOp) for op in out.ops) or not self.copy_faults[0]:
+            self.execute(out.ops)
+            return out
+        failed = [op for op in out.ops if isinstance(op, SwapOp) and self.copy_rng.random() < self.copy_faults[0]]
+        self.execute(out.ops, failed)
+        if not failed:
+            return out if self.copy_rng.random() < 0.5 else self.s.swap_failed([], out)  # either is the engine's
+        event(f"swap: a failed copy ({failed[0].direction})")
+        new = self.s.swap_failed(failed, out)
+        for op in failed:
+            if not self.seqs[op.seq_id].is_finished:
+                assert self.seqs[op.seq_id].status is SeqStatus.WAITING, (op, self.seqs[op.seq_id])
+                assert op.seq_id not in {x.seq_id for x in new.scheduled} and op.seq_id not in self.bm
+        return new
 
     def flush(self) -> list:
         """update() the launched step, if any (pipelined mode)."""

@@ -63,3 +63,31 @@ def test_cli_swap_flags_are_checked_before_the_model_loads(capsys):
     assert main(["generate", "hi", "--preemption-mode", "swap"]) == 2
     assert "--cpu-offload-gb" in capsys.readouterr().err
 
+
+
+def test_a_failed_swap_copy_recomputes_its_request(tmp_path, monkeypatch):
+    """Chaos soak's fault (issue 45): a swap copy that fails (injected, kvq.cache.host_faults) used to fail
+    the whole step; now its request alone is recomputed (swapped out: its host copy is lost; swapped in:
+    it leaves the step, its device blocks hold nothing) and every request still finishes, nothing leaked."""
+    from kvq.engine.llm_engine import LLMEngine
+    from tests.tiny_model import write_tiny
+
+    monkeypatch.setenv("KVQ_FAULT_HOST_COPY", "store=0.4,load=0.4,seed=3")
+    model = write_tiny(tmp_path, max_position_embeddings=512)
+    eng = LLMEngine(EngineConfig(model=model, load_format="dummy", device="cpu", progress=False, max_num_seqs=4,
+                                 max_num_batched_tokens=64, kv_cache_memory="96KiB", preemption_mode="swap",
+                                 cpu_offload_gb=0.01, seed=0))
+    for i in range(4):
+        eng.add_request([(5 * i + j) % 200 + 1 for j in range(30)], SamplingParams(max_tokens=150, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = len(o.outputs[0].token_ids)
+    s, bm = eng.scheduler, eng.block_manager
+    assert done == dict.fromkeys(range(4), 150)
+    assert s.num_swapped_out > 0 and s.num_swap_failures > 0, (s.num_swapped_out, s.num_swap_failures)
+    assert eng.worker.swap.stats()["failed_copies"] == s.num_swap_failures
+    assert bm.num_swapped == 0 and all(bm.host_allocator(p).num_used == 0 for p in ("q", "hp"))
+    assert all(bm.allocator(p).num_used == 0 for p in bm.pools)
+    bm.check_integrity()

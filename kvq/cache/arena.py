@@ -309,11 +309,18 @@ class TierAllocator(BlockAllocator):
             self._num_free_ids += 1
         self._file(s)
 
+    def _freed(self, block_id: int) -> None:
+        s = self._slab(block_id)
+        self._cached_in[s] -= 1
+        self._slab_free.setdefault(s, []).append(block_id)
+        self._num_free_ids += 1
+        self._file(s)
+
     def discard(self, block_id: int) -> None:
         """:meth:`free` that forgets the block's hash when it drops the last reference, so the block is
         free at once, not cached (a demoted source: its slab may empty and go back to the arena)."""
-        if self._refcount[block_id] == 1 and self._hash[block_id] is not None:
-            self._drop_hash(block_id)
+        if self._refcount[block_id] == 1:
+            self.forget(block_id)
         self.free(block_id)
 
     def lookup(self, block_hash: int, token_ids) -> int | None:

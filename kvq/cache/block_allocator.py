@@ -205,6 +205,25 @@ class BlockAllocator:
             else:
                 self._free.append(block_id)
 
+    def forget(self, block_id: int) -> None:
+        """Take a block's hash out of the prefix index (its content is not what the hash says: a failed
+        copy): a used one becomes free, not cached, when its last reference goes; a cached-free one
+        is free at once."""
+        self._check_id(block_id)
+        h = self._hash[block_id]
+        if h is None:
+            return
+        del self._index[h]
+        self._hash[block_id] = None
+        self._tokens[block_id] = None
+        if self._refcount[block_id] == 0:
+            del self._cached[block_id]
+            self._freed(block_id)
+
+    def _freed(self, block_id: int) -> None:
+        """A cached-free block whose hash is gone: free now."""
+        self._free.append(block_id)
+
     # -- prefix cache -----------------------------------------------------------------------
     def register(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> bool:
         """Record that used, full block ``block_id`` holds the tokens ``token_ids``.

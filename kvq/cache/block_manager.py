@@ -97,6 +97,7 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
                 raise ValueError(f"the arena holds {len(per_slab)} tiers, the rule {tiers.num_tiers + 1}")
             self.arena = Arena(per_slab, num_slabs, policy.block_size, enable_prefix_caching, reserve)
         self._fresh: set[BlockRef] = set()  # blocks sealed this step: never moved in it
+        self._landing: set[SeqBlocks] = set()  # swapped in this step: not registered before its copy ran
         self.num_demotions = [0] * ((tiers.num_tiers if tiers else 0) + 1)  # by destination tier
         self._alloc = {
             "q": (self.arena.tiers[0] if self.arena else
@@ -220,8 +221,9 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
         return extra
 
     def _register_computed(self, seq: SeqBlocks) -> None:
-        """Offer full, computed blocks to their pool's prefix index."""
-        if not self.enable_prefix_caching:
+        """Offer full, computed blocks to their pool's prefix index (not while a swap-in's copy may
+        still fail: from the next step on, kvq.cache.block_swap)."""
+        if not self.enable_prefix_caching or seq in self._landing:
             return
         upto = seq.num_computed // self.block_size
         if seq.num_registered >= upto:

@@ -82,5 +82,19 @@ class SwapMixin:
         op = self._move(seq_id, seq, self._host, self._alloc, "in")
         seq.changed = seq.num_registered = 0
         self._seqs[seq_id] = seq
-        self._register_computed(seq)
+        self._landing.add(seq)  # registered for prefix reuse from the next step on, once the copy has run
         return op
+
+    def drop(self, seq_id: SeqId) -> None:
+        """Free a sequence whose device blocks hold no valid KV (a swap-in whose copy failed): its own
+        blocks leave the prefix index (one sealed or demoted from them in the step holds none either),
+        and nothing of it is registered again or offered to the CPU tier."""
+        seq = self._seq(seq_id)
+        self.forget_blocks(r for r in seq.table if self._alloc[r.pool].refcount(r.block_id) == 1)
+        seq.num_computed = seq.num_registered = 0
+        self.free(seq_id)
+
+    def forget_blocks(self, refs) -> None:
+        """Take device blocks out of the prefix index, used or cached (their content was lost)."""
+        for ref in refs:
+            self._alloc[ref.pool].forget(ref.block_id)

@@ -28,8 +28,10 @@ class TiersMixin:
     ``num_demotions``)."""
 
     def begin_step(self) -> None:
-        """A new scheduling step: blocks written or re-stored by the previous one may move again."""
+        """A new scheduling step: blocks sealed by the previous one may move, and swap-ins' blocks (their
+        copies ran) may be registered for prefix reuse."""
         self._fresh.clear()
+        self._landing.clear()
 
     @property
     def num_tiers(self) -> int:

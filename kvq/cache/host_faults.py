@@ -5,8 +5,9 @@ nothing in kvq sets it.  Its value is ``store=P,load=P[,seed=S]``: each
 :meth:`HostKVPool.store <kvq.cache.host_pool.HostKVPool.store>` (device to host) or ``load`` (host
 to device) call raises :class:`InjectedCopyFault` with probability P before it copies anything --
 what a failed copy looks like to its caller.  The CPU prefix tier's connector turns such a failure
-into a recompute (kvq/connectors/cpu_prefix_tier.py); swap's copies are not guarded (a failed swap
-copy fails the step).  Draws are seeded (``seed``, default 0), so a run is repeatable.
+into a recompute (kvq/connectors/cpu_prefix_tier.py), and so does swap's (a failed swap copy's
+sequence is recomputed: kvq/connectors/swap.py, Scheduler.swap_failed).  Draws are seeded (``seed``,
+default 0), so a run is repeatable.
 """
 
 from __future__ import annotations

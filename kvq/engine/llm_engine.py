@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvq.attention.backends import compact_layers
-from kvq.cache.block_manager import BlockManager
+from kvq.cache.block_manager import BlockManager, SwapOp
 from kvq.engine.config import EngineConfig
 from kvq.engine.connector import ConnectorContext, ConnectorOutput, KVConnector, make_connector
 from kvq.engine.detokenizer import IncrementalDetokenizer
@@ -339,6 +339,9 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for c in self.connectors:
             c.before_forward(sched)
+        if any(isinstance(op, SwapOp) for op in sched.ops):  # in order, before the forward: a failed copy's
+            self.executor.apply_ops(sched.ops)              # sequence is recomputed, not run on lost KV
+            sched = self.scheduler.swap_failed(self.runner.swap.take_failed(), sched)
         if not sched.scheduled:
             if sched.ops:  # a swap-out can come with no work; it must still happen before the next step
                 self.executor.apply_ops(sched.ops)

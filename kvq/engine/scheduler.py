@@ -70,7 +70,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from kvq.cache.block_manager import PENDING_TOKEN, BlockManager, NoFreeBlocksError, Op, RemoteLoadOp
+from kvq.cache.block_manager import (PENDING_TOKEN, BlockManager, BlockRef, NoFreeBlocksError, Op, RemoteLoadOp,
+                                    SwapOp)
 from kvq.cache.window import WindowPolicy, block_state, peak_blocks, rule_counts  # noqa: F401 (re-exported)
 from kvq.engine.errors import RequestError
 from kvq.engine.scheduler_checks import ChecksMixin
@@ -130,6 +131,7 @@ class Scheduler(LoadsMixin, ChecksMixin):
         self._swapped: list[Sequence] = []  # SWAPPED, in arrival order: resumed before any admission
         self._swapped_from: dict[int, SeqStatus] = {}  # PREFILL or DECODE, as they left
         self.num_swapped_out = self.num_swapped_in = self.num_swap_fallbacks = 0
+        self.num_swap_failures = 0  # swap copies that failed: their sequences recomputed (swap_failed)
         self._load_since: dict[int, float] = {}  # LOADING sequences -> when they were admitted
         self._no_host: set[int] = set()  # sequences whose load failed or timed out: computed instead
         self.num_host_loads = self.num_load_failures = self.num_load_timeouts = 0
@@ -222,6 +224,50 @@ class Scheduler(LoadsMixin, ChecksMixin):
         """Finish with reason "abort" (see :meth:`finish`)."""
         return self.finish(seq_id, "abort")
 
+
+    def swap_failed(self, ops, output: SchedulerOutput) -> SchedulerOutput:
+        """Swap copies of ``output``'s step failed (kvq.connectors.swap): their sequences lost their KV and
+        are recomputed instead, wherever the step left them: swapped (out, or in and out again: the host
+        copy is lost), or running (in: the device blocks hold nothing; its item leaves the step).  ->
+        the output to run instead of ``output`` (for the forward and :meth:`update`): without those items,
+        and without ops (they ran: call it after them, before the forward; ``ops`` may be empty)."""
+        bm, gone = self.block_manager, set()
+        lost = {op.seq_id for op in ops if op.direction == "in"}
+        # device blocks a failed swap-in should have filled, and those a swap-out of the same sequence read
+        # back in the step (seals of them included): whatever prefix index holds them must forget them
+        bm.forget_blocks(BlockRef(pool, d) for op in ops if op.direction == "in"
+                         for pool, pairs in (("q", op.q), ("hp", op.hp)) for _, d in pairs)
+        bm.forget_blocks(BlockRef(pool, d) for op in output.ops
+                         if isinstance(op, SwapOp) and op.direction == "out" and op.seq_id in lost
+                         for pool, pairs in (("q", op.q), ("hp", op.hp)) for d, _ in pairs)
+        for sid in dict.fromkeys(op.seq_id for op in ops):
+            seq = self._seqs.get(sid)
+            if seq is None:  # finished meanwhile
+                continue
+            self.num_swap_failures += 1
+            if seq.status is SeqStatus.SWAPPED:
+                bm.free(sid)  # its host blocks
+                self._swapped.remove(seq)
+                del self._swapped_from[sid]
+                seq.status = SeqStatus.WAITING
+                seq.num_computed_tokens = seq.num_scheduled_tokens = 0
+                self._insort(self._waiting, seq)
+                self._released.append(sid)
+            elif seq.is_running:
+                item = next((x for x in output.scheduled if x.seq_id == sid), None)
+                if item is not None:
+                    gone.add(sid)
+                    seq.num_pending -= item.sample  # taken for this step, which will not run it
+                self._requeue(seq, drop=True)
+        kept = tuple(x for x in output.scheduled if x.seq_id not in gone)
+        new = replace(output, scheduled=kept, num_batched_tokens=sum(x.num_new_tokens for x in kept), ops=())
+        i = next((i for i, (out, _) in enumerate(self._inflight) if out is output), None)
+        if i is not None:
+            if kept:
+                self._inflight[i] = (new, {k: v for k, v in self._inflight[i][1].items() if k not in gone})
+            else:
+                del self._inflight[i]
+        return new
 
     def discard_inflight(self) -> None:
         """Forget the steps :meth:`schedule` started when their forward failed and :meth:`update`
@@ -513,11 +559,13 @@ class Scheduler(LoadsMixin, ChecksMixin):
         self._requeue(seq)
         seq.num_preemptions += 1
 
-    def _requeue(self, seq: Sequence, abandon_load: bool = False) -> None:
-        """Drop a running sequence's KV (computed full blocks stay in the prefix caches) and put it
-        back in the waiting queue, in arrival order, every token kept."""
+    def _requeue(self, seq: Sequence, abandon_load: bool = False, drop: bool = False) -> None:
+        """Drop a running sequence's KV (computed full blocks stay in the prefix caches, unless ``drop``:
+        its blocks hold none) and put it back in the waiting queue, in arrival order, every token kept."""
         if abandon_load:
             self.block_manager.abandon_load(seq.seq_id)
+        elif drop:
+            self.block_manager.drop(seq.seq_id)
         else:
             self.block_manager.free(seq.seq_id)
         self._released.append(seq.seq_id)
