@@ -139,7 +139,24 @@ def plan_record(plan: CachePlan, memory: int, context_len: int | None) -> dict:
         "bytes_per_token": plan.bytes_per_token,
         "ratio_vs_model_dtype": plan.ratio_vs_model_dtype,
         "capacity": asdict(cap),
+        **({"tiers": _tier_record(plan, memory)} if plan.tiers else {}),
     }
+
+
+def _tier_record(plan: CachePlan, memory: int) -> dict:
+    """Elastic precision: the ladder, its policies and what each tier holds of ``memory`` (kvq.cache.arena)."""
+    from kvq.cache.arena import arena_layout
+
+    lay = arena_layout(plan)
+    slabs = lay.slabs_for(memory)
+    rule = plan.tier_rule
+    return {"policies": list(rule.policies), "ages": list(rule.ages), "bytes_per_slab": lay.bytes_per_slab,
+            "slabs": slabs,
+            "ladder": [{"tier": t, "format": name, "bytes_per_block": plan.tier_bytes_per_block(t),
+                        "blocks_per_slab": lay.per_slab[t], "slab_unused": round(lay.waste(t), 4),
+                        "blocks_if_all": slabs * lay.per_slab[t],
+                        "tokens_if_all": slabs * lay.per_slab[t] * plan.block_size}
+                       for t, name in enumerate(plan.tier_names())]}
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -185,6 +202,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{cap['num_tokens']} tokens")
     if plan.sink_tokens or plan.residual_tokens:
         print(f"windows          {plan.sink_tokens} sink + {plan.residual_tokens} recent tokens in {plan.hp.name}")
+    if plan.tiers:
+        tr = rec["tiers"]
+        ages = f" (ages {', '.join(map(str, tr['ages']))} tokens)" if tr["ages"] else ""
+        print(f"tiers            {'+'.join(tr['policies'])}{ages}; {tr['slabs']} slabs of "
+              f"{format_bytes(tr['bytes_per_slab'])}")
+        for row in tr["ladder"]:
+            print(f"  tier {row['tier']:<10} {row['format']:<20} {row['bytes_per_block']} bytes a block, "
+                  f"{row['blocks_per_slab']} a slab ({100 * row['slab_unused']:.1f}% unused): "
+                  f"{row['tokens_if_all']} tokens if all")
     print(f"at context {cap['context_len']:<6}{cap['sequences']} sequences ({cap['tokens_at_context']} tokens; "
           f"{cap['blocks_per_sequence']} resident + {cap['hp_blocks_per_sequence']} high-precision blocks each)")
     if g:

@@ -147,3 +147,22 @@ def test_engine_commands_take_threads(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "--threads" in capsys.readouterr().out, command
+
+
+def test_plan_shows_the_tier_ladder(capsys):
+    """Elastic precision in `kvq plan`: each tier's bytes a block, blocks a slab and tokens if the whole
+    budget held it; bad tier options exit 2 naming what is valid."""
+    args = ["plan", "--num-layers", "32", "--num-kv-heads", "8", "--head-dim", "128", "--kv-cache-dtype", "fp8_e4m3",
+            "--kv-cache-tiers", "int4_kivi", "--memory", "8GiB"]
+    assert main([*args, "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["tiers"]
+    assert rec["policies"] == ["pressure"] and [r["format"] for r in rec["ladder"]] == ["fp8_e4m3", "int4_kivi"]
+    assert [r["blocks_per_slab"] for r in rec["ladder"]] == [5, 8] and rec["slabs"] == (8 << 30) // (5 << 21)
+    assert main(args) == 0
+    assert "int4_kivi" in capsys.readouterr().out
+    assert main([*args, "--kv-tier-age", "1024,2048"]) == 2
+    assert "one age per tier" in capsys.readouterr().err
+    assert main([*args, "--kv-tier-policy", "lru"]) == 2
+    assert "valid: age, pressure" in capsys.readouterr().err
+    assert main([*args[:-4], "--kv-cache-dtype", "int2_kivi", "--kv-cache-tiers", "int4_kivi"]) == 2
+    assert "smaller than the one above" in capsys.readouterr().err

@@ -84,3 +84,30 @@ def test_pressure_serves_without_preempting_what_the_plain_cache_preempts(model)
     out, preempted = run(tiered, 900)
     assert preempted == 0 and tiered.scheduler.num_demotions > 0
     assert {k: len(v) for k, v in out.items()} == {k: len(v) for k, v in plain.items()} == dict.fromkeys(range(4), 900)
+
+
+def test_status_and_metrics_show_blocks_bytes_and_demotions_per_tier(model):
+    """What /status and /metrics read (the engine thread's snapshot): per tier its format, slabs, blocks
+    and bytes in use, and demotions into it, after a pressured run."""
+    from kvq.server.async_engine import AsyncEngine
+    from kvq.server.metrics import EngineStateCollector
+
+    eng = engine(model, "torch", kv_cache_tiers="int4_kivi", kv_cache_memory="1536KiB", block_size=32,
+                 kv_residual_tokens=0, kv_sink_tokens=0)
+    for p in PROMPTS:
+        eng.add_request(p, SamplingParams(max_tokens=700, ignore_eos=True))
+    while eng.scheduler.num_demotions == 0:
+        eng.step()
+    ae = AsyncEngine(eng)
+    ae.snapshot = snap = ae._snapshot()
+    tiers = snap["tiers"]
+    assert [t["format"] for t in tiers] == ["fp8_e4m3", "int4_kivi"]
+    assert tiers[1]["used"] > 0 and tiers[1]["demotions"] == snap["pressure_demotions"] > 0
+    assert tiers[1]["used_bytes"] == tiers[1]["used"] * eng.plan.tier_bytes_per_block(1)
+    assert set(snap["kv_blocks"]) == {"q", "hp", "q1"}
+    metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for m in EngineStateCollector(ae).collect() for s in m.samples}
+    assert metrics[("kvq_kv_tier_bytes", (("format", "int4_kivi"), ("tier", "1")))] == tiers[1]["used_bytes"]
+    assert metrics[("kvq_kv_demotions_total", (("format", "int4_kivi"), ("tier", "1")))] == tiers[1]["demotions"]
+    assert metrics[("kvq_kv_tier_slabs", (("format", "fp8_e4m3"), ("tier", "0")))] == tiers[0]["slabs"]
+    assert ("kvq_kv_blocks_used", (("pool", "q1"),)) in metrics

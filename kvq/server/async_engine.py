@@ -411,7 +411,7 @@ class AsyncEngine:
         idle = not self.engine.has_unfinished()
         if idle:  # the CPU prefix cache's stores hold their blocks until they end: let them end
             self.engine.poll_host_copies(wait=True)
-        used = {pool: bm.allocator(pool).num_used for pool in ("q", "hp")}
+        used = {pool: bm.allocator(pool).num_used for pool in bm.pools}
         return {"ok": error is None, "error": error, "idle": idle, "used_blocks": used,
                 # with no request left, any block still referenced is leaked
                 "leaked_blocks": sum(used.values()) if idle else None}
@@ -419,14 +419,22 @@ class AsyncEngine:
     def _snapshot(self) -> dict:
         bm, sched = self.engine.block_manager, self.engine.scheduler
         blocks = {}
-        for pool in ("q", "hp"):
+        for pool in bm.pools:  # q, hp, and a tiered cache's lower tiers (q1, q2...)
             a = bm.allocator(pool)
             blocks[pool] = {"total": a.num_blocks, "used": a.num_used, "free": a.num_free, "cached": a.num_cached}
+        plan = self.engine.plan
+        tiers = [dict(row, format=name, bytes_per_block=plan.tier_bytes_per_block(row["tier"]),
+                      used_bytes=row["used"] * plan.tier_bytes_per_block(row["tier"]))
+                 for row, name in zip(bm.tier_counts(), plan.tier_names())]
         return {
             "running": sched.num_running,
             "waiting": sched.num_waiting,
             "swapped": sched.num_swapped,
+            # elastic precision: blocks, bytes and demotions (into each tier) per tier; pressure's share
+            "tiers": tiers,
+            "pressure_demotions": sched.num_demotions,
             "swap": {"out": sched.num_swapped_out, "in": sched.num_swapped_in, "fallbacks": sched.num_swap_fallbacks,
+                     "failures": sched.num_swap_failures,
                      "host_blocks": {p: {"total": h.num_blocks, "used": h.num_used}
                                      for p, h in ((p, bm.host_allocator(p)) for p in ("q", "hp"))}},
             "cpu_offload": self.engine.host_offload_stats(),

@@ -143,8 +143,25 @@ class EngineStateCollector:
         for name, key, doc in (("kvq_requests_swapped", "out", "Preempted requests whose KV went to the host tier"),
                                ("kvq_requests_resumed", "in", "Swapped requests brought back to the device"),
                                ("kvq_swap_fallbacks", "fallbacks", "Preemptions that found the host tier full "
-                                                                   "and recomputed instead")):
+                                                                   "and recomputed instead"),
+                               ("kvq_swap_failures", "failures", "Requests whose swap copy failed, recomputed")):
             yield CounterMetricFamily(name, doc, value=swap[key])
+        if snap["tiers"]:  # elastic precision (--kv-cache-tiers)
+            tb = GaugeMetricFamily("kvq_kv_tier_bytes", "Bytes of KV blocks in use per tier", labels=["tier", "format"])
+            tbl = GaugeMetricFamily("kvq_kv_tier_blocks", "KV blocks per tier", labels=["tier", "format", "state"])
+            ts = GaugeMetricFamily("kvq_kv_tier_slabs", "Arena slabs each tier holds", labels=["tier", "format"])
+            dm = CounterMetricFamily("kvq_kv_demotions", "Blocks moved down into each tier (age and pressure)",
+                                     labels=["tier", "format"])
+            for row in snap["tiers"]:
+                lab = [str(row["tier"]), row["format"]]
+                tb.add_metric(lab, row["used_bytes"])
+                for state in ("used", "cached", "free"):
+                    tbl.add_metric([*lab, state], row[state])
+                ts.add_metric(lab, row["slabs"])
+                dm.add_metric(lab, row["demotions"])
+            yield from (tb, tbl, ts, dm)
+            yield CounterMetricFamily("kvq_kv_pressure_demotions", "Blocks demoted where the scheduler would have "
+                                      "preempted or could not admit", value=snap["pressure_demotions"])
         host = GaugeMetricFamily("kvq_cpu_offload_blocks", "Host-tier KV blocks (swap)", labels=["pool", "state"])
         for pool, b in swap["host_blocks"].items():
             host.add_metric([pool, "used"], b["used"])
