@@ -61,7 +61,14 @@ def test_tiered_plan_names_and_skipped_layers():
     plan = KVCacheConfig("fp8_e4m3", tiers="int4_kivi,int2_kivi", tier_age="1152", tier_policy="age,pressure",
                          skip_layers=(0,)).plan(LLAMA8B)
     assert plan.tier_rule.ages == (1152, 2304) and plan.tier_rule.pressure  # one age: tier t at t x age
-    assert plan.name == "fp8_e4m3 (layer 0 in bfloat16)>int4_kivi>int2_kivi@1152,2304+pressure"
+    assert plan.name == "fp8_e4m3 (layer 0 in bfloat16)>int4_kivi>int2_kivi@1152/2304+pressure"
+    # a format spec takes the name's suffix (how `kvq eval` names a tiered configuration)
+    again = KVCacheConfig().with_spec("fp8_e4m3:r128:s4>int4_kivi>int2_kivi@1152/2304+pressure").plan(LLAMA8B)
+    assert again.tier_rule == make_plan(LLAMA8B, "fp8_e4m3", tiers="int4_kivi,int2_kivi", tier_age=(1152, 2304),
+                                        tier_policy="age,pressure", residual_tokens=128, sink_tokens=4).tier_rule
+    assert KVCacheConfig().with_spec("bf16>fp8_e4m3").plan(LLAMA8B).tier_rule.policies == ("pressure",)
+    with pytest.raises(ValueError, match="joined by '/'"):
+        KVCacheConfig().with_spec("fp8_e4m3>int4_kivi@soon")
     for t in range(3):  # a skipped layer stays in the model dtype on every rung
         assert plan.tier_layers(t)[0] == plan.hp
     assert plan.describe()["tiers"] == ["int4_kivi", "int2_kivi"]
@@ -170,6 +177,7 @@ class ArenaMachine(RuleBasedStateMachine):
         self.stride = [360 // n for n in per]  # a slab of 360 bytes (every per_slab divides it)
         self.held: list[tuple[int, int]] = []  # (tier, block) references we hold
         self.tag = 0
+        self.touched: set[int] = set()  # slabs where this step's demotions freed a source
 
     @rule(tier=st.integers(0, 2), reserve_ok=st.booleans(), register=st.booleans())
     def allocate(self, tier, reserve_ok, register):
@@ -201,6 +209,33 @@ class ArenaMachine(RuleBasedStateMachine):
         self.arena.tiers[tier].incref(b)
         self.held.append((tier, b))
 
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 10_000), reserve_ok=st.booleans())
+    def demote(self, i, reserve_ok):
+        """A demotion: a block of the tier below for one we hold alone, the source discarded; the
+        destination never lands in a slab where this step's demotions freed a source."""
+        tier, b = self.held[i % len(self.held)]
+        src = self.arena.tiers[tier]
+        if tier + 1 >= len(self.arena.tiers) or src.refcount(b) != 1:
+            return
+        below = self.arena.tiers[tier + 1]
+        can = below.available(reserve_ok, demotion=True)
+        try:
+            new = below.allocate(reserve_ok, demotion=True)
+        except NoFreeBlocksError:
+            assert can == 0
+            return
+        assert can > 0 and below.slab_of(new) not in self.touched
+        self.held.remove((tier, b))
+        src.discard(b)
+        self.touched.add(src.slab_of(b))
+        self.held.append((tier + 1, new))
+
+    @rule()
+    def next_step(self):
+        self.arena.begin_step()
+        self.touched.clear()
+
     @rule(tag=st.integers(1, 30), tier=st.integers(0, 2))
     def hit(self, tag, tier):
         if tier >= len(self.arena.tiers):
@@ -225,16 +260,31 @@ class ArenaMachine(RuleBasedStateMachine):
     @invariant()
     def available_is_exact(self):
         for tier in range(len(self.arena.tiers)):
-            for reserve_ok in (False, True):
+            for reserve_ok, demotion in ((False, False), (True, False), (False, True), (True, True)):
                 trial = copy.deepcopy(self.arena)
                 t = trial.tiers[tier]
-                n = t.available(reserve_ok)
+                n = t.available(reserve_ok, demotion)
                 for _ in range(n):
-                    t.allocate(reserve_ok)
+                    got = t.allocate(reserve_ok, demotion)
+                    assert not demotion or t.slab_of(got) not in self.touched
                 with pytest.raises(NoFreeBlocksError):
-                    t.allocate(reserve_ok)
+                    t.allocate(reserve_ok, demotion)
 
 
 TestArenaMachine = ArenaMachine.TestCase
 TestArenaMachine.settings = settings(max_examples=100, stateful_step_count=25, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_capacity_counts_aged_blocks_in_their_tier():
+    """At 8192 tokens, an fp8_e4m3 cache whose blocks older than 1152 tokens age into int4_kivi holds
+    nearly int4_kivi's sequences: the per-sequence bytes add each block at its tier's size."""
+    caps = {spec: KVCacheConfig().with_spec(spec).plan(LLAMA8B).capacity(8 << 30, 8192)
+            for spec in ("fp8_e4m3:r128:s4", "fp8_e4m3:r128:s4>int4_kivi@1152", "int4_kivi")}
+    fp8, aged, int4 = caps.values()
+    assert fp8.sequences < aged.sequences <= int4.sequences
+    plan = KVCacheConfig().with_spec("fp8_e4m3:r128:s4>int4_kivi@1152").plan(LLAMA8B)
+    q, hp = plan.blocks_for(8192)
+    young = (1152 - 128) // 32  # sealed blocks less than 1152 tokens behind the head stay fp8_e4m3
+    assert aged.bytes_per_sequence == (hp * plan.hp_bytes_per_block + young * plan.tier_bytes_per_block(0)
+                                       + (q - young) * plan.tier_bytes_per_block(1))

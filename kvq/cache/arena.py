@@ -122,6 +122,9 @@ class Arena:
         self.reserve_slabs = max(0, int(reserve_slabs))
         self.owner: list[int | None] = [None] * num_slabs
         self._unowned: list[int] = list(range(num_slabs - 1, -1, -1))  # a stack: slab 0 handed out first
+        # slabs where a demotion freed its source this step: no demotion's destination may land there
+        # before the next step (the step's demotions read their sources while they write)
+        self._touched: set[int] = set()
         self.tiers = [TierAllocator(self, t, n, block_size, enable_prefix_caching) for t, n in enumerate(per_slab)]
 
     # -- slabs --------------------------------------------------------------------------------
@@ -132,22 +135,36 @@ class Arena:
     def slabs_of(self, tier: int) -> int:
         return sum(1 for o in self.owner if o == tier)
 
-    def grantable(self, reserve_ok: bool) -> int:
-        """Free slabs a tier may take now (the reserve only for demotion)."""
-        return max(0, len(self._unowned) - (0 if reserve_ok else self.reserve_slabs))
+    def begin_step(self) -> None:
+        """A new step: the slabs this one's demotions freed sources in may take demoted blocks again."""
+        self._touched.clear()
 
-    def reclaimable(self, tier: int) -> int:
+    def grantable(self, reserve_ok: bool, demotion: bool = False) -> int:
+        """Free slabs a tier may take now (the reserve only for demotion; a demotion's destination not
+        where the step's demotions freed a source)."""
+        n = max(0, len(self._unowned) - (0 if reserve_ok else self.reserve_slabs))
+        if demotion and self._touched:
+            n = min(n, len(self._unowned) - sum(1 for s in self._touched if self.owner[s] is None))
+        return n
+
+    def reclaimable(self, tier: int, demotion: bool = False) -> int:
         """Slabs of other tiers that hold only cached blocks (evictable)."""
-        return sum(len(t._idle) for t in self.tiers if t.tier != tier)
+        return sum(sum(1 for s in t._idle if not (demotion and s in self._touched))
+                   for t in self.tiers if t.tier != tier)
 
-    def _grant(self, tier: int, reserve_ok: bool) -> int | None:
-        if self.grantable(reserve_ok):
-            s = self._unowned.pop()
+    def _grant(self, tier: int, reserve_ok: bool, demotion: bool = False) -> int | None:
+        if self.grantable(reserve_ok, demotion):
+            i = len(self._unowned) - 1
+            if demotion:
+                while self._unowned[i] in self._touched:
+                    i -= 1
+            s = self._unowned.pop(i)
         else:
-            victims = [t for t in self.tiers if t.tier != tier and t._idle]
+            victims = [(t, s) for t in self.tiers if t.tier != tier for s in t._idle
+                       if not (demotion and s in self._touched)]
             if not victims:
                 return None
-            s = victims[0]._surrender()
+            s = victims[0][0]._surrender(victims[0][1])
         self.owner[s] = tier
         return s
 
@@ -191,11 +208,12 @@ class TierAllocator(BlockAllocator):
     def num_free(self) -> int:
         return self.available(False)
 
-    def available(self, reserve_ok: bool) -> int:
-        """Blocks :meth:`allocate` can give now (``reserve_ok``: a demotion, which may use the reserve)."""
+    def available(self, reserve_ok: bool, demotion: bool = False) -> int:
+        """Blocks :meth:`allocate` can give now (``reserve_ok``: may use the reserve; ``demotion``: a
+        demotion's destination, which avoids the slabs the step's demotions freed sources in)."""
         a = self.arena
         return (self._num_free_ids + len(self._cached)
-                + (a.grantable(reserve_ok) + a.reclaimable(self.tier)) * self.per_slab)
+                + (a.grantable(reserve_ok, demotion) + a.reclaimable(self.tier, demotion)) * self.per_slab)
 
     @property
     def num_slabs(self) -> int:
@@ -232,8 +250,8 @@ class TierAllocator(BlockAllocator):
         if used == 0:
             self._idle[s] = None
 
-    def _take_slab(self, reserve_ok: bool) -> bool:
-        s = self.arena._grant(self.tier, reserve_ok)
+    def _take_slab(self, reserve_ok: bool, demotion: bool = False) -> bool:
+        s = self.arena._grant(self.tier, reserve_ok, demotion)
         if s is None:
             return False
         ids = list(range((s + 1) * self.per_slab - 1, s * self.per_slab - 1, -1))
@@ -242,9 +260,8 @@ class TierAllocator(BlockAllocator):
         self._by_used[0][s] = None  # empty, about to be used (not released, not idle)
         return True
 
-    def _surrender(self) -> int:
-        """Give an idle slab back to the arena, evicting its cached blocks; -> the slab."""
-        s = next(iter(self._idle))
+    def _surrender(self, s: int) -> int:
+        """Give idle slab ``s`` back to the arena, evicting its cached blocks; -> the slab."""
         for b in range(s * self.per_slab, (s + 1) * self.per_slab):
             if b in self._cached:
                 del self._cached[b]
@@ -263,17 +280,18 @@ class TierAllocator(BlockAllocator):
         self._tokens[b] = None
 
     # -- allocation -----------------------------------------------------------------------------
-    def allocate(self, reserve_ok: bool = False) -> int:
-        """A block with refcount 1 (order: module docstring); NoFreeBlocksError when none."""
+    def allocate(self, reserve_ok: bool = False, demotion: bool = False) -> int:
+        """A block with refcount 1 (order: module docstring; ``demotion``: :meth:`available`);
+        NoFreeBlocksError when none."""
         bucket = next((b for b in reversed(self._by_used) if b), None)
-        if bucket is None and not self.arena.grantable(reserve_ok) and self._cached:
+        if bucket is None and not self.arena.grantable(reserve_ok, demotion) and self._cached:
             b = next(iter(self._cached))  # this tier's least recently freed cached block
             del self._cached[b]
             self._drop_hash(b)
             self._cached_in[self._slab(b)] -= 1
             return self._hand_out(b)
         if bucket is None:
-            if not self._take_slab(reserve_ok):
+            if not self._take_slab(reserve_ok, demotion):
                 raise NoFreeBlocksError(f"{self.name}: no free blocks ({self.num_used} in use, "
                                         f"{self.arena.num_unowned} free slabs of {self.arena.num_slabs})")
             bucket = next(b for b in reversed(self._by_used) if b)
@@ -322,6 +340,7 @@ class TierAllocator(BlockAllocator):
         if self._refcount[block_id] == 1:
             self.forget(block_id)
         self.free(block_id)
+        self.arena._touched.add(self._slab(block_id))
 
     def lookup(self, block_hash: int, token_ids) -> int | None:
         block_id = self.probe(block_hash, token_ids)

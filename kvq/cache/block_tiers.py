@@ -32,6 +32,8 @@ class TiersMixin:
         copies ran) may be registered for prefix reuse."""
         self._fresh.clear()
         self._landing.clear()
+        if self.arena is not None:
+            self.arena.begin_step()
 
     @property
     def num_tiers(self) -> int:
@@ -65,10 +67,10 @@ class TiersMixin:
         """Move block ``i`` of ``seq`` into ``tier``; None (nothing changed) when that tier has no room."""
         pool = tier_pool(tier)
         below = self._alloc[pool]
-        if below.available(reserve_ok) == 0:
+        if below.available(reserve_ok, demotion=True) == 0:
             return None
         src = seq.table[i]
-        new = BlockRef(pool, below.allocate(reserve_ok))
+        new = BlockRef(pool, below.allocate(reserve_ok, demotion=True))
         if i < seq.num_registered:  # a later prompt with this prefix hits the demoted copy, served as stored
             below.register(new.block_id, seq.hashes[i], self._block_tokens(seq.tokens, i))
         seq.table[i] = new
@@ -158,7 +160,7 @@ class TiersMixin:
                                             -sum(c for c, _, _ in cands[t][s]) / len(cands[t][s])))
         moved = 0
         for cold, sid, i in sorted(cands[t].pop(slab), key=lambda x: -x[0]):
-            while self._alloc[tier_pool(t + 1)].available(True) == 0:
+            while self._alloc[tier_pool(t + 1)].available(True, demotion=True) == 0:
                 if not self._evacuate(t + 1, cands, ops):
                     return moved > 0
             op = self._demote(sid, self._seqs[sid], i, t + 1, reserve_ok=True)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from kvq.cache.tiers import TierRule, parse_ages, parse_policies, parse_tiers
-from kvq.cache.window import WindowPolicy, rule_counts
+from kvq.cache.tiers import TierRule, age_tier, parse_ages, parse_policies, parse_tiers
+from kvq.cache.window import WindowPolicy, block_state, rule_counts
 from kvq.formats.registry import default_window, resolve_kv
 from kvq.formats.spec import FP8_MAX, KVFormat
 from kvq.cache.shape import ModelShape
@@ -146,6 +146,11 @@ class CachePlan:
         num_blocks = memory_bytes // self.bytes_per_block
         q, hp = self.blocks_for(L)
         per_seq = q * self.bytes_per_block + hp * self.hp_bytes_per_block
+        if self.tier_rule is not None and self.tier_rule.ages:  # aged blocks sit in the lower tiers' bytes
+            pol, bs = self.window_policy, self.block_size
+            per_seq = hp * self.hp_bytes_per_block + sum(
+                self.tier_bytes_per_block(age_tier(i, L, self.tier_rule))
+                for i in range(-(-L // bs)) if block_state(i, L, pol) == "q")
         seqs = memory_bytes // per_seq
         return Capacity(
             memory_bytes=memory_bytes,
@@ -197,13 +202,14 @@ class CachePlan:
 
     def tier_suffix(self) -> str:
         """The ladder in a name: ``>int4_kivi@1152`` (age policy), ``>int4_kivi`` (pressure), both:
-        ``>int4_kivi@1152+pressure``; empty without tiers."""
+        ``>int4_kivi>int2_kivi@1152/2304+pressure``; empty without tiers.  A format spec takes the same
+        suffix (:meth:`KVCacheConfig.with_spec`)."""
         if not self.tiers:
             return ""
         r = self.tier_rule
         out = "".join(f">{n}" for n in self.tier_names()[1:])
         if r.ages:
-            out += "@" + ",".join(map(str, r.ages)) + ("+pressure" if r.pressure else "")
+            out += "@" + "/".join(map(str, r.ages)) + ("+pressure" if r.pressure else "")
         return out
 
     def describe(self) -> dict:
@@ -332,10 +338,24 @@ class KVCacheConfig:
                              f"{fmt.requested or fmt.k.name} has none")
 
     def with_spec(self, spec: str) -> KVCacheConfig:
-        """This config with a format spec applied: ``name[:rN][:sN][:gN]``, the format plus
-        its recent window (r), sink tokens (s) or KIVI group size (g), e.g. ``fp8_e4m3:r128:s4``
-        (how one `kvq eval` run compares a format with and without its windows)."""
-        name, *opts = [x.strip() for x in str(spec).split(":")]
+        """This config with a format spec applied: ``name[:rN][:sN][:gN][>TIER...[@AGE[/AGE...]][+pressure]]``,
+        the format plus its recent window (r), sink tokens (s) or KIVI group size (g), e.g.
+        ``fp8_e4m3:r128:s4`` (how one `kvq eval` run compares a format with and without its windows),
+        and elastic precision's tiers with the age policy's thresholds (pressure without ages), e.g.
+        ``fp8_e4m3:r128:s4>int4_kivi@1152`` (the suffix of the plan's name)."""
+        spec, sep, ladder = str(spec).partition(">")
+        tiers = {}
+        if sep:
+            rest, pressure = (ladder[:-len("+pressure")], True) if ladder.endswith("+pressure") else (ladder, False)
+            rungs, _, ages = rest.partition("@")
+            try:
+                ages = tuple(int(a) for a in ages.split("/")) if ages else ()
+            except ValueError:
+                raise ValueError(f"format spec {spec + sep + ladder!r}: tier ages are numbers of tokens joined by "
+                                 "'/' (e.g. >int4_kivi>int2_kivi@1152/4096)") from None
+            tiers = dict(tiers=tuple(rungs.split(">")), tier_age=ages,
+                         tier_policy=(("age", "pressure") if pressure else ("age",)) if ages else ("pressure",))
+        name, *opts = [x.strip() for x in spec.split(":")]
         if not name:
             raise ValueError(f"format spec {spec!r} has no format name (e.g. fp8_e4m3:r128:s4)")
         fields = {"dtype": name}
@@ -345,7 +365,7 @@ class KVCacheConfig:
                 raise ValueError(f"format spec {spec!r}: {opt!r} is not one of " +
                                  ", ".join(f"{k}N ({v})" for k, v in SPEC_KEYS.items()))
             fields[SPEC_KEYS[key]] = int(num)
-        return replace(self, **fields)
+        return replace(self, **fields, **tiers)
 
     def plan(self, model: ModelShape) -> CachePlan:
         if self.plan_file is not None:

@@ -62,6 +62,7 @@ class CacheSession:
         offsets ``rows``, [len(rows), V] float32 on the engine's device.  A multi-token part starts on a block
         boundary; a new sequence must not find a prefix hit (use :meth:`prefill_many`)."""
         planned = []
+        self.bm.begin_step()
         for seq_id, tokens, rows in parts:
             tokens = list(tokens)
             if not tokens:
@@ -136,6 +137,7 @@ class CacheSession:
         or after its prefix hit)."""
         chunk = max(self.block_size, chunk // self.block_size * self.block_size)
         state = []  # [seq_id, tokens, rows, next position, first chunk?, logits]
+        self.bm.begin_step()
         try:
             for seq_id, tokens, rows in prompts:
                 tokens = list(tokens)
@@ -148,7 +150,11 @@ class CacheSession:
             for st in state:
                 self.free(st[0])
             raise
+        first_round = True
         while any(st[3] < len(st[1]) for st in state):
+            if not first_round:  # (the first chunks were reserved with the prompts, in this step)
+                self.bm.begin_step()
+            first_round = False
             planned, owners = [], []
             for st in state:
                 seq_id, tokens, rows, start, first, _ = st
