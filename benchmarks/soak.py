@@ -17,6 +17,9 @@ most, until their fault has happened: a slow machine sends fewer requests in the
                  host tier with failing copies
     host_faults  the same server                            host-tier copies failing (KVQ_FAULT_HOST_COPY;
                                                             prompts sharing prefixes: the CPU prefix tier works)
+    elastic      main: fp8_e4m3 with an int4_kivi tier      the pool forces demotion (--kv-cache-tiers, pressure),
+                 (pressure), the small pool, swap with      then preemption by swap, whose copies fail (a failed
+                 failing host copies                        swap copy recomputes its request)
     nixl         prefill + decode (--kv-fallback local)     SIGKILL of the prefill peer while fills are pending
     tp           --tensor-parallel-size 2 (gloo on the CPU) SIGKILL of rank 1: the server must exit non-zero
                                                             within --distributed-timeout
@@ -56,9 +59,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = ("mixed", "sigterm", "preempt", "host_faults", "nixl", "tp")
+PHASES = ("mixed", "sigterm", "preempt", "host_faults", "elastic", "nixl", "tp")
 #: each phase's share of --duration and --max-requests
-WEIGHTS = {"mixed": 1.0, "sigterm": 1.5, "preempt": 1.0, "host_faults": 1.0, "nixl": 1.5, "tp": 1.0}
+WEIGHTS = {"mixed": 1.0, "sigterm": 1.5, "preempt": 1.0, "host_faults": 1.0, "elastic": 1.0, "nixl": 1.5, "tp": 1.0}
 #: flags every soak server gets first (the passthrough flags after `--` override them)
 BASE_SERVER_ARGS = ("--max-model-len", "512", "--max-num-seqs", "4", "--max-queue-len", "8",
                     "--shutdown-timeout", "3")
@@ -569,6 +572,11 @@ class Soak:
             return {"main": ServerSpec("pressure", ("--kv-cache-memory", a.small_pool, "--max-num-batched-tokens",
                                                     "128", "--cpu-offload-gb", str(a.cpu_offload_gb)),
                                        (("KVQ_FAULT_HOST_COPY", a.host_fault_rates),))}
+        if phase == "elastic":
+            flags = ("--kv-cache-memory", a.elastic_pool, "--max-num-batched-tokens", "128", "--kv-cache-dtype",
+                     "fp8_e4m3", "--kv-cache-tiers", "int4_kivi", "--kv-sink-tokens", "0", "--kv-residual-tokens", "0",
+                     "--preemption-mode", "swap", "--cpu-offload-gb", str(a.cpu_offload_gb))
+            return {"main": ServerSpec("elastic", flags, (("KVQ_FAULT_HOST_COPY", a.host_fault_rates),))}
         if phase == "nixl":
             prefill = f"http://127.0.0.1:{self.ports['prefill']}"
             return {"prefill": ServerSpec("prefill", ("--kv-cache-memory", a.pool, "--kv-role", "prefill")),
@@ -721,9 +729,13 @@ class Soak:
         """(blocks referenced with no request left, the check's record): ``/status?check=1`` (the block
         manager's and scheduler's integrity checks, leaked blocks) and the pools' gauges after it."""
         integ = (await self.status(proc, check=1)).get("integrity", {})
-        blocks = (await self.status(proc))["kv_blocks"]
+        st = await self.status(proc)
+        blocks = st["kv_blocks"]
+        # a tiered cache's q pools share one arena: a tier's free blocks depend on the others' (and exclude
+        # the demotion reserve), so only its used count says what is held
+        unshared = [b for p, b in blocks.items() if not (st.get("kv_tiers") and p.startswith("q"))]
         n = max(integ.get("leaked_blocks") or 0, sum(b["used"] for b in blocks.values()),
-                sum(b["total"] - b["free"] for b in blocks.values()))
+                sum(b["total"] - b["free"] for b in unshared))
         return n, {"server": proc.name, "blocks_in_use": n, "integrity_ok": integ.get("ok"),
                    "integrity_error": integ.get("error"), "kv_blocks": blocks}
 
@@ -879,6 +891,29 @@ class Soak:
             res.failures.append("no host-tier copy failed (KVQ_FAULT_HOST_COPY)")
         if ev["offload_blocks"] == 0:  # (hits and reloads depend on the timing: reported, not required)
             res.failures.append("the CPU prefix tier stored nothing")
+
+    async def phase_elastic(self, res, procs, until, before, nxt) -> None:
+        main, b = procs["main"], before["main"]
+
+        async def counts() -> dict:
+            m = await scrape(self.client, main.url)
+            return {k: int(metric(m, name) - metric(b, name)) for k, name in (
+                ("demotions", "kvq_kv_pressure_demotions_total"), ("preemptions", "kvq_num_preemptions_total"),
+                ("swapped", "kvq_requests_swapped_total"), ("swap_failures", "kvq_swap_failures_total"))}
+
+        async def seen() -> bool:
+            c = await counts()
+            return c["demotions"] > 0 and c["swap_failures"] > 0
+
+        await self.drive_until_seen(res, "main", "long", until, seen)
+        await self.settle_and_check(res, main)
+        ev = await counts()
+        st = await self.status(main)
+        res.evidence.update(ev, tiers=(st.get("kv_tiers") or {}).get("tiers"))
+        if ev["demotions"] == 0:
+            res.failures.append("no block was demoted: the pool did not force it (--elastic-pool)")
+        if ev["swap_failures"] == 0:  # (the pool must outgrow the lowest tier too, and a copy must fail)
+            res.failures.append("no swap copy failed (KVQ_FAULT_HOST_COPY, --elastic-pool)")
 
     async def phase_nixl(self, res, procs, until, before, nxt) -> None:
         prefill, decode = procs["prefill"], procs["decode"]
@@ -1070,6 +1105,9 @@ def evidence_text(r: dict) -> str:
     if name == "host_faults":
         return (f"copies failed: {e.get('offload_failed')} stores, {e.get('reload_failed')} loads; "
                 f"{e.get('offload_blocks')} blocks stored, {e.get('reload_blocks')} reloaded")
+    if name == "elastic":
+        return (f"{e.get('demotions')} blocks demoted under pressure; {e.get('preemptions')} preemptions "
+                f"({e.get('swapped')} swapped, {e.get('swap_failures')} swap copies failed: recomputed)")
     if name == "nixl":
         return (f"peer SIGKILLed with {e.get('fills_pending_at_kill')} fills pending ({e.get('filled_before_kill')} "
                 f"filled before); failed fills after: {e.get('transfer_failures_after_kill')}; "
@@ -1147,6 +1185,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--small-pool", default="14MiB", help="--kv-cache-memory of the preempt/host_faults server: "
                    "too small for the load (default 14MiB: 40 bf16 blocks of SmolLM2)")
     p.add_argument("--cpu-offload-gb", type=float, default=0.05, help="the host tier of that server (default 0.05)")
+    p.add_argument("--elastic-pool", default="4MiB", help="--kv-cache-memory of the elastic server (fp8_e4m3 with "
+                   "an int4_kivi tier, no bf16 windows): small enough that demotion, then swap, must happen "
+                   "(default 4MiB)")
     p.add_argument("--host-fault-rates", default="store=0.3,load=0.5,seed=1",
                    help="KVQ_FAULT_HOST_COPY of that server (kvq/cache/host_faults.py)")
     p.add_argument("--kv-transfer-timeout", type=float, default=15.0, help="the decode server's (default 15)")

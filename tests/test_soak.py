@@ -181,3 +181,14 @@ def test_soak_nixl_peer_death_and_tensor_parallel_rank_death(tmp_path):
     assert tp["exit_code"] not in (0, None) and tp["death_to_exit_s"] < 20 and tp["loss_reported_in_log"], tp
     assert report["server_exit_codes"]["prefill"] == -9 and report["server_exit_codes"]["tp"] == tp["exit_code"]
     assert report["total"]["tp_death_to_exit_s"] == tp["death_to_exit_s"]
+
+
+def test_soak_elastic_demotes_then_swaps_with_failing_copies(tmp_path):
+    """Issue 45's phase: fp8_e4m3 with an int4_kivi tier in a pool that the load outgrows: blocks move down
+    under pressure, then requests are preempted by swap, and the swap copies fail (injected): each such
+    request is recomputed; nothing lost or leaked, no 5xx."""
+    report = _run(tmp_path, "--phases", "elastic", "--duration", "9", "--concurrency", "4", "--long-chars", "300",
+                  "500", "--host-fault-rates", "store=0.5,load=0.5,seed=1")
+    ev = _assert_clean(report)["elastic"]["evidence"]
+    assert ev["demotions"] > 0 and ev["swapped"] > 0 and ev["swap_failures"] > 0, ev
+    assert [t["format"] for t in ev["tiers"]] == ["fp8_e4m3", "int4_kivi"]
