@@ -35,7 +35,7 @@ test: install-test
 	  -o console_output_style=progress --durations=15
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-prefill bench-ttft bench-engine bench-capacity bench-pressure bench-server bench-offload bench-kv-transfer disagg-check
+.PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-prefill bench-ttft bench-engine bench-capacity bench-pressure bench-elastic bench-server bench-offload bench-kv-transfer disagg-check
 gpu-test:
 	bash scripts/gpu.sh test
 
@@ -97,6 +97,15 @@ bench-pressure:
 	for f in $(PRESSURE_FORMATS); do for w in "1024x2048 --concurrency 512" "7936x256 --concurrency 256"; do \
 	  bash scripts/gpu.sh bench-engine --formats $$f --workloads $$w --out $(PRESSURE_OUT) || exit 1; done; done
 	python3 scripts/capacity_report.py --json $(PRESSURE_OUT)
+
+# elastic precision (issue 45), one process per configuration: fp8_e4m3 with an int4_kivi tier (pressure) at 768
+# requests beside fp8_e4m3 and int4_kivi alone; bf16 with an fp8_e4m3 tier at 512 beside bf16 alone
+ELASTIC_OUT = docs/results/bench_engine_elastic_h200.json
+bench-elastic:
+	for f in fp8_e4m3 "fp8_e4m3>int4_kivi" int4_kivi; do bash scripts/gpu.sh bench-engine --formats "$$f" \
+	  --workloads 1024x2048 --concurrency 768 --out $(ELASTIC_OUT) || exit 1; done
+	for f in bfloat16 "bfloat16>fp8_e4m3"; do bash scripts/gpu.sh bench-engine --formats "$$f" \
+	  --workloads 1024x2048 --concurrency 512 --out $(ELASTIC_OUT) || exit 1; done
 
 bench-capacity:
 	for f in $(CAPACITY_FORMATS); do bash scripts/gpu.sh bench-engine --scenarios decode_heavy,prefill_heavy,mixed \

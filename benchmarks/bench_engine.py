@@ -285,6 +285,15 @@ def run_scenario(engine, vocab: int, sc, seed: int, floor) -> dict:
     }
 
 
+def demotions(engine) -> dict:
+    """Blocks a tiered cache moved down so far, by destination tier and under pressure (cumulative over the
+    engine's runs, warm-up included); empty untiered."""
+    bm = engine.block_manager
+    if bm.arena is None:
+        return {}
+    return {"demotions_by_tier": list(bm.num_demotions[1:]), "pressure_demotions": engine.scheduler.num_demotions}
+
+
 def prefill_backend(info: dict) -> str | None:
     """The prefill attention kernel the engine says it runs (kvq.attention.backends.select_prefill)."""
     return info["attention_backend"].get("prefill")
@@ -310,11 +319,13 @@ def measure_ttft_floors(args, cfg: dict, workloads, concs, device, max_len: int)
 def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, weight_bytes,
               async_scheduling: bool | None = None, scenarios=(), gemm_flops_per_token: float = 0.0,
               ttft_floors: dict | None = None) -> None:
+    from kvq.cache.plan import KVCacheConfig
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
 
     t0 = time.perf_counter()
     extra = {"prefill_backend": args.prefill_backend} if args.prefill_backend else {}
-    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", kv_cache_dtype=fmt,
+    # a format spec as kvq eval takes it: a name, windows (fp8_e4m3:r128:s4) or tiers (fp8_e4m3>int4_kivi)
+    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", kv_cache=KVCacheConfig().with_spec(fmt),
                                     max_num_seqs=max([*concs, args.max_num_seqs or 0]) if not scenarios
                                     else args.max_num_seqs or 1024, max_num_batched_tokens=args.max_num_batched_tokens,
                                     gpu_memory_utilization=args.gpu_memory_utilization, progress=False,
@@ -340,6 +351,7 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
           f"({info['kv_pool']['bytes'] / 2**30:.1f} GiB), backend {info['attention_backend']['resolved']}, "
           f"graphs {info['cuda_graphs']}", flush=True)
     vocab = engine.model.config.vocab_size
+    tiers = {"kv_cache_tiers": plan.tier_names()[1:]} if plan.tiers else {}  # elastic precision (issue 45)
     # warm-up: kernels compile and cuBLAS picks its algorithms outside the timings; enough requests to fill
     # a whole prefill step (mixed with decodes) for each workload's prompt length
     for inp, _ in workloads:
@@ -357,7 +369,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
         for sc in scenarios:
             t = time.perf_counter()
             r = _recorded(functools.partial(run_scenario, engine, vocab, sc, seed=17, floor=floor), scenario=sc.name)
-            res.add_scenario({"system": system, "kv_cache_dtype": fmt, "commit": args.commit, **r})
+            res.add_scenario({"system": system, "kv_cache_dtype": fmt, **tiers, "commit": args.commit, **r,
+                              **demotions(engine)})
             if "error" in r:
                 print(f"[{system} {fmt}] {sc.name}: {r['error']}", flush=True)
             else:
@@ -390,8 +403,8 @@ def bench_kvq(args, res: Results, model: str, fmt: str, workloads, concs, bw, we
                 r["ttft_floor_s"], r["ttft_floor"] = tf["ttft_floor_s"], tf
                 r["ttft_x_floor"] = (r["ttft_p50_s"] / tf["ttft_floor_s"]
                                      if r.get("ttft_p50_s") and tf["ttft_floor_s"] else None)
-            run = {"system": system, "kv_cache_dtype": fmt, "input_len": inp, "output_len": out, "concurrency": c,
-                   "commit": args.commit, **r}
+            run = {"system": system, "kv_cache_dtype": fmt, **tiers, "input_len": inp, "output_len": out,
+                   "concurrency": c, "commit": args.commit, **r, **demotions(engine)}
             res.add(run)
             if "error" in r:
                 print(f"[{system} {fmt}] {inp}/{out} c={c}: {r['error']}", flush=True)

@@ -169,3 +169,16 @@ def test_jit_compiles_records_what_tritons_hooks_report():
         assert jit.record()["jit_compiles"] == 0 and rt.jit_cache_hook is mine
     finally:
         rt.jit_cache_hook = None
+
+
+def test_bench_engine_rows_carry_the_tiers(tmp_path):
+    """bench_engine takes a format spec with tiers (issue 45's runs: `make bench-elastic`); its rows name
+    them (``kv_cache_tiers``) beside ``preemptions`` and the demotions."""
+    out = tmp_path / "elastic.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_engine.py"), "--smoke", "--formats",
+                        "fp8_e4m3>int4_kivi", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert runs and all(r["kv_cache_dtype"] == "fp8_e4m3>int4_kivi" and r["kv_cache_tiers"] == ["int4_kivi"]
+                        and "preemptions" in r and "pressure_demotions" in r and "error" not in r for r in runs)
