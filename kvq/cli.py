@@ -249,7 +249,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(config=config)
     info = llm.engine.info
     print(f"[kvq] {info['model']} on {info['device']} ({info['dtype']}); KV {info['kv_cache_dtype']['k']}/"
-          f"{info['kv_cache_dtype']['v']}, block {info['block_size']}; backend {info['attention_backend']['resolved']} "
+          f"{info['kv_cache_dtype']['v']}{llm.engine.describe_tiers()}, block {info['block_size']}; backend "
+          f"{info['attention_backend']['resolved']} "
           f"({info['attention_backend']['reason']}), prefill {info['attention_backend']['prefill']}; "
           f"pool {info['kv_pool']['q_blocks']} blocks = "
           f"{info['kv_pool']['tokens']} tokens; {info['threads']} thread(s)" + llm.engine.describe_parallel(),

@@ -194,6 +194,15 @@ class LLMEngine:
                                      "tokens_if_all": slabs * per[t] * self.plan.block_size}
                                     for t, name in enumerate(self.plan.tier_names())]}}
 
+    def describe_tiers(self) -> str:
+        """Elastic precision in a start line: `` > int4_kivi (age 1152 tokens; pressure)``; empty untiered."""
+        kv = self.info["kv_cache_dtype"]
+        if not kv.get("tiers"):
+            return ""
+        ages = f"age {'/'.join(map(str, kv['tier_ages']))} tokens" if kv["tier_ages"] else ""
+        policy = "; ".join(x for x in (ages, "pressure" if "pressure" in kv["tier_policy"] else "") if x)
+        return "".join(f" > {t}" for t in kv["tiers"]) + f" ({policy})"
+
     def _pool_blocks(self, memory: int) -> tuple[int, int]:
         """(resident, high-precision) blocks that ``memory`` bytes hold (kvq.engine.worker)."""
         return self.worker._pool_blocks(memory)
@@ -207,7 +216,8 @@ class LLMEngine:
         i = self.info
         pool = i["kv_pool"]
         return (f"kvq engine: model {i['model']} on {i['device']} ({i['dtype']}); KV {i['kv_cache_dtype']['name']} "
-                f"(K {i['kv_cache_dtype']['k']}, V {i['kv_cache_dtype']['v']}), block {i['block_size']}; pool "
+                f"(K {i['kv_cache_dtype']['k']}, V {i['kv_cache_dtype']['v']}){self.describe_tiers()}, block "
+                f"{i['block_size']}; pool "
                 f"{pool['q_blocks']} blocks = {pool['tokens']} tokens + {pool['hp_blocks']} high-precision blocks "
                 f"({format_bytes(pool['bytes'])}); attention {i['attention_backend']['resolved']} "
                 f"({i['attention_backend']['reason']}), prefill {i['attention_backend']['prefill']}; "

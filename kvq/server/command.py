@@ -115,6 +115,9 @@ def kv_options_from_args(args: argparse.Namespace) -> KVRoleOptions:
     if args.kv_role != "both" and args.tensor_parallel_size > 1:
         raise ValueError(f"--kv-role {args.kv_role} with --tensor-parallel-size {args.tensor_parallel_size} is not "
                          "supported yet: KV transfer reads one rank's pool (valid: --kv-role both, or one rank)")
+    if args.kv_role != "both" and getattr(args, "kv_cache_tiers", None):
+        raise ValueError(f"--kv-role {args.kv_role} with --kv-cache-tiers is not supported yet: the KV transfer "
+                         "carries the resident and high-precision formats only (valid: --kv-role both)")
     return KVRoleOptions(role=args.kv_role, peer=args.kv_peer, fallback=args.kv_fallback,
                          timeout_s=args.kv_transfer_timeout, staging_tokens=args.kv_staging_tokens,
                          verify=args.kv_verify)
@@ -209,7 +212,8 @@ def _serve(args: argparse.Namespace) -> int:
         names = ", ".join(args.served_model_name or [config.model])
         port = sock.getsockname()[1]
         print(f"[kvq serve] {info['model']} as {names} on {info['device']} ({info['dtype']}); KV "
-              f"{info['kv_cache_dtype']['k']}/{info['kv_cache_dtype']['v']}, block {info['block_size']}, pool "
+              f"{info['kv_cache_dtype']['k']}/{info['kv_cache_dtype']['v']}{engine.engine.describe_tiers()}, block "
+              f"{info['block_size']}, pool "
               f"{info['kv_pool']['q_blocks']} blocks = {info['kv_pool']['tokens']} tokens; attention "
               f"{info['attention_backend']['resolved']}; http://{args.host}:{port}; API key "
               f"{'required' if options.api_key else 'off'}", file=sys.stderr, flush=True)
