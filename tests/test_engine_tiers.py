@@ -111,3 +111,9 @@ def test_status_and_metrics_show_blocks_bytes_and_demotions_per_tier(model):
     assert metrics[("kvq_kv_demotions_total", (("format", "int4_kivi"), ("tier", "1")))] == tiers[1]["demotions"]
     assert metrics[("kvq_kv_tier_slabs", (("format", "fp8_e4m3"), ("tier", "0")))] == tiers[0]["slabs"]
     assert ("kvq_kv_blocks_used", (("pool", "q1"),)) in metrics
+
+
+def test_tiers_refuse_what_they_do_not_carry_yet():
+    """Said at configuration, never a silent fallback: tensor parallelism with tiers is not supported yet."""
+    with pytest.raises(ValueError, match="kv_cache_tiers"):
+        EngineConfig(tensor_parallel_size=2, kv_cache_dtype="fp8_e4m3", kv_cache_tiers="int4_kivi")
