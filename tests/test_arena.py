@@ -220,12 +220,14 @@ class ArenaMachine(RuleBasedStateMachine):
             return
         below = self.arena.tiers[tier + 1]
         can = below.available(reserve_ok, demotion=True)
+        held = {s for s, o in enumerate(self.arena.owner) if o == tier + 1}
         try:
             new = below.allocate(reserve_ok, demotion=True)
         except NoFreeBlocksError:
             assert can == 0
             return
-        assert can > 0 and below.slab_of(new) not in self.touched
+        # a slab it takes for it (not one it held) is none where this step's demotions freed a source
+        assert can > 0 and (below.slab_of(new) in held or below.slab_of(new) not in self.touched)
         self.held.remove((tier, b))
         src.discard(b)
         self.touched.add(src.slab_of(b))
@@ -264,9 +266,11 @@ class ArenaMachine(RuleBasedStateMachine):
                 trial = copy.deepcopy(self.arena)
                 t = trial.tiers[tier]
                 n = t.available(reserve_ok, demotion)
+                held = {s for s, o in enumerate(trial.owner) if o == tier}
                 for _ in range(n):
                     got = t.allocate(reserve_ok, demotion)
-                    assert not demotion or t.slab_of(got) not in self.touched
+                    assert not demotion or t.slab_of(got) in held or t.slab_of(got) not in self.touched
+                    held.add(t.slab_of(got))
                 with pytest.raises(NoFreeBlocksError):
                     t.allocate(reserve_ok, demotion)
 

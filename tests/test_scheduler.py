@@ -891,7 +891,7 @@ def test_pressure_demotes_instead_of_preempting(pipelined):
     policy = WindowPolicy(4, sink_blocks=1, residual_tokens=4)
     runs = {}
     for tiered in (False, True):
-        arena = (TierRule(1, 4, 1, 4, pressure=True), (2, 4), 12, 1) if tiered else None
+        arena = (TierRule(1, 4, 1, 4, pressure=True), (2, 4), 13, 2) if tiered else None
         e = Engine(policy, nq=22, nhp=24, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
                    pipelined=pipelined, tiers=arena)
         for sid in range(4):

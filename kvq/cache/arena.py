@@ -149,8 +149,9 @@ class Arena:
 
     def reclaimable(self, tier: int, demotion: bool = False) -> int:
         """Slabs of other tiers that hold only cached blocks (evictable)."""
-        return sum(sum(1 for s in t._idle if not (demotion and s in self._touched))
-                   for t in self.tiers if t.tier != tier)
+        if not (demotion and self._touched):
+            return sum(len(t._idle) for t in self.tiers if t.tier != tier)
+        return sum(sum(1 for s in t._idle if s not in self._touched) for t in self.tiers if t.tier != tier)
 
     def _grant(self, tier: int, reserve_ok: bool, demotion: bool = False) -> int | None:
         if self.grantable(reserve_ok, demotion):

@@ -256,12 +256,15 @@ class Worker:
 
     def arena(self) -> tuple[tuple[int, ...], int, int] | None:
         """The block manager's arena of a tiered plan: (blocks of each tier per slab, slabs, reserve
-        slabs: one in 256, at least one, with the pressure policy), None untiered."""
+        slabs: one in 128, at least two, with the pressure policy), None untiered.  The reserve bounds what
+        pressure can move in one step (a slab freed by a demotion takes no demoted block before the next
+        step): about reserve x (per_slab[1] - per_slab[0]) resident blocks a step, which a decode wave
+        needs at one new block a sequence every block_size steps."""
         if not self.plan.tiers:
             return None
         per = self.pool.layout.per_slab
         slabs = self.num_q_blocks // per[0]
-        return per, slabs, (1 + slabs // 256) if self.plan.tier_rule.pressure else 0
+        return per, slabs, max(2, slabs // 128) if self.plan.tier_rule.pressure else 0
 
     def _profiled_kv_memory(self) -> int:
         """The KV budget on CUDA without kv_cache_memory: gpu_memory_utilization of the device, less
