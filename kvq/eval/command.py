@@ -228,6 +228,14 @@ def settings_from_args(args: argparse.Namespace):
     )
 
 
+def file_stem(spec: str) -> str:
+    """A format spec as a file name: ``:`` written ``-``; a tier ladder's ``>``, ``@``, ``/`` and ``+``
+    written ``.to.``, ``.age``, ``.`` and ``.and.`` (``fp8_e4m3-r128-s4.to.int4_kivi.age1152``)."""
+    for a, b in ((":", "-"), (">", ".to."), ("@", ".age"), ("/", "."), ("+", ".and.")):
+        spec = spec.replace(a, b)
+    return spec
+
+
 def write_outputs(result: dict, out: Path) -> dict[str, str]:
     """records/<format>__<bin>.json, results.json, report.md and the plots; -> the plot files."""
     from kvq.eval.report import markdown, plot_all
@@ -236,7 +244,7 @@ def write_outputs(result: dict, out: Path) -> dict[str, str]:
     rec_dir = out / "records"
     rec_dir.mkdir(exist_ok=True)
     for r in result["records"]:
-        name = f"{r['kv_cache_dtype']['requested'].replace(':', '-')}__{r['context_length_bin']}.json"
+        name = f"{file_stem(r['kv_cache_dtype']['requested'])}__{r['context_length_bin']}.json"
         (rec_dir / name).write_text(json.dumps(r, indent=1))
     (out / "results.json").write_text(json.dumps(result, indent=1))
     plots = plot_all(result, out)

@@ -89,6 +89,10 @@ def _kv_text(r: dict) -> str:
     """The K / V column: what K and V store, and the windows kept in the model dtype."""
     kv = r["kv_cache_dtype"]
     kvs = kv["k"] if kv["k"] == kv["v"] else f"{kv['k']} / {kv['v']}"
+    if kv.get("tiers"):  # elastic precision: the ladder, with the ages where blocks move down
+        ages = kv.get("tier_ages") or ()
+        kvs += "".join(f" > {t}" + (f" from {a} back" if i < len(ages) else "") for i, (t, a) in
+                       enumerate(zip(kv["tiers"], [*ages, *[None] * len(kv["tiers"])])))
     windows = [f"{kv[key]} {label}" for key, label in WINDOW_LABELS if kv.get(key)]
     return kvs + (" + " + ", ".join(windows) if windows else "")
 
