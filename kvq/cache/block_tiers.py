@@ -32,6 +32,7 @@ class TiersMixin:
         copies ran) may be registered for prefix reuse."""
         self._fresh.clear()
         self._landing.clear()
+        self._cands = None
         if self.arena is not None:
             self.arena.begin_step()
 
@@ -122,7 +123,9 @@ class TiersMixin:
         if headroom is None:
             q = self._alloc["q"]
             headroom = max(q.per_slab, q.num_blocks // 100)
-        cands = self._candidates()
+        if self._cands is None:  # one scan a step: later calls of the step reuse it, checking each entry
+            self._cands = self._candidates()
+        cands = self._cands
         ops: list[DemoteOp] = []
         arena = self.arena
         # until the step fits, and the arena has its reserve back (the next demotion starts from it)
@@ -132,9 +135,11 @@ class TiersMixin:
                 break
         return ops
 
-    def _candidates(self) -> list[dict[int, list[tuple[int, SeqId, int]]]]:
-        """Per tier above the lowest, per slab: ``(tokens behind the head, seq id, block)`` of every
-        demotable block of the device's sequences (not those a load or a remote fill still writes)."""
+    def _candidates(self) -> list[tuple[dict[int, list[tuple[int, SeqId, int]]], list[int]]]:
+        """Per tier above the lowest: (per slab ``(tokens behind the head, seq id, block)`` of every
+        demotable block of the device's sequences (not those a load or a remote fill still writes),
+        the slabs in the order pressure takes them: fewest blocks that cannot move first, then the
+        coldest on average)."""
         bs = self.block_size
         out: list[dict[int, list]] = [{} for _ in range(self.tiers.num_tiers)]
         busy = set(self._loading) | set(self._remote_of)
@@ -148,25 +153,38 @@ class TiersMixin:
                     t = pool_tier(ref.pool)
                     slab = self._alloc[ref.pool].slab_of(ref.block_id)
                     out[t].setdefault(slab, []).append((n - (i + 1) * bs, sid, i))
-        return out
+        ranked = []
+        for t, d in enumerate(out):
+            alloc = self._alloc[tier_pool(t)]
+            ranked.append((d, sorted(d, key=lambda s: (alloc.slab_used(s) - len(d[s]),
+                                                       -sum(c for c, _, _ in d[s]) / len(d[s])))))
+        return ranked
 
     def _evacuate(self, t: int, cands, ops: list[DemoteOp]) -> bool:
-        """Move the demotable blocks of one slab of tier ``t`` down one tier (the slab whose other
-        blocks block it least, then the coldest), making room below first; False when none moved."""
-        if t >= self.tiers.num_tiers or not cands[t]:
+        """Move the demotable blocks of one slab of tier ``t`` down one tier (the next in
+        :meth:`_candidates`' order), making room below first; False when none moved."""
+        if t >= self.tiers.num_tiers:
             return False
-        alloc = self._alloc[tier_pool(t)]
-        slab = min(cands[t], key=lambda s: (alloc.slab_used(s) - len(cands[t][s]),
-                                            -sum(c for c, _, _ in cands[t][s]) / len(cands[t][s])))
+        slabs, order = cands[t]
+        while order and order[0] not in slabs:
+            order.pop(0)
+        if not order:
+            return False
         moved = 0
-        for cold, sid, i in sorted(cands[t].pop(slab), key=lambda x: -x[0]):
+        for cold, sid, i in sorted(slabs.pop(order.pop(0)), key=lambda x: -x[0]):
+            seq = self._seqs.get(sid)  # the step may have freed it, or moved the block, since the scan
+            if seq is None or i >= len(seq.table) or pool_tier(seq.table[i].pool) != t or not self._demotable(seq, i):
+                continue
             while self._alloc[tier_pool(t + 1)].available(True, demotion=True) == 0:
                 if not self._evacuate(t + 1, cands, ops):
                     return moved > 0
-            op = self._demote(sid, self._seqs[sid], i, t + 1, reserve_ok=True)
+            op = self._demote(sid, seq, i, t + 1, reserve_ok=True)
             ops.append(op)
             moved += 1
             if t + 1 < self.tiers.num_tiers:  # it may move on down in this call (its op runs before)
-                below = self._alloc[op.dst.pool]
-                cands[t + 1].setdefault(below.slab_of(op.dst.block_id), []).append((cold, sid, i))
+                below_slabs, below_order = cands[t + 1]
+                slab = self._alloc[op.dst.pool].slab_of(op.dst.block_id)
+                if slab not in below_slabs:
+                    below_order.append(slab)
+                below_slabs.setdefault(slab, []).append((cold, sid, i))
         return moved > 0
