@@ -275,11 +275,6 @@ class TierAllocator(BlockAllocator):
         self.arena.owner[s] = None
         return s
 
-    def _drop_hash(self, b: int) -> None:
-        del self._index[self._hash[b]]
-        self._hash[b] = None
-        self._tokens[b] = None
-
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, reserve_ok: bool = False, demotion: bool = False) -> int:
         """A block with refcount 1 (order: module docstring; ``demotion``: :meth:`available`);

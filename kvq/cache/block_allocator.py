@@ -172,9 +172,7 @@ class BlockAllocator:
             block_id = self._free.pop()
         elif self._cached:
             block_id, _ = self._cached.popitem(last=False)  # least recently freed
-            del self._index[self._hash[block_id]]
-            self._hash[block_id] = None
-            self._tokens[block_id] = None
+            self._drop_hash(block_id)
         else:
             raise NoFreeBlocksError(
                 f"{self.name}: no free blocks ({self._num_blocks} total, all in use)"
@@ -210,15 +208,18 @@ class BlockAllocator:
         copy): a used one becomes free, not cached, when its last reference goes; a cached-free one
         is free at once."""
         self._check_id(block_id)
-        h = self._hash[block_id]
-        if h is None:
+        if self._hash[block_id] is None:
             return
-        del self._index[h]
-        self._hash[block_id] = None
-        self._tokens[block_id] = None
+        self._drop_hash(block_id)
         if self._refcount[block_id] == 0:
             del self._cached[block_id]
             self._freed(block_id)
+
+    def _drop_hash(self, block_id: int) -> None:
+        """Take a hash-holding block's hash and tokens out of the prefix index."""
+        del self._index[self._hash[block_id]]
+        self._hash[block_id] = None
+        self._tokens[block_id] = None
 
     def _freed(self, block_id: int) -> None:
         """A cached-free block whose hash is gone: free now."""

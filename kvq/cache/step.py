@@ -255,11 +255,12 @@ def each_to(device: torch.device | str):
 
 
 def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarray] = (),
-               policy: WindowPolicy | None = None) -> tuple[StepMetadata, list[torch.Tensor]]:
+               policy: WindowPolicy | None = None, tiered: bool = True) -> tuple[StepMetadata, list[torch.Tensor]]:
     """The step's metadata on the device, with ``extra`` arrays (the runner's token ids,
     positions, logit rows) staged in the same call: ``stage(list of numpy arrays) -> tensors``.
     With the cache's window ``policy`` the prefill queries get their exact windows
-    (:class:`PrefillWindow`)."""
+    (:class:`PrefillWindow`).  ``tiered=False`` (an untiered pool) skips the scan of the tables for a
+    lower tier's blocks (:class:`TierTables`)."""
     num_new = step.num_new
     cu = np.zeros(len(num_new) + 1, np.int32)
     np.cumsum(num_new, out=cu[1:])
@@ -269,7 +270,7 @@ def stage_step(step: HostStep, block_size: int, stage, extra: Sequence[np.ndarra
     seals = np.asarray(step.seals, np.int64).reshape(-1, 2)
     rows = prefill_window_rows(step, table, policy)
     win = [np.asarray(r, np.int64).reshape(-1, 3) for r in rows] if rows else []
-    has_tiers = bool(table.size) and bool((table >= TIER_BASE).any())
+    has_tiers = tiered and bool(table.size) and bool((table >= TIER_BASE).any())
     split = split_tiers(table[:nd], step.seq_lens[:nd], block_size) if has_tiers else None
     demotes = [(s_, d_, np.asarray(pairs, np.int64).reshape(-1, 2)) for s_, d_, pairs in step.demotes]
     arrays = [np.asarray(step.slots, np.int64), fb, cu, table, np.asarray(step.seq_lens, np.int32),

@@ -100,7 +100,7 @@ class ModelRunner:
         meta, (ids_dev, pos_dev, rows_dev, at, fed_src) = stage_step(
             step, self.block_size, self.staging.pack,
             [np.asarray(x, np.int64) for x in (ids, positions, rows, fed_at, fed_rows)],
-            policy=self.pool.plan.window_policy)
+            policy=self.pool.plan.window_policy, tiered=self.pool.layout is not None)
         if fed_at:
             ids_dev.index_copy_(0, at, feed[0].index_select(0, fed_src))
         logits = self.model(ids_dev, pos_dev, self.pool, meta, self.kernels, rows_dev)
