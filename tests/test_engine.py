@@ -130,15 +130,18 @@ def test_cli_generate_streams_text():
     assert r.returncode == 2 and "valid formats" in r.stderr
 
 
-def test_profile_step_runs_through_the_runner(tmp_path):
+@pytest.mark.parametrize("kv", [{"kv_cache_dtype": "int4_kivi"},
+                                {"kv_cache_dtype": "fp8_e4m3", "kv_cache_tiers": "int4_kivi"}], ids=["int4", "tiered"])
+def test_profile_step_runs_through_the_runner(tmp_path, kv):
     """The memory profiler's step (largest prefill, max_num_seqs scored rows) goes through a
-    ModelRunner like every other forward; on the CPU it runs, only the peak is CUDA's."""
+    ModelRunner like every other forward, on a scratch pool of the plan (a tiered plan's counts
+    slabs); on the CPU it runs, only the peak is CUDA's."""
 
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
 
     model = write_tiny(tmp_path, vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    eng = LLMEngine(EngineConfig(model=model, load_format="dummy", device="cpu", kv_cache_dtype="int4_kivi",
+    eng = LLMEngine(EngineConfig(model=model, load_format="dummy", device="cpu", **kv,
                                  max_num_seqs=3, max_num_batched_tokens=100, kv_cache_memory="8MiB", progress=False))
     runner, step, seqs = eng.profile_step()
     logits, rows = runner.execute(step, seqs)

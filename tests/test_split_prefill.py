@@ -103,6 +103,72 @@ def test_a_request_without_keys_reads_one_dummy_key():
     assert plan.page_indices.tolist() == [0, 2, 3]
 
 
+class _Event:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_recycler_reuses_only_what_the_device_has_finished():
+    """Under async scheduling the host plans step N+1 before step N ran: a wrapper of a step whose
+    event the device has not passed is never handed out again (its pinned plan buffer is still to
+    be copied); once passed, it is reused and the pool stops growing."""
+    from kvq.attention.flashinfer_lib import Recycler
+
+    made = []
+    r = Recycler()
+
+    def make():
+        made.append(object())
+        return made[-1]
+
+    a, b = r.take(make), r.take(make)
+    e1 = _Event()
+    r.end_step(e1)
+    c = r.take(make)  # step 1 still running: a new object
+    assert c not in (a, b) and r.size == 3
+    e2 = _Event()
+    r.end_step(e2)
+    e1.done = True
+    d, e = r.take(make), r.take(make)  # step 1 done: its two come back, step 2's stays out
+    assert {d, e} == {a, b} and len(made) == 3
+    r.end_step(_Event())  # d and e in flight again, c still: a fourth object
+    r.take(make)
+    assert len(made) == 4
+    e2.done = True
+    assert r.take(make) is c
+    r.end_step(_Event())  # a step with nothing used leaves nothing pending
+    r.end_step(_Event())
+    assert r.size == len(made)
+
+
+@pytest.mark.skipif(_flashinfer_reason() is not None, reason=str(_flashinfer_reason()))
+def test_flashinfer_plans_of_a_step_in_flight_are_kept():
+    """The host plans the next step while the device is still behind (a sleep queued first): the
+    first step's result is still the first step's (FlashInfer's plan copies its schedule from a
+    pinned buffer that a second plan on the same wrapper would overwrite)."""
+    gen = torch.Generator().manual_seed(1)
+    H, group, D, P = 2, 4, 128, 16
+    pages = torch.randn(64, H, P, D, generator=gen).to(torch.bfloat16).to(DEV)
+    vpages = torch.randn(64, H, P, D, generator=gen).to(torch.bfloat16).to(DEV)
+    table = torch.randperm(64, generator=gen).to(torch.int32).view(4, 16).to(DEV)
+    lb, sm = lib("flashinfer"), D ** -0.5
+    layouts = [([40, 5, 70], [200, 60, 70]), ([3], [250])]
+    qs = [torch.randn(sum(qo), H * group, D, generator=gen).to(torch.bfloat16).to(DEV) for qo, _ in layouts]
+    plans = [paged_lib.make_plan(qo, kv, [0] * len(qo), table, P) for qo, kv in layouts]
+    outs = []
+    torch.cuda._sleep(200_000_000)  # the device falls behind the host
+    for plan, q in zip(plans, qs):
+        lb.new_step()
+        outs.append(lb.run(lb.prepare(plan, H * group, H, D, torch.bfloat16, sm), q, pages, vpages)[0])
+    torch.cuda.synchronize()
+    for plan, q, o in zip(plans, qs, outs):
+        want, _ = paged_lib.torch_attention(q, pages, vpages, plan, sm)
+        assert torch.allclose(o.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 CASES = [("bfloat16", {}), ("fp8_e4m3", {}), ("fp8_e4m3", dict(sink=4, residual=40)),
          ("int8_per_token_head", {}), ("int4_kivi", dict(sink=0, residual=0)), ("int2_kivi/fp8_e4m3", {})]
 

@@ -6,11 +6,18 @@ One :class:`flashinfer.BatchPrefillWithPagedKVCacheWrapper` per plan (its plan h
 request layout and the kernel's schedule), all sharing one workspace buffer: the plans of a
 step's calls run one after another on one stream.  ``plan`` reads the host lists only (no
 device sync); the page indices stay on the device.
+
+A wrapper's ``plan`` writes the schedule into the wrapper's pinned host buffer and queues its
+copy to the device.  Under async scheduling the host plans step N+1 while step N still runs, so
+a wrapper is planned again only once the step that last used it has finished on the device
+(:class:`Recycler`): re-planning it earlier overwrites the pinned buffer before the queued copy
+reads it, and step N runs on step N+1's schedule (an illegal address on the H200 at a 32K prompt).
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 
 import torch
 
@@ -45,6 +52,35 @@ def kernel_name(device: torch.device | str) -> str:
     return "fa3" if major == 9 else "fa2"
 
 
+class Recycler:
+    """Objects that queued device work on a step are reused only after that work is done.
+
+    ``end_step(event)`` closes the step (``event``: recorded after its last launch, with a
+    ``query()`` that says whether the device passed it); ``take(make)`` gives an object whose
+    step is done, or ``make()``.  The pool grows only while the host runs ahead of the device."""
+
+    def __init__(self):
+        self._free: list = []
+        self._pending: deque = deque()  # (event, objects) of closed steps, oldest first
+        self._used: list = []
+
+    def take(self, make):
+        while self._pending and self._pending[0][0].query():
+            self._free += self._pending.popleft()[1]
+        obj = self._free.pop() if self._free else make()
+        self._used.append(obj)
+        return obj
+
+    def end_step(self, event) -> None:
+        if self._used:
+            self._pending.append((event, self._used))
+            self._used = []
+
+    @property
+    def size(self) -> int:
+        return len(self._free) + len(self._used) + sum(len(objs) for _, objs in self._pending)
+
+
 class FlashInferLib:
     """Library calls through FlashInfer; ``backend`` ``fa3``/``fa2`` (default: :func:`kernel_name`)."""
 
@@ -57,19 +93,19 @@ class FlashInferLib:
         self.backend = backend or kernel_name(self.device)
         self.name = f"flashinfer-{self.backend}"
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._free: list = []  # wrappers of earlier steps, reused
-        self._used: list = []
+        self._wrappers = Recycler()
 
     def new_step(self) -> None:
-        """Wrappers planned for the last step may be planned again."""
-        self._free += self._used
-        self._used = []
+        """The last step's launches are all queued: its wrappers are planned again once the device
+        has passed them (an event recorded now, on the stream they ran on)."""
+        event = torch.cuda.Event()
+        event.record()
+        self._wrappers.end_step(event)
 
     def prepare(self, plan: LibPlan, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 sm_scale: float):
-        w = self._free.pop() if self._free else self._fi.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, kv_layout="HND", backend=self.backend)
-        self._used.append(w)
+        w = self._wrappers.take(lambda: self._fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="HND", backend=self.backend))
         i32 = dict(dtype=torch.int32)
         w.plan(torch.tensor(plan.qo_indptr, **i32), torch.tensor(plan.kv_indptr, **i32), plan.page_indices,
                torch.tensor(plan.last_page_len, **i32), num_qo_heads, num_kv_heads, head_dim, plan.page_size,

@@ -291,7 +291,8 @@ class Worker:
         cfg, bs = self.config, self.plan.block_size
         T = min(cfg.max_num_batched_tokens, self.max_model_len)
         nb = math.ceil(T / bs)
-        scratch = KVPool.create(self.plan, 1, nb, self.device)
+        slabs = {"num_slabs": 1} if self.plan.tiers else {}  # a tiered pool counts its arena in slabs
+        scratch = KVPool.create(self.plan, 0 if slabs else 1, nb, self.device, **slabs)
         runner = ModelRunner(self.model, scratch, self.kernels, self.device, max_num_seqs=1)
         item = ScheduledSeq(0, T, 0, is_prefill=True, sample=False,
                             slots=tuple(("hp", p // bs, p % bs) for p in range(T)), table_start=0,
