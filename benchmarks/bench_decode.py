@@ -498,7 +498,12 @@ def check_write(fmt_name, cfg, nb, bs, layer, k, v, slots, perm, device) -> dict
                 b = fp8_util.index_select(rlayer.planes(role)[name], 0, blocks).contiguous().view(torch.uint8)
                 total += a.numel()
                 diff += int((a != b).sum().item())
-        return {"blocks": int(blocks.numel()), "bytes_compared": total, "bytes_differ": diff, "ok": diff == 0}
+        # a rotated codebook rotates with one float32 product in the kernels and a butterfly in the reference:
+        # a coordinate within rounding of a threshold may code a level apart (tests/test_codebook.py allows
+        # one data byte in a thousand); every other format's bytes are equal
+        rotated = any(rlayer.tensor_format(r).family == "rot" for r in ("k", "v"))
+        ok = diff <= 1e-3 * total if rotated else diff == 0
+        return {"blocks": int(blocks.numel()), "bytes_compared": total, "bytes_differ": diff, "ok": ok}
     except Exception as e:
         return {"error": err_str(e), "ok": False}
 

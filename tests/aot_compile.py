@@ -29,6 +29,9 @@ _TYPES = {
     torch.uint8: "u8", torch.int8: "i8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
 }
 recorded: list[tuple[JITFunction, dict]] = []
+#: shared memory one block may take on sm_90 (227 KiB): a launch over it fails on the GPU with
+#: OutOfResources, which compiling alone does not report
+SM90_SHARED_BYTES = 232448
 
 
 def _record(self, *args, grid, warmup, **kwargs):
@@ -73,16 +76,23 @@ def compile_recorded(shard: int = 0, shards: int = 1) -> int:
     mine = 0
     for fn, bound in recorded:
         sig, consts, _ = launch_signature(fn, bound)
-        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in consts.items())))
+        opts = {k: bound[k] for k in ("num_warps", "num_stages") if bound.get(k) is not None}
+        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted((k, str(v)) for k, v in consts.items())),
+               tuple(sorted(opts.items())))
         if key in seen:
             continue
         seen.add(key)
         if (len(seen) - 1) % shards != shard:
             continue
         mine += 1
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                            options=opts)
         consts = {n: str(bound[n]) for n in fn.arg_names if fn.arg_names.index(n) in fn.constexprs}
-        print("compiled", fn.__name__, consts)
+        shared = ck.metadata.shared
+        print("compiled", fn.__name__, consts, opts, f"shared {shared} B")
+        if shared > SM90_SHARED_BYTES:
+            raise SystemExit(f"{fn.__name__} {consts} {opts} needs {shared} B of shared memory, more than an "
+                             f"sm_90 block has ({SM90_SHARED_BYTES})")
     print(f"shard {shard}/{shards}: {mine} of {len(seen)} distinct launches")
     return mine
 

@@ -162,3 +162,54 @@ def test_triton_writes_and_seals_store_the_references_codes(name):
             else:
                 assert torch.allclose(a.float(), b.float(), rtol=1e-3, atol=1e-6), (name, role, plane)
     assert bool(ht.layer.k["data"].view(torch.uint8)[5].any())  # something was stored
+
+
+@pytest.mark.parametrize("name", ["rot3_kc", "turboquant_k8v4", "turboquant_k3v4_nc", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_decode_in_the_rotated_domain_matches_the_reference(name, splits):
+    """The Triton decode scores rotated K against the query rotated once and sums rotated V before one
+    rotation back (centred K's group means, and the sinks and recent window of the hp pool in
+    natural order, in the same tiles): its output is the reference's (which rotates each block back)
+    over a cache whose tables mix sealed blocks, hp blocks and a partial last tile."""
+    from kvq.attention import reference
+    from kvq.attention.triton import decode, kernels
+    from tests.paged_harness import make_harness, step
+
+    GPU = torch.cuda.is_available()
+    dev = "cuda" if GPU else "cpu"
+    h = make_harness(name, kernels, H=2, D=64, group=3, num_q=24, num_hp=12, sink=16, residual=32, device=dev)
+    g = torch.Generator().manual_seed(7)
+    step(h, {"a": 230, "b": 97}, g)
+    q, meta, _ = step(h, {"a": 1, "b": 1}, g, torch.bfloat16)
+    assert bool((meta.block_tables < 0).any()) and bool((meta.block_tables > 0).any())
+    want = reference.paged_decode(q, h.layer, meta.block_tables, meta.seq_lens, 64 ** -0.5).float()
+    got = decode.paged_decode(q, h.layer, meta.block_tables, meta.seq_lens, 64 ** -0.5, max_seq_len=231,
+                              has_hp=True, num_splits=splits).float()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_rotated_prefill_always_reads_through_the_page_scratch(first, monkeypatch):
+    """A rotated tile rotated back inside the prefill kernel's loop does not fit an sm_90 block's
+    shared memory, so a rotated layer's prefill goes through the page scratch even when asked for
+    the in-loop schedule or when the scratch passes its cap (then group by group): the output is
+    the reference's either way."""
+    from kvq.attention import reference
+    from kvq.attention.triton import dequant, kernels, prefill
+    from tests.paged_harness import make_harness, step
+
+    h = make_harness("turboquant_k3v4_nc", kernels, H=2, D=64, group=2, num_q=24, num_hp=12, sink=0, residual=0)
+    g = torch.Generator().manual_seed(9)
+    step(h, {"a": 100, "b": 60}, g)
+    q, meta, _ = step(h, {"a": 20, "b": 7}, g, torch.bfloat16)
+    want = reference.paged_attention(q, h.layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, 0.125).float()
+    calls = []
+    real = dequant.dequantize_pages
+    monkeypatch.setattr(dequant, "dequantize_pages", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    if first:  # a cap under one sequence's pages: one group per sequence
+        monkeypatch.setattr(dequant, "SCRATCH_CAP_BYTES", 1)
+    got = prefill.paged_attention(q, h.layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, 0.125,
+                                  dequant_first=first, max_seq_len=120).float()
+    assert len(calls) == (2 if first else 1)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2

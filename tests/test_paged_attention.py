@@ -7,6 +7,8 @@ Two tolerance levels (STYLE.md 6):
 * quantized vs exact attention output: per format, written down in OUT_ERR.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -299,10 +301,9 @@ def test_writes_are_exact_for_tiles_of_tiny_values(fmt, backend):
 
 
 def _backend_matches_reference(fmt, cfg, backend):
-    if "kivi" in fmt and cfg["block_size"] == 16:
-        cfg = dict(cfg, block_size=32)
-    if fmt.split("/")[0].endswith(":g64") and cfg["block_size"]:  # K groups of 64 tokens: pages of 64
-        cfg = dict(cfg, block_size=64)
+    if cfg["block_size"]:  # pages of whole K groups (KIVI, centred rotated K: 32 tokens; ":g64": 64)
+        least = make_harness(fmt, reference, **dict(cfg, block_size=None)).plan.block_size  # lcm(16, whole groups)
+        cfg = dict(cfg, block_size=math.lcm(cfg["block_size"], least))
     windows = dict(sink=16, residual=48) if "kivi" not in fmt else {}
     big = dict(num_q=256, num_hp=64) if GPU else {}
     hr = make_harness(fmt, _kernels("torch"), device=DEV, **cfg, **windows, **big)

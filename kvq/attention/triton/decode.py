@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.attention.triton.tiles import format_code, load_tile, rot_table, tile_channel
+from kvq.attention.triton.tiles import ROT, ROT_C, format_code, hp_rows, load_tile, rot_mean, rot_table, rot_tile, tile_channel
 from kvq.cache.pool import LayerKV
 
 _LOG2E = 1.4426950408889634
@@ -37,6 +37,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
             do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
 def _decode_split_kernel(
     q_ptr, s_qb, s_qh,
+    qr_ptr,  # rotated K: the queries rotated by K's rotation, float32 [B, Hq, D] contiguous (else q_ptr)
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
@@ -69,25 +70,57 @@ def _decode_split_kernel(
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
+    c = tl.arange(0, D)
+    if K_FMT >= ROT:  # rotated K: scores in the rotated domain, q rotated once (q . (u R)^T = (q R^T) . u^T)
+        qr_rows = qr_ptr + (b * tl.num_programs(1) * GROUP + h * GROUP + g).to(tl.int64)[:, None] * D
+        q_r = tl.load(qr_rows + pos[None, :], mask=gmask[:, None], other=0.0).to(DOT)
+    if V_FMT >= ROT:  # rotated V: its share of the output summed in the rotated domain, rotated back at the end
+        acc_r = tl.zeros((G_PAD, D), tl.float32)
     table = table_ptr + b.to(tl.int64) * s_tb
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         valid = t < end
         bid = tl.load(table + t // PAGE, mask=valid, other=0)
         off = t % PAGE
-        k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
-                            bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
-        s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
+        if K_FMT >= ROT:
+            lev, k_sc = rot_tile(kd, ks, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, bid, off, h, D, K_FMT, DOT)
+            s = tl.dot(q_r, tl.trans(lev)) * k_sc[None, :]
+            if K_FMT >= ROT_C:
+                s += tl.dot(q, tl.trans(rot_mean(kz, s_ksb, s_ksh, bid, off, h, D, K_G).to(DOT)))
+            if HAS_HP:
+                if tl.min(bid, axis=0) < 0:
+                    kh = hp_rows(khp, s_hb, s_hh, s_ht, bid, off, h, D, DOT)
+                    s = tl.where((bid < 0)[None, :], tl.dot(q, tl.trans(kh)), s)
+            s = s * qk_scale
+        else:
+            k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
+                                bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
+            s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
-                            bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
-        pv = (p * v_sc[None, :]).to(DOT)
-        acc = acc * alpha[:, None] + tl.dot(pv, v)
+        if V_FMT >= ROT:
+            lev, v_sc = rot_tile(vd, vs, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, bid, off, h, D, V_FMT, DOT)
+            acc = acc * alpha[:, None]
+            if HAS_HP:
+                is_hp = (bid < 0)[None, :]
+                if tl.min(bid, axis=0) < 0:
+                    vh = hp_rows(vhp, s_hb, s_hh, s_ht, bid, off, h, D, DOT)
+                    acc += tl.dot(tl.where(is_hp, p, 0.0).to(DOT), vh)
+                p = tl.where(is_hp, 0.0, p)
+            if V_FMT >= ROT_C:
+                acc += tl.dot(p.to(DOT), rot_mean(vz, s_vsb, s_vsh, bid, off, h, D, V_G).to(DOT))
+            acc_r = acc_r * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(DOT), lev)
+        else:
+            v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
+                                bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
+            pv = (p * v_sc[None, :]).to(DOT)
+            acc = acc * alpha[:, None] + tl.dot(pv, v)
         m_i = m_new
+    if V_FMT >= ROT:
+        acc += tl.dot(acc_r, tl.load(vst + D * D + c[:, None] * D + c[None, :]), input_precision="tf32x3")
 
     # partial results: out [B, Hq, S, D] in V's tile order (PO_NATURAL: in channel order, so that parts
     # of other formats merge with it), lse [B, Hq, S] (log2 domain)
@@ -187,8 +220,11 @@ def launch_defaults(layer: LayerKV) -> tuple[int, int, bool]:
     """(BLOCK_N, num_stages, split_always) by stored width, from the H200 sweeps
     recorded in docs/kernels.md: 16-bit pools 64/2 and split the context only when
     there are too few (sequence, head) pairs to fill the GPU; 8-bit pools 128/4 and
-    always split to ~8 programs per SM; packed sub-byte 64/2, split like 8-bit."""
+    always split to ~8 programs per SM; packed sub-byte 64/2, split like 8-bit; rotated
+    K 64/1 (chosen by shared memory, not yet swept on the H200)."""
     bits = min(layer.fmt.k.bits, layer.fmt.v.bits)
+    if layer.fmt.k.family == "rot":  # rotated K: its level gather pipelined in 2 stages doubles shared memory
+        return 64, 1, True          # (Triton 3.6, head_dim 128: 131 KB, one block an SM; 1 stage: 68 KB)
     if bits == 16:
         return 64, 2, False
     if bits == 8:
@@ -269,8 +305,11 @@ def paged_decode(
     for lay, tab, lens, hp, bn, stages, splits in launches:
         args, meta = layer_args(lay)
         v_per = meta["v_per"] if v_per is None else v_per
+        q_rot = q
+        if lay.fmt.k.family == "rot":  # q @ R^T: the rotated domain's query (one small product, not one a tile)
+            q_rot = (q.float() @ static_arg(lay, "k")[:D * D].view(D, D)).contiguous()
         _decode_split_kernel[(B, H, splits)](
-            q, q.stride(0), q.stride(1), *args,
+            q, q.stride(0), q.stride(1), q_rot, *args,
             tab, tab.stride(0), lens, po, plse, splits, sm_scale * _LOG2E, base, total,
             GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=lay.block_size,
             BLOCK_N=bn, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],

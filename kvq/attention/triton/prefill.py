@@ -223,16 +223,20 @@ def paged_attention(
         _windowed(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len, window, k_new, v_new,
                   _tile("window", block_m, block_n), tiered)
         return out
-    if tiered:  # every page through the scratch, group by group (as the windowed path, no window)
+    # a rotated codebook's tile rotated back inside the kernel's loop needs more shared memory than an
+    # sm_90 block has (Triton 3.6: 410 KB at head_dim 128): its pages always go through the scratch
+    rotated = any(f.family == "rot" for f in (layer.fmt.k, layer.fmt.v))
+    if tiered or (rotated and dequant.scratch_bytes(B, blocks, H, PAGE, D) > dequant.SCRATCH_CAP_BYTES):
+        # every page through the scratch, group by group (as the windowed path, no window)
         cu_h, lens_h = host if host is not None else (tuple(cu_seqlens_q.tolist()), tuple(seq_lens.tolist()))
         for g in window_scratch(layer, cu_seqlens_q, block_tables, seq_lens, None, None, None,
-                                host=(cu_h, lens_h), tiered=True):
+                                host=(cu_h, lens_h), tiered=tiered):
             dargs, dmeta = _dense_args(g.k, g.v)
             dot = tl.float16 if not INTERPRET else _dot_dtype(q.dtype)
             _launch(q[g.r0:g.r1], out[g.r0:g.r1], g.cu, dargs, dmeta, g.tab_exact, None, g.lens, sm_scale, max_q_len,
                     False, dot, _tile("dense", block_m, block_n), PAGE, H)
         return out
-    if dequant_first is None:
+    if dequant_first is None or rotated:
         dequant_first = dequant_first_default(layer)
     if dequant_first and dequant.scratch_bytes(B, blocks, H, PAGE, D) <= dequant.SCRATCH_CAP_BYTES:
         k, v, block_tables = dequant.dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, PAGE, D)

@@ -153,6 +153,37 @@ def rot_values(data_ptr, norm_ptr, mean_ptr, table_ptr, row, nrow, mrow, D: tl.c
 
 
 @triton.jit
+def rot_tile(data_ptr, norm_ptr, table_ptr, s_db, s_dh, s_dt, s_sb, s_sh, s_st, bid, off, head,
+             D: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr):
+    """A rotated codebook tile left in the rotated domain: ([N, D] levels in DOT, [N] float32 norms),
+    so ``x = norm * levels @ R`` (+ the group mean of a centred K, :func:`rot_mean`).  The decode
+    rotates the query once and the output once instead of every tile (kvq.attention.triton.decode).
+    Rows of hp blocks read block 0 (finite values): the caller replaces them."""
+    qb = tl.where(bid < 0, 0, bid).to(tl.int64)
+    row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
+    BITS: tl.constexpr = (FMT - ROT) % 3 + 2
+    lev = tl.load(table_ptr + 2 * D * D + rot_codes(data_ptr, row, D, BITS)).to(DOT)
+    return lev, tl.load(norm_ptr + qb * s_sb + head * s_sh + off * s_st).to(tl.float32)
+
+
+@triton.jit
+def rot_mean(mean_ptr, s_sb, s_sh, bid, off, head, D: tl.constexpr, GROUP: tl.constexpr):
+    """[N, D] float32 group means (natural channel order) of the rows of a centred rotated tile."""
+    qb = tl.where(bid < 0, 0, bid).to(tl.int64)
+    mrow = qb * (s_sb * D // GROUP) + head * (s_sh * D // GROUP) + (off // GROUP) * D
+    return tl.load(mean_ptr + mrow[:, None] + tl.arange(0, D)[None, :]).to(tl.float32)
+
+
+@triton.jit
+def hp_rows(hp_ptr, s_hb, s_hh, s_ht, bid, off, head, D: tl.constexpr, DOT: tl.constexpr):
+    """[N, D] rows of the hp pool (natural channel order) for the tile's hp rows (``bid < 0``);
+    other rows read hp block 0."""
+    hb = tl.where(bid < 0, -bid - 1, 0).to(tl.int64)
+    hrow = hb * s_hb + head * s_hh + off.to(tl.int64) * s_ht
+    return tl.load(hp_ptr + hrow[:, None] + tl.arange(0, D)[None, :]).to(DOT)
+
+
+@triton.jit
 def tile_channel(p, PER: tl.constexpr, D: tl.constexpr):
     """Natural channel index of tile position ``p``."""
     if PER == 1:
