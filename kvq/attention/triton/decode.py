@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.attention.triton.tiles import ROT, ROT_C, format_code, hp_rows, load_tile, rot_mean, rot_table, rot_tile, tile_channel
+from kvq.attention.triton.tiles import (ROT, ROT_C, format_code, hp_rows, load_tile, rot_mean, rot_table, rot_tile,
+                                       tile_channel)
 from kvq.cache.pool import LayerKV
 
 _LOG2E = 1.4426950408889634
