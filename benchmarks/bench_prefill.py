@@ -116,6 +116,28 @@ def fill(fmt: str, kernels, B: int, past: int, chunk: int, H: int, D: int, group
     return h, meta, q, k, v
 
 
+def kernel_breakdown(fn, device, calls: int = 3, top: int = 8) -> dict[str, float]:
+    """Microseconds a call in each of the ``top`` costliest kernels of ``fn`` (torch.profiler; on the
+    CPU, operators): where a format's time over bf16 goes (the page scratch, casts, library calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        t = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if t > 0:
+            times[e.key[:120]] = round(t / calls, 1)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
+
+
 def anchors(h, meta, q, B, past, chunk, device, timer, iters, res, shape_row, sm):
     """FlashInfer fa2/fa3 over the bf16 pool kvq filled, and SDPA cuDNN over dense K/V (no past)."""
     layer = h.layer
@@ -167,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-anchors", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny heads and shapes, the torch library (any device)")
+    ap.add_argument("--profile", action="store_true", help="add each kvq row's costliest kernels (us a call, "
+                    "torch.profiler) as 'kernels_us'")
     ap.add_argument("--out", default=None, help="JSON (default docs/results/bench_prefill_h200.json; "
                     "docs/results/bench_prefill_smoke.json with --smoke)")
     args = ap.parse_args(argv)
@@ -200,6 +224,8 @@ def main(argv=None) -> int:
                 try:
                     h, meta, q, k, v = fill(fmt, kernels, B, past, chunk, H, D, group, device, gen)
                     t = timer(lambda: attend(kernels, q, h.layer, meta, sm, k, v), iters, 1 if args.smoke else 3)
+                    if args.profile:
+                        t["kernels_us"] = kernel_breakdown(lambda: attend(kernels, q, h.layer, meta, sm, k, v), device)
                     res.add("rows", dict(row, **t, tflops=fl / t["us"] / 1e6))
                     log(f"{impl:24s} {fmt:22s} {B}x{past}+{chunk}: {t['us']:10.1f} us {fl / t['us'] / 1e6:7.1f} "
                         "TFLOP/s")

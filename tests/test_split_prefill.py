@@ -241,7 +241,7 @@ def test_bench_prefill_smoke(tmp_path):
     from benchmarks.bench_prefill import main
 
     out = tmp_path / "bp.json"
-    assert main(["--smoke", "--formats", "bfloat16,int4_kivi", "--out", str(out)]) == 0
+    assert main(["--smoke", "--formats", "bfloat16,int4_kivi", "--profile", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert not doc["errors"], doc["errors"]
     rows = doc["rows"]
@@ -250,3 +250,4 @@ def test_bench_prefill_smoke(tmp_path):
         for s in ((2, 0, 48), (1, 40, 24))}
     for r in rows:
         assert r["us"] > 0 and r["tflops"] > 0 and r["x_kvq_bf16"] > 0
+        assert r["kernels_us"] and all(t > 0 for t in r["kernels_us"].values())  # --profile: where the time goes
