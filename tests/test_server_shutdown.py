@@ -284,6 +284,9 @@ def test_a_signal_during_the_triton_import_is_delivered_after_it():
     """Ctrl-C that lands while triton's native module starts (which aborted the server with exit -6) is held
     back and delivered as a KeyboardInterrupt once the import is done (kvq.attention.backends._import_triton)."""
     code = ("import builtins, os, signal, sys\n"
+            # as in a terminal: a process started with SIGINT ignored (by whoever started the test's worker, or a
+            # shell's background job) keeps ignoring it, which _import_triton respects
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "import kvq.attention.backends as b\n"
             "real = builtins.__import__\n"
             "def imp(name, *a, **k):\n"
