@@ -35,7 +35,8 @@ if [ -n "${OUT:-}" ]; then
   stamp=$(mktemp); trap 'find docs/results -type f -newer "$stamp" -exec cp --parents {} "$OUT/" \; 2>/dev/null || true' EXIT
 fi
 case "$target" in
-  test) python3 -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
+  # 6 pytest workers (xdist is in the device image): Triton's compiles, most of this target's time, run side by side
+  test) python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
           tests/test_prefill_window.py tests/test_staging.py tests/test_host_pool.py \
           tests/test_formats_spec.py tests/test_connectors.py tests/test_sampler.py tests/test_sampling_kernel.py \
           tests/test_no_recompile.py tests/test_split_prefill.py tests/test_codebook.py "$@" ;;
