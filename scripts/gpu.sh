@@ -39,7 +39,8 @@ case "$target" in
   test) python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
           tests/test_prefill_window.py tests/test_staging.py tests/test_host_pool.py \
           tests/test_formats_spec.py tests/test_connectors.py tests/test_sampler.py tests/test_sampling_kernel.py \
-          tests/test_no_recompile.py tests/test_split_prefill.py tests/test_codebook.py "$@" ;;
+          tests/test_no_recompile.py tests/test_split_prefill.py tests/test_codebook.py tests/test_demote.py \
+          tests/test_tiered_attention.py "$@" ;;
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
   bench-prefill) python3 benchmarks/bench_prefill.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;

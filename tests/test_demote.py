@@ -41,17 +41,17 @@ def kv():
     return data["k"][1:3], data["v"][1:3]  # two layers: [2, 896, 3, 64] bf16
 
 
-def filled(base: str, tiers: str, kv) -> KVPool:
+def filled(base: str, tiers: str, kv, device="cpu") -> KVPool:
     """A tiered pool whose resident blocks of slabs 0-2 hold real K/V, sealed."""
     k, v = kv
     L, T, H, D = k.shape
     plan = make_plan(bare_model(L, H, D), base, tiers=tiers)
-    pool = KVPool.create(plan, 0, 0, num_slabs=SLABS)
+    pool = KVPool.create(plan, 0, 0, device, num_slabs=SLABS)
     n, bs = FILL * pool.layout.per_slab[0], plan.block_size
     assert n * bs <= T
     for i, layer in enumerate(pool.layers):
-        blocks = [x[i, :n * bs].reshape(n, bs, H, D).transpose(1, 2).contiguous() for x in (k, v)]
-        ids = torch.arange(n)
+        blocks = [x[i, :n * bs].reshape(n, bs, H, D).transpose(1, 2).contiguous().to(device) for x in (k, v)]
+        ids = torch.arange(n, device=device)
         reference.seal_blocks(replace(layer, k_hp=blocks[0], v_hp=blocks[1]), ids, ids)
     return pool
 
@@ -92,7 +92,7 @@ def ids_from(pool: KVPool, tier: int, slab: int, order=(0, 1, 2)) -> list[int]:
 
 def seed(pool: KVPool, tier: int) -> None:
     """Demote resident blocks 0-2 into ``tier`` from slab SEED on (sources of a lower tier)."""
-    pairs = torch.tensor(list(zip(range(3), ids_from(pool, tier, SEED))))
+    pairs = torch.tensor(list(zip(range(3), ids_from(pool, tier, SEED))), device=pool.device)
     for layer in pool.layers:
         reference.demote_pairs(layer, pairs, 0, tier)
 
@@ -123,9 +123,11 @@ def test_reference_demotion_is_a_direct_quantization_of_the_dequantized_block(ba
 
 @pytest.mark.parametrize("base,tiers,moves", LADDERS, ids=[f"{b}>{t}" for b, t, _ in LADDERS])
 def test_triton_demotion_matches_the_reference(base, tiers, moves, kv):
+    """The Triton kernel (on a GPU, else under the interpreter) writes the reference's bytes (on the CPU)."""
     rotated = "turboquant" in base + tiers
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     for src, dst in moves[:2]:
-        pools = [filled(base, tiers, kv) for _ in range(2)]
+        pools = [filled(base, tiers, kv), filled(base, tiers, kv, dev)]
         if src:
             for pool in pools:
                 seed(pool, src)
@@ -134,9 +136,9 @@ def test_triton_demotion_matches_the_reference(base, tiers, moves, kv):
         for layer in pools[0].layers:
             reference.demote_pairs(layer, pairs, src, dst)
         for layer in pools[1].layers:
-            triton_demote.demote_pairs(layer, pairs, src, dst)
+            triton_demote.demote_pairs(layer, pairs.to(dev), src, dst)
         for ref, tri in zip(pools[0].layers, pools[1].layers):
-            diff = (ref.arena != tri.arena).sum().item()
+            diff = (ref.arena != tri.arena.cpu()).sum().item()
             if rotated:  # the rotation's float32 sums run in another order: a code may flip at a level's edge
                 assert diff <= 1e-3 * ref.arena.numel(), diff
             else:

@@ -26,6 +26,7 @@ from kvq.formats.reference import dequantize
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kv_smollm2.pt"
 H, GROUP, D = 3, 3, 64
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton tests: on a GPU, else under the interpreter
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +35,13 @@ def kv():
     return data["k"][2], data["v"][2]  # [896, 3, 64] bf16
 
 
-def tiered_layer(base: str, tiers: str, kv, layout: list[str]):
+def tiered_layer(base: str, tiers: str, kv, layout: list[str], device="cpu"):
     """A one-layer tiered pool holding one sequence whose logical block ``i`` lies in pool
     ``layout[i]`` ("hp", "q", "q1"...), filled with consecutive real K/V; -> (layer, table, values)."""
     plan = make_plan(bare_model(1, H, D, num_attention_heads=H * GROUP), base, tiers=tiers, sink_tokens=32,
                      residual_tokens=32)
     bs = plan.block_size
-    pool = KVPool.create(plan, 0, layout.count("hp") + 1, num_slabs=16)
+    pool = KVPool.create(plan, 0, layout.count("hp") + 1, device, num_slabs=16)
     layer = pool.layers[0]
     k, v = kv
     # tier t's blocks from slab 4t on (a slab belongs to one tier), apart where slabs hold several: ids are
@@ -49,7 +50,8 @@ def tiered_layer(base: str, tiers: str, kv, layout: list[str]):
     next_id = {p: 0 if p == "hp" else 4 * (0 if p == "q" else int(p[1:])) * per[p] for p in set(layout)}
     table, dense_k, dense_v = [], [], []
     for i, p in enumerate(layout):
-        x = [t[i * bs:(i + 1) * bs].transpose(0, 1).unsqueeze(0).contiguous() for t in (k, v)]  # [1, H, bs, D]
+        # [1, H, bs, D]
+        x = [t[i * bs:(i + 1) * bs].transpose(0, 1).unsqueeze(0).contiguous().to(device) for t in (k, v)]
         b = next_id[p]
         next_id[p] += 1 + (p != "hp" and per[p] > 2)
         if p == "hp":
@@ -58,7 +60,8 @@ def tiered_layer(base: str, tiers: str, kv, layout: list[str]):
         else:
             tier = 0 if p == "q" else int(p[1:])
             lt = layer.tier(tier)
-            reference.seal_blocks(replace(lt, k_hp=x[0], v_hp=x[1]), torch.tensor([0]), torch.tensor([b]))
+            reference.seal_blocks(replace(lt, k_hp=x[0], v_hp=x[1]), torch.tensor([0], device=device),
+                                  torch.tensor([b], device=device))
             vals = [dequantize(lt.tensor_format(r), {n: t[b:b + 1] for n, t in lt.planes(r).items()},
                                layer.static_scale(r))[0] for r in ("k", "v")]
         table.append(encode_ref(p, b))
@@ -92,7 +95,7 @@ def test_reference_reads_each_block_in_its_tier(kv):
 @pytest.mark.parametrize("ladder", [LADDER, ("bfloat16", "fp8_e4m3")])
 def test_triton_decode_merges_the_tiers(ladder, kv):
     layout = LAYOUT if ladder == LADDER else ["q", "q1", "q", "q1", "q1", "q"]
-    layer, table, _, _ = tiered_layer(*ladder, kv, layout)
+    layer, table, _, _ = tiered_layer(*ladder, kv, layout, DEV)
     bs = layer.block_size
     other = [e for e in table if e < 0] + [table[2]]  # a second sequence with no lower tier's block
     W = len(table)
@@ -100,9 +103,9 @@ def test_triton_decode_merges_the_tiers(ladder, kv):
     rows[0, :W], rows[1, :len(other)], rows[2, :W] = table, other, table
     lens = [W * bs - 3, len(other) * bs, W * bs - bs]
     step = HostStep(slots=[0, 1, 2], tables=rows, seq_lens=lens, num_new=[1, 1, 1])
-    meta, _ = stage_step(step, bs, each_to("cpu"))
+    meta, _ = stage_step(step, bs, each_to(DEV))
     assert meta.has_tiers and meta.tiers is not None and len(meta.tiers.tiers) == (2 if ladder == LADDER else 1)
-    q = torch.randn(3, H * GROUP, D, generator=torch.Generator().manual_seed(1)).bfloat16()
+    q = torch.randn(3, H * GROUP, D, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEV)
     want = reference.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5).float()
     got = triton_decode.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5,
                                      max_seq_len=max(lens), tiers=meta.tiers).float()
@@ -127,7 +130,7 @@ def test_triton_prefill_reads_each_page_in_its_tier(windowed, kv):
     still hp, and the chunk's first queries read it exact, its last ones quantized (the per-query
     window rule)."""
     layout = ["hp", "q1", "q", "q2", "q1", "hp", "hp", "hp"]
-    layer, table, _, _ = tiered_layer(*LADDER, kv, layout)
+    layer, table, _, _ = tiered_layer(*LADDER, kv, layout, DEV)
     bs = layer.block_size
     n = len(layout) * bs - 5
     T = 40
@@ -135,13 +138,13 @@ def test_triton_prefill_reads_each_page_in_its_tier(windowed, kv):
                                tiers="int4_kivi").window_policy, block_size=bs, write_direct=False)
     rows = np.asarray([table], np.int32)
     step = HostStep(slots=list(range(T)), tables=rows, seq_lens=[n], num_new=[T])
-    meta, _ = stage_step(step, bs, each_to("cpu"), policy=policy if windowed else None)
+    meta, _ = stage_step(step, bs, each_to(DEV), policy=policy if windowed else None)
     assert meta.has_tiers and meta.tiers is None  # no decode rows: the prefill reads the tags
     if windowed:
         assert meta.window is not None and meta.window.sealed_rows  # hp block 5 is read quantized by some
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(T, H * GROUP, D, generator=g).bfloat16()
-    k_new, v_new = (torch.randn(T, H, D, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(T, H * GROUP, D, generator=g).bfloat16().to(DEV)
+    k_new, v_new = (torch.randn(T, H, D, generator=g).bfloat16().to(DEV) for _ in range(2))
     win = dict(window=meta.window, k_new=k_new, v_new=v_new) if windowed else {}
     args = (q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, D ** -0.5)
     want = reference.paged_attention(*args, **win).float()
