@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton.decode import layer_args
-from kvq.attention.triton.tiles import KIVI_K, ROT, load_tile, rot_values
+from kvq.attention.triton.tiles import KIVI_K, ROT, load_tile, mean_rows, rot_values
 from kvq.cache.pool import TIER_BASE
 
 #: Scratch bytes (K and V together) above which the prefill dequantizes in its loop instead.
@@ -65,7 +65,7 @@ def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
     elif FMT >= ROT:
         qb = bid.to(tl.int64)
         row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
-        mrow = qb * (s_sb * D // G) + head * (s_sh * D // G) + (off // G) * D
+        mrow = mean_rows(qb, head, off, s_sb, s_sh, D, G)
         x = rot_values(data_ptr, scale_ptr, zero_ptr, static_ptr, row, qb * s_sb + head * s_sh + off * s_st, mrow,
                        D, FMT)
     elif PER == 1:

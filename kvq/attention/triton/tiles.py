@@ -167,10 +167,16 @@ def rot_tile(data_ptr, norm_ptr, table_ptr, s_db, s_dh, s_dt, s_sb, s_sh, s_st, 
 
 
 @triton.jit
+def mean_rows(qb, head, off, s_sb, s_sh, D: tl.constexpr, GROUP: tl.constexpr):
+    """Element offsets of each row's mean row in a centred K's mean plane (a row of D means per group of
+    GROUP tokens, laid out like the norm plane's ``[block, head, token]`` with D per group)."""
+    return qb * (s_sb * D // GROUP) + head * (s_sh * D // GROUP) + (off // GROUP) * D
+
+
+@triton.jit
 def rot_mean(mean_ptr, s_sb, s_sh, bid, off, head, D: tl.constexpr, GROUP: tl.constexpr):
     """[N, D] float32 group means (natural channel order) of the rows of a centred rotated tile."""
-    qb = tl.where(bid < 0, 0, bid).to(tl.int64)
-    mrow = qb * (s_sb * D // GROUP) + head * (s_sh * D // GROUP) + (off // GROUP) * D
+    mrow = mean_rows(tl.where(bid < 0, 0, bid).to(tl.int64), head, off, s_sb, s_sh, D, GROUP)
     return tl.load(mean_ptr + mrow[:, None] + tl.arange(0, D)[None, :]).to(tl.float32)
 
 
@@ -224,7 +230,7 @@ def load_tile(
     row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
     if FMT >= ROT:  # rotated codebook: values in natural order, no factor per row
         srow = qb * s_sb + head * s_sh + off * s_st
-        mrow = qb * (s_sb * D // GROUP) + head * (s_sh * D // GROUP) + (off // GROUP) * D
+        mrow = mean_rows(qb, head, off, s_sb, s_sh, D, GROUP)
         raw = rot_values(data_ptr, scale_ptr, zero_ptr, static_ptr, row, srow, mrow, D, FMT)
     elif PER == 1:
         raw = tl.load(data_ptr + row[:, None] + p[None, :]).to(DOT)
