@@ -65,3 +65,17 @@ def test_bf16_alone_on_a_cuda_device_without_cupy_does_not_warn(monkeypatch, cap
 def test_decode_per_layer_names_cuda_and_triton_layers():
     assert backends.compact_layers(("triton", "triton", "cuda", "cuda", "cuda")) == "triton 0-1, cuda 2-4"
     assert backends.compact_layers(("torch",)) == "torch 0"
+
+
+def test_a_tiered_plan_reports_each_tiers_decode_kernel():
+    """A tiered layer runs one decode launch a tier: the CUDA kernel for the tiers it reads (8-bit,
+    KIVI), Triton for the others, and the report names both in tier order."""
+    model = bare_model(2, 2, 128)
+    fp8_kivi = KVCacheConfig(dtype="fp8_e4m3", tiers=("int4_kivi",)).plan(model)
+    assert backends.decode_per_layer("cuda", fp8_kivi, torch.bfloat16) == ("cuda",) * 2
+    assert backends.describe_cuda(fp8_kivi, torch.bfloat16) == "CUDA decode on all 2 layers and tiers"
+    bf16_fp8 = KVCacheConfig(dtype="bfloat16", tiers=("fp8_e4m3",)).plan(model)
+    assert backends.decode_per_layer("cuda", bf16_fp8, torch.bfloat16) == ("triton+cuda",) * 2
+    small = KVCacheConfig(dtype="fp8_e4m3", tiers=("int4_kivi", "int2_kivi")).plan(bare_model(2, 2, 64))
+    assert backends.decode_per_layer("cuda", small, torch.bfloat16) == ("cuda+triton",) * 2
+    assert "tier 2 (int2_kivi)" in backends.describe_cuda(small, torch.bfloat16)

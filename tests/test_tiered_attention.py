@@ -112,6 +112,48 @@ def test_triton_decode_merges_the_tiers(ladder, kv):
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
 
 
+def test_cuda_decode_reads_a_tiers_view_of_the_arena(kv):
+    """The CUDA decode reads a tier's planes where they lie in the arena (blocks further apart than their
+    bytes): each 8-bit and KIVI tier qualifies; int2_kivi at head_dim 64 does not (Triton serves it)."""
+    from kvq.attention.cuda import decode8
+
+    layer, _, _, _ = tiered_layer(*LADDER, kv, LAYOUT)
+    for t, ok in ((0, True), (1, True), (2, False)):
+        lt = layer.tier(t)
+        assert not lt.k["data"].is_contiguous() and not lt.v["data"].is_contiguous()  # views of the arena
+        why = decode8.unsupported_reason(lt, GROUP, torch.bfloat16)
+        assert (why is None) == ok, (t, why)
+    assert "head_dim 64" in decode8.unsupported_reason(layer.tier(2), GROUP, torch.bfloat16)
+    bad = layer.tier(1)
+    bad = replace(bad, k={**bad.k, "data": bad.k["data"].transpose(2, 3)})  # a block's rows out of order
+    assert "not contiguous" in decode8.unsupported_reason(bad, GROUP, torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode needs a GPU")
+@pytest.mark.parametrize("ladder", [LADDER, ("bfloat16", "fp8_e4m3")])
+def test_cuda_decode_merges_the_tiers(ladder, kv):
+    """The cuda backend's decode over a tiered cache: CUDA launches for the tiers it reads (fp8_e4m3,
+    int4_kivi, through their arena views), Triton for the others, merged by log-sum-exp = the reference."""
+    from kvq.attention.cuda import decode8
+    from kvq.attention.cuda import kernels as cuda_kernels
+
+    if decode8.unavailable_reason():
+        pytest.skip(decode8.unavailable_reason())
+    layout = LAYOUT if ladder == LADDER else ["q", "q1", "q", "q1", "q1", "q"]
+    layer, table, _, _ = tiered_layer(*ladder, kv, layout, DEV)
+    bs = layer.block_size
+    W = len(table)
+    rows = np.zeros((2, W), np.int32)
+    rows[0], rows[1] = table, table
+    lens = [W * bs - 3, W * bs - bs - 5]
+    meta, _ = stage_step(HostStep(slots=[0, 1], tables=rows, seq_lens=lens, num_new=[1, 1]), bs, each_to(DEV))
+    q = torch.randn(2, H * GROUP, D, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
+    want = reference.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5).float()
+    got = cuda_kernels.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5, max_seq_len=max(lens),
+                                    tiers=meta.tiers).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+
+
 def test_split_tiers_keeps_order_and_lengths():
     from kvq.cache.pool import TIER_BASE
 

@@ -130,21 +130,32 @@ def _load_triton():
     return kernels
 
 
-def _cuda_layers(plan: CachePlan, dtype: torch.dtype) -> tuple[list[int], str | None]:
-    """Layers whose decode the CUDA kernel serves, and why the first other one is not."""
+def _cuda_parts(plan: CachePlan) -> tuple[list[tuple[bool, ...]], str | None]:
+    """Per layer, per tier (one tier without elastic precision): whether the CUDA kernel decodes that
+    tier's blocks (a tiered layer runs one launch a tier, each by its own format's kernel), and why the
+    first other one is not."""
     from kvq.attention.cuda import decode8
 
     m = plan.model
     group = m.num_attention_heads // m.num_kv_heads
-    served, why_not = [], None
-    for i, f in enumerate(plan.layers):
-        why = decode8.TIERED_REASON if plan.tiers else decode8.layer_reason(f.k, f.v, m.head_dim, plan.block_size,
-                                                                            group)
-        if why is None:
-            served.append(i)
-        elif why_not is None:
-            why_not = f"layer {i}: {why}"
-    return served, why_not
+    parts, why_not = [], None
+    for i in range(len(plan.layers)):
+        row = []
+        for t in range(plan.num_tiers + 1):
+            f = plan.tier_layers(t)[i]
+            why = decode8.layer_reason(f.k, f.v, m.head_dim, plan.block_size, group)
+            row.append(why is None)
+            if why is not None and why_not is None:
+                why_not = f"layer {i}{f' tier {t} ({f.name})' if t else ''}: {why}"
+        parts.append(tuple(row))
+    return parts, why_not
+
+
+def _cuda_layers(plan: CachePlan, dtype: torch.dtype) -> tuple[list[int], str | None]:
+    """Layers whose decode the CUDA kernel serves (wholly, or some tiers of a tiered layer), and why the
+    first other layer or tier is not."""
+    parts, why_not = _cuda_parts(plan)
+    return [i for i, row in enumerate(parts) if any(row)], why_not
 
 
 def _cuda_check(plan: CachePlan, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -169,8 +180,8 @@ def decode_per_layer(resolved: str, plan: CachePlan, dtype: torch.dtype) -> tupl
     """The kernel that runs each layer's decode under backend ``resolved``."""
     if resolved != "cuda":
         return (resolved,) * len(plan.layers)
-    served = set(_cuda_layers(plan, dtype)[0])
-    return tuple("cuda" if i in served else "triton" for i in range(len(plan.layers)))
+    parts, _ = _cuda_parts(plan)  # a tiered layer whose tiers differ: e.g. triton+cuda (bf16 > fp8_e4m3)
+    return tuple("+".join(dict.fromkeys("cuda" if ok else "triton" for ok in row)) for row in parts)
 
 
 def compact_layers(per_layer: tuple[str, ...]) -> str:
@@ -211,8 +222,10 @@ def describe_cuda(plan: CachePlan, dtype: torch.dtype) -> str:
     """Which layers decode through CUDA and which through Triton (engine start line, records)."""
     served, why_not = _cuda_layers(plan, dtype)
     n = len(plan.layers)
+    if why_not is None:
+        return f"CUDA decode on all {n} layers" + (" and tiers" if plan.tiers else "")
     if len(served) == n:
-        return f"CUDA decode on all {n} layers"
+        return f"CUDA decode on all {n} layers, Triton for some tiers ({why_not})"
     if not served:
         return f"Triton kernels on all {n} layers (no layer stored in 8 bits or KIVI: {why_not})"
     return f"CUDA decode on {len(served)} of {n} layers, Triton on the rest ({why_not})"

@@ -335,18 +335,18 @@ __device__ __forceinline__ float scale_at(const u8* sc, int tok, float stat) {
     return reinterpret_cast<const float*>(sc)[0];
 }
 
-// cp.async of a chunk's scales: `lane0` is the first lane used, `src` the chunk's first scale.
-// `row0`: the chunk's first token row (block * H + head) * PAGE + poff; `bh`: block * H + head.
+// cp.async of a chunk's scales: `lane0` is the first lane used, `base` the block's scales.
+// `row`: the chunk's first token row in its block, head * PAGE + poff; `h`: the head.
 template <int MODE>
-__device__ __forceinline__ void copy_scales(u32 dst, const u8* base, i64 row0, i64 bh, int lane, int lane0) {
+__device__ __forceinline__ void copy_scales(u32 dst, const u8* base, i64 row, int h, int lane, int lane0) {
     if (MODE == 1) {  // 16 f32 = 4 x 16 bytes
         const int k = lane - lane0;
-        if (k >= 0 && k < 4) cp16(dst + 16 * k, base + row0 * 4 + 16 * k);
+        if (k >= 0 && k < 4) cp16(dst + 16 * k, base + row * 4 + 16 * k);
     } else if (MODE == 2) {  // 16 f16 = 2 x 16 bytes
         const int k = lane - lane0;
-        if (k >= 0 && k < 2) cp16(dst + 16 * k, base + row0 * 2 + 16 * k);
+        if (k >= 0 && k < 2) cp16(dst + 16 * k, base + row * 2 + 16 * k);
     } else if (MODE == 3) {
-        if (lane == lane0) cp4(dst, base + bh * 4);
+        if (lane == lane0) cp4(dst, base + h * 4);
     }
 }
 
@@ -355,12 +355,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     const u8* __restrict__ kd, const u8* __restrict__ vd,     // [NB, H, PAGE, D or DP] codes
     const u8* __restrict__ ks, const u8* __restrict__ vs,     // scales, per K_SCALE / V_SCALE (KIVI: planes)
     const u8* __restrict__ kz, const u8* __restrict__ vz,     // KIVI zero planes (unused for 8-bit)
+    // each plane's block stride in bytes (a block's rows, [H, PAGE, ...], are contiguous; a tiered cache's
+    // planes are views of its arena, whose blocks are further apart than their bytes); 0 for static scales
+    i64 sb_kd, i64 sb_vd, i64 sb_ks, i64 sb_vs, i64 sb_kz, i64 sb_vz,
     const u8* __restrict__ khp, const u8* __restrict__ vhp,   // [NHP, H, PAGE, D] model dtype
     const int* __restrict__ tables, i64 s_tb,                 // [B, max_blocks] signed block ids
     const int* __restrict__ seq_lens,                         // [B]
-    float* __restrict__ po, float* __restrict__ plse,         // [B, Hq, S, D], [B, Hq, S] (S > 1)
-    u16* __restrict__ out, i64 s_ob, i64 s_oh,                // [B, Hq, D] (S == 1)
-    float qk_scale, int H) {
+    float* __restrict__ po, float* __restrict__ plse,         // [B, Hq, ST, D], [B, Hq, ST] (ST > 1)
+    u16* __restrict__ out, i64 s_ob, i64 s_oh,                // [B, Hq, D] (ST == 1)
+    float qk_scale, int H,
+    int split_base, int ST) {  // this launch's splits are [split_base, + gridDim.x) of ST partials a row
     extern __shared__ __align__(16) u8 smem[];
     const int sp = blockIdx.x, h = blockIdx.y, b = blockIdx.z, S = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, c = lane & 3;
@@ -436,30 +440,31 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             if (!HAS_HP || blk >= 0) {
                 const int k = ik;
                 ik += KIVI_BITS && KIVI_STEP32 ? 2 : 1;
-                const int bh = blk * H + h;
-                const i64 row0 = (i64)bh * PAGE + poff;
+                const i64 bk = blk;
+                const i64 row0 = (i64)h * PAGE + poff;  // the chunk's first row in its block
 #if KIVI_BITS
-                copy_rows<DP, RSK, QR>(st, kd + row0 * DP, lane);
-                copy_rows<DP, RSV, QR>(st + VR_OFF, vd + row0 * DP, lane);
+                copy_rows<DP, RSK, QR>(st, kd + bk * sb_kd + row0 * DP, lane);
+                copy_rows<DP, RSV, QR>(st + VR_OFF, vd + bk * sb_vd + row0 * DP, lane);
                 // K: the scale and zero rows of the 32-token group (at its first chunk); V: 16 tokens'
                 if ((k & 1) == 0) {
-                    const i64 krow = ((i64)bh * (PAGE / 32) + poff / 32) * (2 * D);
+                    const i64 krow = ((i64)h * (PAGE / 32) + poff / 32) * (2 * D);
 #pragma unroll
                     for (int p = lane; p < D / 4; p += 32) {
                         const int half = p / (D / 8), col = (p % (D / 8)) * 16;
-                        cp16(st + KSC_OFF + half * 2 * D + col, (half ? kz : ks) + krow + col);
+                        cp16(st + KSC_OFF + half * 2 * D + col, (half ? kz + bk * sb_kz : ks + bk * sb_ks) + krow + col);
                     }
                 }
 #pragma unroll
                 for (int p = lane; p < QR * NG / 4; p += 32) {  // 16-byte pieces of the scale rows, then the zeros'
                     const int half = p / (QR * NG / 8), col = (p % (QR * NG / 8)) * 16;
-                    cp16(st + VSC_OFF + half * 2 * NG * QR + col, (half ? vz : vs) + row0 * (2 * NG) + col);
+                    cp16(st + VSC_OFF + half * 2 * NG * QR + col,
+                         (half ? vz + bk * sb_vz : vs + bk * sb_vs) + row0 * (2 * NG) + col);
                 }
 #else
-                copy_rows<D, RS>(st, kd + row0 * D, lane);
-                copy_rows<D, RS>(st + 16 * RS, vd + row0 * D, lane);
-                copy_scales<K_SCALE>(st + SC_OFF, ks, row0, bh, lane, 0);
-                copy_scales<V_SCALE>(st + SC_OFF + 64, vs, row0, bh, lane, 4);
+                copy_rows<D, RS>(st, kd + bk * sb_kd + row0 * D, lane);
+                copy_rows<D, RS>(st + 16 * RS, vd + bk * sb_vd + row0 * D, lane);
+                copy_scales<K_SCALE>(st + SC_OFF, ks + bk * sb_ks, row0, h, lane, 0);
+                copy_scales<V_SCALE>(st + SC_OFF + 64, vs + bk * sb_vs, row0, h, lane, 4);
 #endif
             } else {
 #if HAS_HP
@@ -832,10 +837,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         }
         const float o = L > 0.f ? O / L : 0.f;
         const int hq = h * GROUP + qq;
-        if (S == 1) {
+        if (ST == 1) {
             out[(i64)b * s_ob + (i64)hq * s_oh + ch] = float_to_model(o);
         } else {
-            const i64 row = ((i64)b * Hq + hq) * S + sp;
+            const i64 row = ((i64)b * Hq + hq) * ST + split_base + sp;
             po[row * D + ch] = o;
             if (ch == 0) plse[row] = L > 0.f ? M + __log2f(L) : NEG_INF;
         }

@@ -119,15 +119,29 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
     return None
 
 
-#: Why a layer of a tiered plan (kvq.cache.arena: planes are strided views of one arena) decodes in Triton.
-TIERED_REASON = "a tiered cache's planes are views of its arena (this kernel reads contiguous pools)"
+def plane_reason(name: str, t: torch.Tensor) -> str | None:
+    """None if the kernel reads plane ``t`` (``[blocks, ...]``: each block's elements contiguous, blocks
+    any multiple of 16 bytes apart: a contiguous pool, or a tier's view of a tiered cache's arena,
+    kvq.cache.arena), else why not."""
+    inner = t[0] if t.shape[0] else t
+    if t.dim() and t.shape[0] and not inner.is_contiguous():
+        return f"its {name} plane's blocks are not contiguous (strides {tuple(t.stride())})"
+    if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        return f"its {name} plane is not 16-byte aligned (block stride {t.stride(0) * t.element_size()} bytes)"
+    return None
+
+
+def block_stride(t: torch.Tensor) -> int:
+    """Bytes from one block of plane ``t`` to the next."""
+    return t.stride(0) * t.element_size()
 
 
 def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str | None:
     """None if this kernel serves decode over ``layer``, else why not."""
     why = layer_reason(layer.fmt.k, layer.fmt.v, layer.head_dim, layer.block_size, group)
-    if why is None and not all(t.is_contiguous() for t in (*layer.k.values(), *layer.v.values())):
-        why = TIERED_REASON
+    for role, planes in (("K", layer.k), ("V", layer.v)):
+        for name, t in planes.items():
+            why = why or plane_reason(f"{role} {name}", t)
     if why is None and q_dtype not in (torch.bfloat16, torch.float16):
         why = f"queries must be bfloat16 or float16, not {q_dtype}"
     return why
@@ -213,16 +227,30 @@ def _ptr(t: torch.Tensor):
     return np.uint64(t.data_ptr())
 
 
+def splits_for(q: torch.Tensor, layer: LayerKV, max_seq_len: int, nwarps: int = NWARPS,
+               min_blocks: int | None = None) -> int:
+    """The split count :func:`paged_decode` chooses for a batch of ``q``'s size over ``layer``."""
+    B, H = q.shape[0], layer.num_kv_heads
+    return choose_splits(B * H, max_seq_len, _num_sms(q.device.index or 0), min_blocks or min_blocks_for(q.shape[2]),
+                         nwarps=nwarps)
+
+
 def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  sm_scale: float, max_seq_len: int | None = None, has_hp: bool | None = None,
                  num_splits: int | None = None, nwarps: int = NWARPS, nstages: int | None = None,
-                 min_blocks: int | None = None, kivi_step32: bool | None = None) -> torch.Tensor:
+                 min_blocks: int | None = None, kivi_step32: bool | None = None,
+                 partials: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor | None:
     """Same contract as :func:`kvq.attention.reference.paged_decode`.
 
     ``max_seq_len`` (host int, an upper bound of ``seq_lens``) sizes the split grid
     without a device sync; each sequence splits its own length over the splits, so
     one launch shape serves any lengths (CUDA graphs).  ``has_hp=False`` compiles
-    out the high-precision path (no table holds an hp block)."""
+    out the high-precision path (no table holds an hp block).
+
+    ``partials`` = (po [B, Hq, S, D] float32, plse [B, Hq, S] float32, base): write this launch's
+    ``num_splits`` partial results (channels in natural order, log2-domain log-sum-exps) at splits
+    ``base, ...`` of the S a row, for the caller to merge with other launches' (a tiered cache: one
+    launch a tier, kvq.attention.cuda.kernels); returns None."""
     import cupy
     import numpy as np
 
@@ -245,7 +273,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
     if num_splits is None:
-        num_splits = choose_splits(B * H, max_seq_len, _num_sms(q.device.index or 0), min_blocks, nwarps=nwarps)
+        num_splits = splits_for(q, layer, max_seq_len, nwarps, min_blocks)
     fk, fv = layer.fmt.k, layer.fmt.v
     kivi = kivi_bits(fk)
     kern, smem = _kernel(D, layer.block_size, group, kivi, _KIND.get(fk.storage, 0), _KIND.get(fv.storage, 0),
@@ -255,22 +283,32 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
     kz = layer.k["zero"] if kivi else ks
     vz = layer.v["zero"] if kivi else vs
-    out = torch.empty_like(q)
-    if num_splits > 1:
+    out = torch.empty_like(q) if partials is None else q  # (with partials: unused by the kernel)
+    base, total = 0, num_splits
+    if partials is not None:
+        po, plse, base = partials
+        total = po.shape[2]
+        assert po.shape == (B, Hq, total, D) and plse.shape == (B, Hq, total) and base + num_splits <= total
+        assert po.is_contiguous() and plse.is_contiguous() and total > 1
+    elif num_splits > 1:
         po = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
         plse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     else:
         po = plse = out  # unused by the kernel
+    planes = (layer.k["data"], layer.v["data"], ks, vs, kz, vz)
+    blocked = [np.int64(block_stride(t) if t.dim() > 1 else 0) for t in planes]  # (static scales: [H])
     stream = _cupy_stream(torch.cuda.current_stream(q.device).cuda_stream)
     with cupy.cuda.Device(q.device.index or 0), stream:
         kern((num_splits, H, B), (32 * nwarps,), (
             _ptr(q), np.int64(q.stride(0)), np.int64(q.stride(1)),
-            _ptr(layer.k["data"]), _ptr(layer.v["data"]), _ptr(ks), _ptr(vs), _ptr(kz), _ptr(vz),
+            _ptr(layer.k["data"]), _ptr(layer.v["data"]), _ptr(ks), _ptr(vs), _ptr(kz), _ptr(vz), *blocked,
             _ptr(layer.k_hp), _ptr(layer.v_hp),
             _ptr(block_tables), np.int64(block_tables.stride(0)), _ptr(seq_lens),
             _ptr(po), _ptr(plse), _ptr(out), np.int64(out.stride(0)), np.int64(out.stride(1)),
-            np.float32(sm_scale * _LOG2E), np.int32(H),
+            np.float32(sm_scale * _LOG2E), np.int32(H), np.int32(base), np.int32(total),
         ), shared_mem=smem)
+    if partials is not None:
+        return None
     if num_splits > 1:
         _decode_reduce_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), num_splits, Hq,
                                        S_TILE=16, D=D, V_PER=1)

@@ -1,7 +1,8 @@
 """The ``cuda`` backend's kernels under the reference's names (see kvq.attention.reference).
 
 Decode over layers stored in 8 bits or as KIVI runs the CUDA kernel of
-decode8.cu; decode over any other layer (bf16 skip layers, per-token 4/2-bit
+decode8.cu (a tiered cache's: one launch a tier, the CUDA kernel for the tiers
+it reads, merged with the others by log-sum-exp); decode over any other layer (bf16 skip layers, per-token 4/2-bit
 baselines) and prefill run the Triton kernels.  Block seals of KIVI and
 per-block-scaled layers (window seals in the decode step, a prefill chunk's whole
 blocks) run the CUDA kernel of seal.cu; token writes and every other seal run the
@@ -10,6 +11,8 @@ plan's choice is fixed when the backend is selected (backends.py reports it).
 """
 
 from __future__ import annotations
+
+import torch
 
 from kvq.attention.cuda import decode8, seal
 from kvq.attention.triton import decode as triton_decode
@@ -22,11 +25,34 @@ __all__ = ["demote_pairs", "paged_attention", "paged_decode", "seal_blocks", "se
 
 def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None, tiers=None):
     group = q.shape[1] // layer.num_kv_heads
-    if tiers is None and decode8.unsupported_reason(layer, group, q.dtype) is None:
-        return decode8.paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len,
-                                    has_hp=has_hp)
-    return triton_decode.paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len,
-                                      has_hp=has_hp, tiers=tiers)
+    if tiers is None:
+        if decode8.unsupported_reason(layer, group, q.dtype) is None:
+            return decode8.paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len,
+                                        has_hp=has_hp)
+        return triton_decode.paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len,
+                                          has_hp=has_hp)
+    # a tiered cache: one launch a tier, each by the kernel of its format (the CUDA one where it reads it),
+    # into one set of partial results merged by log-sum-exp
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    if has_hp is None:
+        has_hp = layer.k_hp.shape[0] > 0
+    parts = triton_decode.decode_parts(layer, block_tables, seq_lens, max_seq_len, bool(has_hp), tiers)
+    cuda = [decode8.unsupported_reason(p.layer, group, q.dtype) is None for p in parts]
+    splits = [decode8.splits_for(q, p.layer, p.longest) if c else triton_decode.part_splits(q, p)
+              for p, c in zip(parts, cuda)]
+    B, Hq, D = q.shape
+    po = torch.empty(B, Hq, sum(splits), D, dtype=torch.float32, device=q.device)
+    plse = torch.empty(B, Hq, sum(splits), dtype=torch.float32, device=q.device)
+    base = 0
+    for p, c, n in zip(parts, cuda, splits):
+        if c:
+            decode8.paged_decode(q, p.layer, p.tables, p.lens, sm_scale, max_seq_len=p.longest, has_hp=p.has_hp,
+                                 num_splits=n, partials=(po, plse, base))
+        else:
+            triton_decode.launch_part(q, p, po, plse, base, sm_scale, n, natural=True)
+        base += n
+    return triton_decode.merge_parts(po, plse, torch.empty_like(q))
 
 
 def seal_pairs(layer, pairs):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -186,6 +187,11 @@ def static_arg(layer: LayerKV, role: str) -> torch.Tensor:
     return layer.static_scale(role)
 
 
+def tile_per(fmt) -> int:
+    """Values a byte of a tensor format's tile order (kvq.attention.triton.tiles.tile_channel); 1: natural."""
+    return 1 if fmt.family == "rot" else fmt.values_per_byte
+
+
 def layer_args(layer: LayerKV) -> tuple[list, dict]:
     """Pointer/stride arguments and constexprs describing a layer's K and V pools."""
     args, meta = [], {}
@@ -195,7 +201,7 @@ def layer_args(layer: LayerKV) -> tuple[list, dict]:
         args += [data, _plane(planes, "scale", data), _plane(planes, "zero", data), layer.hp(role),
                  static_arg(layer, role)]
         meta[f"{role}_fmt"] = format_code(fmt)
-        meta[f"{role}_per"] = 1 if fmt.family == "rot" else fmt.values_per_byte
+        meta[f"{role}_per"] = tile_per(fmt)
         meta[f"{role}_g"] = fmt.group_size or 1
     strides = []
     for role in ("k", "v"):
@@ -249,6 +255,70 @@ def choose_splits(batch_heads: int, max_len: int, block_n: int, num_sms: int = 1
     return math.ceil(max_len / tps), tps
 
 
+class DecodePart(NamedTuple):
+    """One launch of a decode step: a layer (or a tier's view of it) and the tables that point into it."""
+
+    layer: LayerKV
+    tables: torch.Tensor
+    lens: torch.Tensor
+    longest: int  # host upper bound of lens
+    has_hp: bool
+
+
+def decode_parts(layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                 has_hp: bool, tiers=None) -> list[DecodePart]:
+    """The launches of one decode: the layer itself, or with ``tiers`` (kvq.cache.step.TierTables) its hp
+    and resident blocks, then each lower tier's blocks (the tiers' tables hold no hp block)."""
+    if tiers is None:
+        return [DecodePart(layer, block_tables, seq_lens, max_seq_len, has_hp)]
+    return [DecodePart(layer, tiers.base_tables, tiers.base_lens, tiers.base_max_len, has_hp)] + [
+        DecodePart(layer.tier(t), tab, lens, mx, False) for t, tab, lens, mx in tiers.tiers]
+
+
+def _num_sms(q: torch.Tensor) -> int:
+    return torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+
+
+def part_splits(q: torch.Tensor, part: DecodePart, block_n: int | None = None) -> int:
+    """The split count of one part's Triton launch (:func:`launch_part`)."""
+    auto_n, _, split_always = launch_defaults(part.layer)
+    return choose_splits(q.shape[0] * part.layer.num_kv_heads, max(int(part.longest), 1), block_n or auto_n,
+                         _num_sms(q), split_always)[0]
+
+
+def launch_part(q: torch.Tensor, part: DecodePart, po: torch.Tensor, plse: torch.Tensor, base: int,
+                sm_scale: float, splits: int, natural: bool, block_n: int | None = None, num_warps: int = 4,
+                num_stages: int | None = None, g_pad: int | None = None) -> None:
+    """One part's split-K launch: its ``splits`` partial results at splits ``base, ...`` of ``po`` /
+    ``plse`` ([B, Hq, S, D] / [B, Hq, S] float32); ``natural``: channels in natural order (parts of
+    several formats merge), else in V's tile order."""
+    lay = part.layer
+    B, Hq, D = q.shape
+    auto_n, auto_stages, _ = launch_defaults(lay)
+    args, meta = layer_args(lay)
+    q_rot = q
+    if lay.fmt.k.family == "rot":  # q @ R^T: the rotated domain's query (one small product, not one a tile)
+        q_rot = (q.float() @ static_arg(lay, "k")[:D * D].view(D, D)).contiguous()
+    group = Hq // lay.num_kv_heads
+    _decode_split_kernel[(B, lay.num_kv_heads, splits)](
+        q, q.stride(0), q.stride(1), q_rot, *args,
+        part.tables, part.tables.stride(0), part.lens, po, plse, splits, sm_scale * _LOG2E, base, po.shape[2],
+        GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=lay.block_size,
+        BLOCK_N=block_n or auto_n, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
+        V_PER=meta["v_per"], K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=bool(part.has_hp), DOT=_dot_dtype(q.dtype),
+        PO_NATURAL=natural, num_warps=num_warps, num_stages=num_stages or auto_stages,
+    )
+
+
+def merge_parts(po: torch.Tensor, plse: torch.Tensor, out: torch.Tensor, v_per: int = 1) -> torch.Tensor:
+    """Merge the partial results of every launch by their log-sum-exps into ``out`` [B, Hq, D]
+    (``v_per``: the values per byte of V's tile order the partials are in; 1: natural order)."""
+    B, Hq = out.shape[:2]
+    _decode_reduce_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), po.shape[2], Hq,
+                                   S_TILE=16, D=out.shape[2], V_PER=v_per)
+    return out
+
+
 def paged_decode(
     q: torch.Tensor,
     layer: LayerKV,
@@ -282,44 +352,17 @@ def paged_decode(
     H = layer.num_kv_heads
     assert Hq % H == 0 and D == layer.head_dim, (Hq, H, D, layer.head_dim)
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
-    group = Hq // H
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
     if has_hp is None:
         has_hp = layer.k_hp.shape[0] > 0
-    parts = [(layer, block_tables, seq_lens, max_seq_len, bool(has_hp))]
-    if tiers is not None:
-        parts = [(layer, tiers.base_tables, tiers.base_lens, tiers.base_max_len, bool(has_hp))]
-        parts += [(layer.tier(t), tab, lens, mx, False) for t, tab, lens, mx in tiers.tiers]
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    launches = []
-    for lay, tab, lens, longest, hp in parts:
-        auto_n, auto_stages, split_always = launch_defaults(lay)
-        bn = block_n or auto_n
-        splits = num_splits or choose_splits(B * H, max(int(longest), 1), bn, num_sms, split_always)[0]
-        launches.append((lay, tab, lens, hp, bn, num_stages or auto_stages, splits))
-    total = sum(x[-1] for x in launches)
-    po = torch.empty(B, Hq, total, D, dtype=torch.float32, device=q.device)
-    plse = torch.empty(B, Hq, total, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
-    base, v_per = 0, None
-    for lay, tab, lens, hp, bn, stages, splits in launches:
-        args, meta = layer_args(lay)
-        v_per = meta["v_per"] if v_per is None else v_per
-        q_rot = q
-        if lay.fmt.k.family == "rot":  # q @ R^T: the rotated domain's query (one small product, not one a tile)
-            q_rot = (q.float() @ static_arg(lay, "k")[:D * D].view(D, D)).contiguous()
-        _decode_split_kernel[(B, H, splits)](
-            q, q.stride(0), q.stride(1), q_rot, *args,
-            tab, tab.stride(0), lens, po, plse, splits, sm_scale * _LOG2E, base, total,
-            GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=lay.block_size,
-            BLOCK_N=bn, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
-            K_G=meta["k_g"], V_G=meta["v_g"], HAS_HP=hp, DOT=_dot_dtype(q.dtype), PO_NATURAL=len(parts) > 1,
-            num_warps=num_warps, num_stages=stages,
-        )
-        base += splits
-    _decode_reduce_kernel[(B, Hq)](
-        po, plse, out, out.stride(0), out.stride(1), total, Hq,
-        S_TILE=16, D=D, V_PER=1 if len(parts) > 1 else v_per,
-    )
-    return out
+    parts = decode_parts(layer, block_tables, seq_lens, max_seq_len, bool(has_hp), tiers)
+    splits = [num_splits or part_splits(q, part, block_n) for part in parts]
+    po = torch.empty(B, Hq, sum(splits), D, dtype=torch.float32, device=q.device)
+    plse = torch.empty(B, Hq, sum(splits), dtype=torch.float32, device=q.device)
+    base = 0
+    for part, n in zip(parts, splits):
+        launch_part(q, part, po, plse, base, sm_scale, n, len(parts) > 1, block_n, num_warps, num_stages, g_pad)
+        base += n
+    v_per = 1 if len(parts) > 1 else tile_per(layer.fmt.v)
+    return merge_parts(po, plse, torch.empty_like(q), v_per)
