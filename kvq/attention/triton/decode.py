@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq.attention.triton import decode_kivi
 from kvq.attention.triton.tiles import (ROT, ROT_C, format_code, hp_rows, load_tile, rot_mean, rot_table, rot_tile,
                                        tile_channel)
 from kvq.cache.pool import LayerKV
@@ -227,9 +228,11 @@ def launch_defaults(layer: LayerKV) -> tuple[int, int, bool]:
     """(BLOCK_N, num_stages, split_always) by stored width, from the H200 sweeps
     recorded in docs/kernels.md: 16-bit pools 64/2 and split the context only when
     there are too few (sequence, head) pairs to fill the GPU; 8-bit pools 128/4 and
-    always split to ~8 programs per SM; packed sub-byte 64/2, split like 8-bit; rotated
+    always split to ~8 programs per SM; packed sub-byte 64/2 (KIVI: its own kernel, 32/2), split like 8-bit; rotated
     K 64/1 (chosen by shared memory, not yet swept on the H200)."""
     bits = min(layer.fmt.k.bits, layer.fmt.v.bits)
+    if decode_kivi.serves(layer):  # one 32-token group a tile (kvq.attention.triton.decode_kivi)
+        return decode_kivi.GROUP_TOKENS, 2, True
     if layer.fmt.k.family == "rot":  # rotated K: its level gather pipelined in 2 stages doubles shared memory
         return 64, 1, True          # (Triton 3.6, head_dim 128: 131 KB, one block an SM; 1 stage: 68 KB)
     if bits == 16:
@@ -295,6 +298,10 @@ def launch_part(q: torch.Tensor, part: DecodePart, po: torch.Tensor, plse: torch
     lay = part.layer
     B, Hq, D = q.shape
     auto_n, auto_stages, _ = launch_defaults(lay)
+    if decode_kivi.serves(lay):  # KIVI's own kernel (32-token tiles, natural channel order)
+        decode_kivi.launch(q, lay, part.tables, part.lens, part.has_hp, po, plse, base, sm_scale * _LOG2E, splits,
+                           _dot_dtype(q.dtype), num_warps, num_stages or auto_stages, g_pad)
+        return
     args, meta = layer_args(lay)
     q_rot = q
     if lay.fmt.k.family == "rot":  # q @ R^T: the rotated domain's query (one small product, not one a tile)
@@ -364,5 +371,5 @@ def paged_decode(
     for part, n in zip(parts, splits):
         launch_part(q, part, po, plse, base, sm_scale, n, len(parts) > 1, block_n, num_warps, num_stages, g_pad)
         base += n
-    v_per = 1 if len(parts) > 1 else tile_per(layer.fmt.v)
+    v_per = 1 if len(parts) > 1 or decode_kivi.serves(layer) else tile_per(layer.fmt.v)
     return merge_parts(po, plse, torch.empty_like(q), v_per)
