@@ -59,7 +59,7 @@ class _Timed:
 
 
 def build(concurrency: int, prompt: int, steps: int, kv_cache_dtype: str, freeze_gc: bool = False,
-          stop: bool = False, tiers: dict | None = None):
+          stop: bool = False, tiers: dict | None = None, memory_fraction: float = 1.0):
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.engine.sampling_params import SamplingParams
 
@@ -70,7 +70,8 @@ def build(concurrency: int, prompt: int, steps: int, kv_cache_dtype: str, freeze
     tokens = concurrency * (prompt + extra + 32)
     eng = LLMEngine(EngineConfig(model=tmp, load_format="dummy", device="cpu", kv_cache_dtype=kv_cache_dtype,
                                  max_num_seqs=concurrency, max_num_batched_tokens=max(8192, concurrency),
-                                 kv_cache_memory=tokens * 2 * 2 * 32 * 4 * 2 + (64 << 20), progress=False,
+                                 kv_cache_memory=int((tokens * 2 * 2 * 32 * 4 * 2 + (64 << 20)) * memory_fraction),
+                                 progress=False,
                                  enable_prefix_caching=False, **({"freeze_gc": True} if freeze_gc else {}),
                                  **(tiers or {})))
     vocab = TINY["vocab_size"]
@@ -137,6 +138,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stop", action="store_true", help="a stop string per request: detokenize every step")
     ap.add_argument("--kv-cache-tiers", default=None, help="elastic precision: lower tiers (issue 45)")
     ap.add_argument("--kv-tier-age", default=None, help="with --kv-cache-tiers: tokens behind the head (age policy)")
+    ap.add_argument("--kv-tier-policy", default=None, help="with --kv-cache-tiers: age, pressure or both")
+    ap.add_argument("--memory-fraction", type=float, default=1.0,
+                    help="the KV pool's bytes times this (below 1 with tiers: pressure demotes blocks as the "
+                         "sequences grow)")
     ap.add_argument("--label", default="current")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "host_step_cpu.json"))
     args = ap.parse_args(argv)
@@ -145,11 +150,16 @@ def main(argv=None) -> int:
     if args.stop:
         kw["stop"] = True
     if args.kv_cache_tiers:  # the age rule demotes blocks at appends: its host cost shows in schedule/update
-        kw["tiers"] = {"kv_cache_tiers": args.kv_cache_tiers, "kv_tier_age": args.kv_tier_age}
-    eng = build(args.concurrency, args.prompt, args.steps, args.kv_cache_dtype, **kw)
+        kw["tiers"] = {"kv_cache_tiers": args.kv_cache_tiers, "kv_tier_age": args.kv_tier_age,
+                       "kv_tier_policy": args.kv_tier_policy}
+    eng = build(args.concurrency, args.prompt, args.steps, args.kv_cache_dtype, memory_fraction=args.memory_fraction,
+                **kw)
     res = measure(eng, args.steps)
     res.update(label=args.label, concurrency=args.concurrency, prompt=args.prompt, kv_cache_dtype=args.kv_cache_dtype,
-               kv_cache_tiers=args.kv_cache_tiers, kv_tier_age=args.kv_tier_age,
+               kv_cache_tiers=args.kv_cache_tiers, kv_tier_age=args.kv_tier_age, kv_tier_policy=args.kv_tier_policy,
+               memory_fraction=args.memory_fraction,
+               preemptions=sum(s.num_preemptions for s in eng.scheduler._seqs.values()),
+               demotions=list(eng.block_manager.num_demotions),
                freeze_gc=args.freeze_gc, stop_strings=args.stop,
                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                machine={"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
