@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton import decode_kivi
-from kvq.attention.triton.tiles import (ROT, ROT_C, format_code, hp_rows, load_tile, rot_mean, rot_table, rot_tile,
-                                       tile_channel)
+from kvq.attention.triton.tiles import (ROT, ROT_C, format_code, hp_rows, load_tile, rot_mags, rot_mean, rot_table,
+                                       rot_tile, tile_channel)
 from kvq.cache.pool import LayerKV
 
 _LOG2E = 1.4426950408889634
@@ -77,8 +77,10 @@ def _decode_split_kernel(
     if K_FMT >= ROT:  # rotated K: scores in the rotated domain, q rotated once (q . (u R)^T = (q R^T) . u^T)
         qr_rows = qr_ptr + (b * tl.num_programs(1) * GROUP + h * GROUP + g).to(tl.int64)[:, None] * D
         q_r = tl.load(qr_rows + pos[None, :], mask=gmask[:, None], other=0.0).to(DOT)
+        k_mags = rot_mags(kst, D, K_FMT)
     if V_FMT >= ROT:  # rotated V: its share of the output summed in the rotated domain, rotated back at the end
         acc_r = tl.zeros((G_PAD, D), tl.float32)
+        v_mags = rot_mags(vst, D, V_FMT)
     table = table_ptr + b.to(tl.int64) * s_tb
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
@@ -86,7 +88,7 @@ def _decode_split_kernel(
         bid = tl.load(table + t // PAGE, mask=valid, other=0)
         off = t % PAGE
         if K_FMT >= ROT:
-            lev, k_sc = rot_tile(kd, ks, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, bid, off, h, D, K_FMT, DOT)
+            lev, k_sc = rot_tile(kd, ks, k_mags, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, bid, off, h, D, K_FMT, DOT)
             s = tl.dot(q_r, tl.trans(lev)) * k_sc[None, :]
             if K_FMT >= ROT_C:
                 s += tl.dot(q, tl.trans(rot_mean(kz, s_ksb, s_ksh, bid, off, h, D, K_G).to(DOT)))
@@ -105,7 +107,7 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_FMT >= ROT:
-            lev, v_sc = rot_tile(vd, vs, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, bid, off, h, D, V_FMT, DOT)
+            lev, v_sc = rot_tile(vd, vs, v_mags, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, bid, off, h, D, V_FMT, DOT)
             acc = acc * alpha[:, None]
             if HAS_HP:
                 is_hp = (bid < 0)[None, :]

@@ -53,7 +53,7 @@ def _codes(ptr, row, col, D: tl.constexpr, BITS: tl.constexpr):
     ``col``: channel c is bit plane c // DP of byte c % DP (DP = D * BITS / 8, planar packing)."""
     DP: tl.constexpr = D * BITS // 8
     x = tl.load(ptr + row + col % DP).to(tl.int32)
-    return (x >> ((col // DP) * BITS)) & ((1 << BITS) - 1)
+    return (x >> ((col // DP) * BITS)) & ((tl.constexpr(1) << BITS) - 1)
 
 
 # the table width and split count change step to step, the table and length views' alignment too

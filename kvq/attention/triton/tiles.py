@@ -153,16 +153,58 @@ def rot_values(data_ptr, norm_ptr, mean_ptr, table_ptr, row, nrow, mrow, D: tl.c
 
 
 @triton.jit
-def rot_tile(data_ptr, norm_ptr, table_ptr, s_db, s_dh, s_dt, s_sb, s_sh, s_st, bid, off, head,
+def rot_mags(table_ptr, D: tl.constexpr, FMT: tl.constexpr):
+    """The codebook's positive levels, ascending, as 8 scalars (2 bits: 2 of them, 3 bits: 4, 4 bits: 8;
+    the rest repeat the last).  Lloyd-Max levels of the rotated coordinates' symmetric distribution are
+    symmetric: level ``HALF + i`` is ``m_i`` and level ``HALF - 1 - i`` is ``-m_i``."""
+    BITS: tl.constexpr = (FMT - ROT) % 3 + 2
+    base = table_ptr + 2 * D * D + (tl.constexpr(1) << (BITS - 1))
+    m0 = tl.load(base)
+    m1 = tl.load(base + 1)
+    m2 = m1
+    m3 = m1
+    if BITS >= 3:
+        m2 = tl.load(base + 2)
+        m3 = tl.load(base + 3)
+    m4 = m3
+    m5 = m3
+    m6 = m3
+    m7 = m3
+    if BITS == 4:
+        m4 = tl.load(base + 4)
+        m5 = tl.load(base + 5)
+        m6 = tl.load(base + 6)
+        m7 = tl.load(base + 7)
+    return m0, m1, m2, m3, m4, m5, m6, m7
+
+
+@triton.jit
+def rot_level(code, mags, BITS: tl.constexpr):
+    """Levels of int32 codes by selects among the scalars of :func:`rot_mags` (no gather a value)."""
+    HALF: tl.constexpr = tl.constexpr(1) << (BITS - 1)
+    up = code >= HALF
+    i = tl.where(up, code - HALF, HALF - 1 - code)
+    mag = tl.where(i == 0, mags[0], mags[1])
+    if BITS >= 3:
+        mag = tl.where(i < 2, mag, tl.where(i == 2, mags[2], mags[3]))
+    if BITS == 4:
+        mag = tl.where(i < 4, mag, tl.where(i < 6, tl.where(i == 4, mags[4], mags[5]),
+                                            tl.where(i == 6, mags[6], mags[7])))
+    return tl.where(up, mag, -mag)
+
+
+@triton.jit
+def rot_tile(data_ptr, norm_ptr, mags, s_db, s_dh, s_dt, s_sb, s_sh, s_st, bid, off, head,
              D: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr):
     """A rotated codebook tile left in the rotated domain: ([N, D] levels in DOT, [N] float32 norms),
     so ``x = norm * levels @ R`` (+ the group mean of a centred K, :func:`rot_mean`).  The decode
     rotates the query once and the output once instead of every tile (kvq.attention.triton.decode).
-    Rows of hp blocks read block 0 (finite values): the caller replaces them."""
+    ``mags``: :func:`rot_mags` of the format's table.  Rows of hp blocks read block 0 (finite values):
+    the caller replaces them."""
     qb = tl.where(bid < 0, 0, bid).to(tl.int64)
     row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
     BITS: tl.constexpr = (FMT - ROT) % 3 + 2
-    lev = tl.load(table_ptr + 2 * D * D + rot_codes(data_ptr, row, D, BITS)).to(DOT)
+    lev = rot_level(rot_codes(data_ptr, row, D, BITS), mags, BITS).to(DOT)
     return lev, tl.load(norm_ptr + qb * s_sb + head * s_sh + off * s_st).to(tl.float32)
 
 
