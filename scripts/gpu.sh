@@ -3,6 +3,7 @@
 # (pytest, hypothesis, FlashInfer 0.7.0 and its small deps) into /tmp/site, set
 # FlashInfer's environment, then run the target.
 #   bash scripts/gpu.sh test            # kernel tests on CUDA (what `make gpu-test` runs)
+#   bash scripts/gpu.sh pytest ARGS     # pytest with these arguments (a subset of the tests)
 #   bash scripts/gpu.sh bench-kernels   # decode/write benchmark vs FlashInfer and SDPA
 #   bash scripts/gpu.sh bench-prefill   # prefill attention per format vs FlashInfer fa2/fa3 and SDPA cuDNN
 #   bash scripts/gpu.sh bench-engine    # end-to-end generation vs HF transformers (see benchmarks/README.md)
@@ -41,6 +42,7 @@ case "$target" in
           tests/test_formats_spec.py tests/test_connectors.py tests/test_sampler.py tests/test_sampling_kernel.py \
           tests/test_no_recompile.py tests/test_split_prefill.py tests/test_codebook.py tests/test_demote.py \
           tests/test_tiered_attention.py "$@" ;;
+  pytest) python3 -m pytest -q -p no:cacheprovider "$@" ;;  # a chosen subset: bash scripts/gpu.sh pytest -n 8 tests/...
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
   bench-prefill) python3 benchmarks/bench_prefill.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
@@ -52,5 +54,5 @@ case "$target" in
   probe) python3 scripts/probe_decode.py "$@" ;;
   env-check) python3 scripts/cuda_extra_check.py "$@" ;;
   demo) t0=$(date +%s); python3 -m kvq.cli eval --model default "$@"; echo "kvq eval wall $(( $(date +%s) - t0 )) s" ;;
-  *) echo "unknown target $target (test, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, pytest, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
 esac
