@@ -145,3 +145,12 @@ bench-kv-transfer:
 	bash scripts/gpu.sh bench-kv-transfer
 disagg-check:
 	bash scripts/gpu.sh disagg-check --formats int4_kivi,fp8_e4m3,int8,int2_kivi
+
+# The CUDA kernels compiled for sm_90 on any machine, no GPU: NVRTC from its PyPI wheel (89 MB, into
+# /tmp/kvq-nvrtc once), every variant decode8.py launches (scripts/nvrtc_check.py)
+NVRTC_DIR ?= /tmp/kvq-nvrtc
+.PHONY: cuda-compile-check
+cuda-compile-check:
+	test -f $(NVRTC_DIR)/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 || ( $(PIP) download -q --no-deps -d $(NVRTC_DIR) \
+	  nvidia-cuda-nvrtc-cu12 && cd $(NVRTC_DIR) && unzip -q -o 'nvidia_cuda_nvrtc_cu12-*.whl' -d x )
+	$(PY) scripts/nvrtc_check.py --lib $(NVRTC_DIR)/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12

@@ -123,9 +123,11 @@ def plane_reason(name: str, t: torch.Tensor) -> str | None:
     """None if the kernel reads plane ``t`` (``[blocks, ...]``: each block's elements contiguous, blocks
     any multiple of 16 bytes apart: a contiguous pool, or a tier's view of a tiered cache's arena,
     kvq.cache.arena), else why not."""
-    inner = t[0] if t.shape[0] else t
-    if t.dim() and t.shape[0] and not inner.is_contiguous():
-        return f"its {name} plane's blocks are not contiguous (strides {tuple(t.stride())})"
+    want = 1  # each block's elements contiguous: strides of the inner dims as a contiguous tensor's
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != want:
+            return f"its {name} plane's blocks are not contiguous (strides {tuple(t.stride())})"
+        want *= size
     if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
         return f"its {name} plane is not 16-byte aligned (block stride {t.stride(0) * t.element_size()} bytes)"
     return None

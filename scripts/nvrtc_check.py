@@ -1,0 +1,83 @@
+"""Compile the CUDA kernels (decode8.cu, seal.cu) for sm_90 without a GPU, through NVRTC alone.
+
+The launchers compile their kernels at run time with CuPy's NVRTC on the GPU machine; a
+mistake in the source shows only there.  This script calls libnvrtc directly (ctypes), so
+it runs on any machine that has the library (`make cuda-compile-check` fetches it from PyPI).
+
+Each variant is compiled to a cubin for sm_90 (front end and ptxas) with the macros its
+launcher passes; the script prints one line a variant (registers are not reported: NVRTC
+does not return them) and exits 1 on the first failure, with the compiler's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = ROOT / "kvq" / "attention" / "cuda"
+
+
+def compile_cubin(lib, source: str, name: str, options: list[str]) -> tuple[bool, str, int]:
+    """(ok, log, cubin bytes) of one compilation."""
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None)
+    if rc:
+        return False, f"nvrtcCreateProgram: {rc}", 0
+    opts = [o.encode() for o in options]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, buf)
+    log = buf.value.decode(errors="replace")
+    nbytes = 0
+    if rc == 0:
+        cs = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(cs))
+        nbytes = cs.value
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return rc == 0, log, nbytes
+
+
+def decode8_variants():
+    """The macro sets decode8.py compiles (kvq.attention.cuda.decode8._kernel), over the shapes kvq serves."""
+    for d, kivi in itertools.product((64, 128, 256), (0, 4, 2)):
+        if kivi == 2 and d < 128:
+            continue
+        kinds = [(0, 0, 0, 0), (2, 2, 1, 1), (0, 0, 3, 3), (1, 1, 2, 2)] if not kivi else [(0, 0, 0, 0)]
+        for (kk, vk, ks, vs), has_hp, bf16 in itertools.product(kinds, (False, True), (True, False)):
+            min_blocks = 3 if d <= 128 else 2
+            yield (f"decode8 D{d} kivi{kivi} kinds{kk}{vk} scales{ks}{vs} hp{int(has_hp)} bf16{int(bf16)}",
+                   ["-std=c++17", f"-DHEAD_DIM={d}", "-DPAGE=32", "-DGROUP=4", f"-DKIVI_BITS={kivi}",
+                    f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={ks}", f"-DV_SCALE={vs}", f"-DHAS_HP={int(has_hp)}",
+                    f"-DMODEL_BF16={int(bf16)}", "-DNWARPS=4", "-DNSTAGES=3", f"-DMIN_BLOCKS={min_blocks}",
+                    f"-DKIVI_STEP32={int(bool(kivi))}"])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lib", default="libnvrtc.so.12", help="path of libnvrtc")
+    ap.add_argument("--arch", default="sm_90")
+    args = ap.parse_args(argv)
+    lib = ctypes.CDLL(args.lib)
+    src = (CUDA / "decode8.cu").read_text()
+    n = 0
+    for name, opts in decode8_variants():
+        ok, log, nbytes = compile_cubin(lib, src, "decode8.cu", opts + [f"-arch={args.arch}"])
+        if not ok:
+            print(f"FAILED {name}\n{log}")
+            return 1
+        n += 1
+        warn = sum("warning" in line for line in log.splitlines())
+        print(f"compiled {name}: cubin {nbytes} B" + (f" ({warn} warnings)" if warn else ""))
+    print(f"{n} variants compiled")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
