@@ -77,13 +77,16 @@ TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8_e4m3", "int4_kivi"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8_e4m3", "int4_kivi", "fp8_e4m3>int4_kivi@96"])
 def test_graph_replay_matches_eager_decode(fmt, tmp_path):
+    """(The tiered cache: blocks 96 tokens behind their head age into int4_kivi; graphs replay steps whose
+    tables hold them, each tier by its own launch.)"""
+    from kvq.cache.plan import KVCacheConfig
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.engine.sampling_params import SamplingParams
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", kv_cache_dtype=fmt,
+    eng = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", kv_cache=KVCacheConfig().with_spec(fmt),
                                  kv_cache_memory="256MiB", max_num_seqs=16, progress=False))
     graphs = eng.runner.graphs
     from kvq.attention.cuda import decode8
@@ -95,7 +98,7 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
     for n in (3, 40, 150, 300, 17):  # 5 sequences: replays the graph of 8 with 3 padding rows
         ids = torch.randint(0, 4096, (n,), generator=g).tolist()
         eng.add_request(ids, SamplingParams(max_tokens=40, ignore_eos=True))
-    checked = sealed_in_graph = 0
+    checked = sealed_in_graph = tiered_replays = 0
     while eng.has_unfinished():
         sched = eng.scheduler.schedule()
         seqs = {s.seq_id: eng.scheduler.get(s.seq_id) for s in sched.scheduled}
@@ -112,11 +115,15 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
             assert (replayed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.8
             checked += 1
             sealed_in_graph += len(sched.ops)
+            tiered_replays += graphs.num_tiers > 0 and int(graphs.part_lens[1].sum()) > 0
         tokens = logits.argmax(-1).tolist() if logits is not None else []
         eng.scheduler.update(sched, dict(zip(sample_ids, tokens)))
     assert checked >= 30
     if fmt == "int4_kivi":  # KIVI K blocks seal as they fill: inside the replayed graph
         assert sealed_in_graph > 0
+    if ">" in fmt:
+        assert eng.block_manager.num_demotions[1] > 0 and tiered_replays >= 10, (eng.block_manager.num_demotions,
+                                                                                 tiered_replays)
     eng.block_manager.check_integrity()
 
 

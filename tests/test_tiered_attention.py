@@ -35,14 +35,17 @@ def kv():
     return data["k"][2], data["v"][2]  # [896, 3, 64] bf16
 
 
-def tiered_layer(base: str, tiers: str, kv, layout: list[str], device="cpu"):
+def tiered_layer(base: str, tiers: str, kv, layout: list[str], device="cpu", pools: list | None = None):
     """A one-layer tiered pool holding one sequence whose logical block ``i`` lies in pool
-    ``layout[i]`` ("hp", "q", "q1"...), filled with consecutive real K/V; -> (layer, table, values)."""
+    ``layout[i]`` ("hp", "q", "q1"...), filled with consecutive real K/V; -> (layer, table, values)
+    (``pools``: the pool is appended to it)."""
     plan = make_plan(bare_model(1, H, D, num_attention_heads=H * GROUP), base, tiers=tiers, sink_tokens=32,
                      residual_tokens=32)
     bs = plan.block_size
     pool = KVPool.create(plan, 0, layout.count("hp") + 1, device, num_slabs=16)
     layer = pool.layers[0]
+    if pools is not None:
+        pools.append(pool)
     k, v = kv
     # tier t's blocks from slab 4t on (a slab belongs to one tier), apart where slabs hold several: ids are
     # not positions
@@ -152,6 +155,43 @@ def test_cuda_decode_merges_the_tiers(ladder, kv):
     got = cuda_kernels.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5, max_seq_len=max(lens),
                                     tiers=meta.tiers).float()
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("ladder", [LADDER, ("bfloat16", "fp8_e4m3")])
+def test_graph_inputs_split_by_tier_decode_as_the_reference(ladder, kv):
+    """A decode graph over a tiered cache reads static per-tier tables, refilled before each replay
+    (kvq.engine.cuda_graphs.DecodeGraphs.stage): rows with and without lower tiers' blocks, a tier absent
+    from the step (length 0) and padding rows; the decode over what was staged equals the reference."""
+    from kvq.engine.cuda_graphs import DecodeGraphs
+
+    layout = LAYOUT if ladder == LADDER else ["q", "q1", "q", "q1", "q1", "q"]
+    pools: list = []
+    layer, table, _, _ = tiered_layer(*ladder, kv, layout, DEV, pools=pools)
+    bs = layer.block_size
+    W = len(table)
+    null = pools[0].layout.per_slab[0] * 15  # a resident block of the last slab, which nothing holds
+    graphs = DecodeGraphs(None, pools[0], None, torch.device(DEV), max_batch=8, max_model_len=W * bs,
+                          null_block=null, has_hp=True)
+    assert graphs.num_tiers == len(ladder[1].split(","))
+    q = torch.randn(8, H * GROUP, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(DEV)
+    plain = [e for e in table if e < 0] + [table[2]]  # no lower tier's block
+    for rows in ([table, plain, table], [plain, plain]):  # a step with tiers, then one without
+        lens = [len(r) * bs - 3 for r in rows]
+        step = HostStep(slots=[0] * len(rows), tables=[list(r) for r in rows], seq_lens=lens, num_new=[1] * len(rows))
+        g = graphs.stage([0] * len(rows), [0] * len(rows), step)
+        assert g == {3: 4, 2: 2}[len(rows)] and graphs.lens[:len(rows)].tolist() == lens
+        meta = graphs._meta(g)
+        got = triton_decode.paged_decode(q[:g], layer, meta.block_tables, meta.seq_lens, D ** -0.5,
+                                         max_seq_len=W * bs, tiers=meta.tiers).float()[:len(rows)]
+        tab = torch.zeros(len(rows), W, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            tab[i, :len(r)] = torch.tensor(r)
+        want = reference.paged_decode(q[:len(rows)], layer, tab.to(DEV), torch.tensor(lens, dtype=torch.int32,
+                                      device=DEV), D ** -0.5).float()
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+        assert graphs.part_lens[0][len(rows):g].tolist() == [1] * (g - len(rows))  # padding: the null block
+        for t in range(1, graphs.num_tiers + 1):
+            assert graphs.part_lens[t][len(rows):g].tolist() == [0] * (g - len(rows))
 
 
 def test_split_tiers_keeps_order_and_lengths():

@@ -22,6 +22,11 @@ What makes a step replayable:
   (hp block, q block) pairs, padded with q block -1 (skipped).  A decode step
   seals at most one block per sequence; a step with more, or with a copy op,
   runs eagerly.
+* a tiered cache (elastic precision): every graph decodes each tier by its own
+  launch (kvq.cache.step.TierTables), from static tables of each part refilled
+  before each replay (a row with no block of a tier has length 0 there), so a
+  step whose tables hold lower tiers' blocks replays too; a step that demotes
+  blocks runs eagerly.
 
 Prefill and mixed steps run eagerly.
 """
@@ -35,8 +40,7 @@ import time
 import numpy as np
 import torch
 
-from kvq.cache.pool import TIER_BASE
-from kvq.cache.step import HostStep, StepMetadata, table_array
+from kvq.cache.step import HostStep, StepMetadata, TierTables, split_tiers, table_array
 from kvq.engine.staging import Staging, layout, views
 
 
@@ -64,20 +68,30 @@ class DecodeGraphs:
         self.width = math.ceil(max_model_len / bs) + 1
         n = self.sizes[-1]
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        # a tiered cache: the base part's and each lower tier's tables and lengths too
+        self.num_tiers = pool.plan.num_tiers if pool.layers and pool.layers[0].arena is not None else 0
+        parts = 1 + (1 + self.num_tiers if self.num_tiers else 0)
         # The inputs refilled before each replay are views of one device buffer, so a step's
         # inputs cross in one host->device copy of the buffer's prefix that the batch uses
-        # (the tables go last, row-major, so a batch of g uses their first g rows).
+        # (the tables go last, row-major with their parts side by side, so a batch of g uses their
+        # first g rows).
         fields = [np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64),  # ids, positions, slots
                   np.zeros((n, 2), np.int64), np.zeros(n, np.int32),  # seals, lens
-                  np.zeros((n, self.width), np.int32)]  # tables
+                  *(np.zeros(n, np.int32) for _ in range(parts - 1)),  # base lens, lower tiers' lens
+                  np.zeros((n, parts, self.width), np.int32)]  # tables: full, base, lower tiers'
         self._offsets, nbytes = layout(fields)
         self._fields = fields
         self._static = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.ids, self.positions, self.slots, seals, self.lens, self.tables = views(self._static, fields,
-                                                                                   self._offsets)
+        self.ids, self.positions, self.slots, seals, self.lens, *part_lens, tables = views(self._static, fields,
+                                                                                          self._offsets)
+        self.tables = tables[:, 0]
+        self.part_tables = [tables[:, i] for i in range(1, parts)]  # base, tier 1, ...
+        self.part_lens = part_lens
         self.slots.fill_(self.null_slot)
-        self.tables.fill_(null_block)
+        tables.fill_(null_block)
         self.lens.fill_(1)
+        for i, x in enumerate(part_lens):
+            x.fill_(0 if i else 1)  # lower tiers: no block
         seals.fill_(-1)
         self.seals = seals if can_seal else None
         self.staging = Staging(device, nbytes)
@@ -89,10 +103,17 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
 
     def _meta(self, b: int) -> StepMetadata:
+        tiers = None
+        if self.num_tiers:  # every part launched, sized for the longest context (lengths 0 where empty)
+            L = self.max_model_len
+            tiers = TierTables(self.part_tables[0][:b], self.part_lens[0][:b], L,
+                               tuple((t, self.part_tables[t][:b], self.part_lens[t][:b], L)
+                                     for t in range(1, self.num_tiers + 1)))
         return StepMetadata(slots=self.slots[:b], full_blocks=self.no_blocks, cu_seqlens_q=self.cu[:b + 1],
                             block_tables=self.tables[:b], seq_lens=self.lens[:b], max_q_len=1,
                             max_seq_len=self.max_model_len, has_hp=self.has_hp, num_decodes=b,
-                            prefill_cu=self.cu[:1], seals=None if self.seals is None else self.seals[:b])
+                            prefill_cu=self.cu[:1], seals=None if self.seals is None else self.seals[:b],
+                            tiers=tiers)
 
     def _forward(self, b: int) -> torch.Tensor:
         return self.model(self.ids[:b], self.positions[:b], self.pool, self._meta(b), self.kernels, self.rows[:b])
@@ -114,12 +135,54 @@ class DecodeGraphs:
         n = len(step.num_new)
         seals_fit = len(step.seals) <= n if self.seals is not None else not step.seals
         return (0 < n <= self.sizes[-1] and step.num_decodes == n and max(step.seq_lens) <= self.max_model_len
-                and seals_fit and not step.demotes and not self._tiered(step))
+                and seals_fit and not step.demotes)
 
-    def _tiered(self, step: HostStep) -> bool:
-        """A table holds a lower tier's block (elastic precision): attention merges the tiers'
-        parts, which the captured graphs do not (yet)."""
-        return self.pool.layers[0].arena is not None and bool((table_array(step.tables) >= TIER_BASE).any())
+    def stage(self, ids: list[int], positions: list[int], step: HostStep) -> int:
+        """Fill the static inputs for a batch of ``len(ids)`` (one copy) -> the graph's batch size."""
+        b = len(ids)
+        g = self.sizes[bisect.bisect_left(self.sizes, b)]
+        rows = table_array(step.tables)  # entries past a table's end are never read
+        w = rows.shape[1]
+        parts = 1 + len(self.part_lens)
+        end = self._offsets[-1] + g * parts * self.width * 4
+        buf = self.staging.host(self._static.numel())
+        ids_h, pos_h, slots_h, seals_h, lens_h, *part_lens_h, tables_h = (
+            t.numpy() for t in views(buf, self._fields, self._offsets))
+        ids_h[:b], pos_h[:b], slots_h[:b], lens_h[:b] = ids, positions, step.slots, step.seq_lens
+        tables_h[:b, 0, :w] = rows
+        # padding rows: a token at the null block that attends to it alone
+        ids_h[b:g], pos_h[b:g], slots_h[b:g], lens_h[b:g] = 0, 0, self.null_slot, 1
+        tables_h[b:g, :, 0] = self.null_block
+        if self.num_tiers:
+            self._stage_tiers(rows[:b], step.seq_lens, tables_h, part_lens_h, b, g)
+        seals_h[:g] = -1
+        if step.seals:
+            seals_h[:len(step.seals)] = step.seals
+        self.staging.send(buf, self._static, end)
+        return g
+
+    def _stage_tiers(self, rows: np.ndarray, lens, tables_h: np.ndarray, part_lens_h: list[np.ndarray],
+                     b: int, g: int) -> None:
+        """The base part's and each lower tier's tables and lengths (kvq.cache.step.split_tiers) of the
+        batch's rows; a tier without a block in the step, and the padding rows' tiers, get length 0."""
+        split = split_tiers(rows, lens, self.pool.plan.block_size)
+        if split is None:
+            tables_h[:b, 1, :rows.shape[1]] = rows
+            part_lens_h[0][:b] = lens
+            present, arrays = [], []
+        else:
+            arrays, present, _ = split
+            tables_h[:b, 1, :arrays[0].shape[1]] = arrays[0]
+            part_lens_h[0][:b] = arrays[1]
+        part_lens_h[0][b:g] = 1
+        for t in range(1, self.num_tiers + 1):
+            if t in present:
+                i = 2 + 2 * present.index(t)
+                tables_h[:b, 1 + t, :arrays[i].shape[1]] = arrays[i]
+                part_lens_h[t][:b] = arrays[i + 1]
+            else:
+                part_lens_h[t][:b] = 0
+            part_lens_h[t][b:g] = 0
 
     def run(self, ids: list[int], positions: list[int], step: HostStep,
             fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -127,21 +190,7 @@ class DecodeGraphs:
         ``fed`` = (rows, device token ids) overrides those rows of ``ids`` on the device (tokens
         the previous step sampled, not known on the host yet)."""
         b = len(ids)
-        g = self.sizes[bisect.bisect_left(self.sizes, b)]
-        rows = table_array(step.tables)  # entries past a table's end are never read
-        w = rows.shape[1]
-        end = self._offsets[5] + g * self.width * 4
-        buf = self.staging.host(self._static.numel())
-        ids_h, pos_h, slots_h, seals_h, lens_h, tables_h = (t.numpy() for t in views(buf, self._fields,
-                                                                                     self._offsets))
-        ids_h[:b], pos_h[:b], slots_h[:b], lens_h[:b] = ids, positions, step.slots, step.seq_lens
-        tables_h[:b, :w] = rows
-        # padding rows: a token at the null block that attends to it alone
-        ids_h[b:g], pos_h[b:g], slots_h[b:g], lens_h[b:g], tables_h[b:g, 0] = 0, 0, self.null_slot, 1, self.null_block
-        seals_h[:g] = -1
-        if step.seals:
-            seals_h[:len(step.seals)] = step.seals
-        self.staging.send(buf, self._static, end)
+        g = self.stage(ids, positions, step)
         if fed is not None:
             self.ids.index_copy_(0, *fed)
         self.graphs[g].replay()
