@@ -77,9 +77,9 @@ TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8_e4m3", "int4_kivi", "fp8_e4m3>int4_kivi@96"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8_e4m3", "int4_kivi", "fp8_e4m3>int4_kivi@160"])
 def test_graph_replay_matches_eager_decode(fmt, tmp_path):
-    """(The tiered cache: blocks 96 tokens behind their head age into int4_kivi; graphs replay steps whose
+    """(The tiered cache: blocks 160 tokens behind their head age into int4_kivi; graphs replay steps whose
     tables hold them, each tier by its own launch.)"""
     from kvq.cache.plan import KVCacheConfig
     from kvq.engine.llm_engine import EngineConfig, LLMEngine

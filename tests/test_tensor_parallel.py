@@ -329,3 +329,48 @@ def test_a_rank_that_dies_while_the_engine_idles_is_seen_at_once(tmp_path):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     llm.shutdown()  # no stop message to a dead rank: nothing waits for the timeout
     assert time.monotonic() - t < 10
+
+
+@pytest.mark.parametrize("spec", ["fp8_e4m3>int4_kivi>int2_kivi@160/320", "int8_per_token_head>int4_kivi",
+                                  "bfloat16>fp8_e4m3"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_share_their_arenas_blocks_per_slab(spec, world):
+    """Alone, a rank with one KV head of the default model's three would cut its slabs otherwise than
+    one with two ((15, 24, 40) against (5, 8, 13) blocks of the three tiers); the ranks' plans share
+    one choice, with little waste on every rank."""
+    from kvq.cache.arena import MAX_WASTE, arena_layout
+    from kvq.cache.partition import rank_plans
+    from kvq.cache.plan import KVCacheConfig
+
+    plan = KVCacheConfig().with_spec(spec).plan(model_shape(resolve_model("default")))
+    layouts = [arena_layout(p) for _, p in rank_plans(plan, world)]
+    assert len({lay.per_slab for lay in layouts}) == 1, [lay.per_slab for lay in layouts]
+    assert all(lay.waste(t) <= MAX_WASTE for lay in layouts for t in range(plan.num_tiers + 1))
+    for (a, b), p in rank_plans(plan, world):  # each rank's blocks are its heads' bytes
+        assert arena_layout(p).block_bytes[0][0] >= (b - a) * plan.layers[0].k.block_bytes(1, 64, plan.block_size)
+
+
+def test_two_ranks_age_blocks_into_their_tier_as_one_does():
+    """Elastic precision under tensor parallelism: every rank's arena holds the same blocks a slab (one
+    scheduler's block ids name the same slab on each rank, whose heads differ), blocks age into the
+    int4_kivi tier on both ranks alike, and two ranks generate what one does."""
+    from kvq.cache.plan import KVCacheConfig
+
+    import kvq
+
+    prose = open(os.path.join(os.path.dirname(kvq.__file__), "data", "reference_prose.txt")).read()
+    prompts = [prose[:1600], prose[2000:3400]]  # ~350 tokens: blocks 160 tokens behind the head age down
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(tensor_parallel_size=tp, kv_cache=KVCacheConfig().with_spec("fp8_e4m3>int4_kivi@160"),
+                  device=DEVICE, progress=False, kv_cache_memory="48MiB", max_num_seqs=2, max_num_batched_tokens=256)
+        try:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, logprobs=5), use_tqdm=False)
+            runs.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
+                         list(llm.engine.block_manager.num_demotions), llm.engine.info))
+        finally:
+            llm.shutdown()
+    (out1, dem1, info1), (out2, dem2, info2) = runs
+    assert dem1[1] > 0 and dem1 == dem2, (dem1, dem2)
+    assert [t["blocks_per_slab"] for t in info2["kv_pool"]["arena"]["tiers"]] == [5, 8]  # the ranks' shared ones
+    _same_or_near_tie(out1, out2)

@@ -78,34 +78,57 @@ class ArenaLayout:
         return memory_bytes // self.bytes_per_slab
 
 
+def _layout(per: Sequence[int], B: Sequence[Sequence[int]], align: int) -> ArenaLayout:
+    """The layout of ``per[t]`` blocks of tier ``t`` a slab over aligned block bytes ``B[t][l]``."""
+    unit = math.lcm(*per) * align
+    slab = tuple(_up(max(per[t] * B[t][i] for t in range(len(B))), unit) for i in range(len(B[0])))
+    return ArenaLayout(tuple(per), slab, tuple(tuple(row) for row in B))
+
+
+def _aligned(block_bytes: Sequence[Sequence[int]], align: int) -> list[tuple[int, ...]]:
+    B = [tuple(_up(b, align) for b in row) for row in block_bytes]
+    if not B or any(len(row) != len(B[0]) for row in B):
+        raise ValueError("block_bytes needs one row per tier, one entry per layer")
+    return B
+
+
 def plan_arena(block_bytes: Sequence[Sequence[int]], align: int = ALIGN, max_per_slab: int = MAX_PER_SLAB,
                max_waste: float = MAX_WASTE) -> ArenaLayout:
     """The layout for tiers whose blocks take ``block_bytes[t][l]`` bytes in layer ``l`` (tier 0
     the largest): the fewest resident blocks per slab that leave every tier at most
     ``max_waste`` of a slab unused, else the least wasteful up to ``max_per_slab``."""
-    B = [tuple(_up(b, align) for b in row) for row in block_bytes]
-    if not B or any(len(row) != len(B[0]) for row in B):
-        raise ValueError("block_bytes needs one row per tier, one entry per layer")
-    total = [sum(row) for row in B]
+    return plan_arena_shared([block_bytes], align, max_per_slab, max_waste)[0]
+
+
+def plan_arena_shared(pools: Sequence[Sequence[Sequence[int]]], align: int = ALIGN, max_per_slab: int = MAX_PER_SLAB,
+                      max_waste: float = MAX_WASTE) -> list[ArenaLayout]:
+    """:func:`plan_arena` for several pools that must hold the same blocks per slab (tensor parallel
+    ranks: one scheduler's block ids name the same slab on each rank, whose heads differ): the
+    fewest resident blocks per slab whose worst waste over every pool and tier is at most
+    ``max_waste``, else the least wasteful; -> one layout a pool."""
+    Bs = [_aligned(b, align) for b in pools]
+    total = [sum(row) for row in Bs[0]]
     best = None
     for n0 in range(1, max_per_slab + 1):
-        per = [n0] + [max(1, n0 * total[0] // total[t]) for t in range(1, len(B))]
-        unit = math.lcm(*per) * align
-        slab = tuple(_up(max(per[t] * B[t][i] for t in range(len(B))), unit) for i in range(len(B[0])))
-        layout = ArenaLayout(tuple(per), slab, tuple(B))
-        worst = max(layout.waste(t) for t in range(len(B)))
+        per = [n0] + [max(1, n0 * total[0] // total[t]) for t in range(1, len(total))]
+        layouts = [_layout(per, B, align) for B in Bs]
+        worst = max(lay.waste(t) for lay in layouts for t in range(len(per)))
         if best is None or worst < best[0] - 1e-12:
-            best = (worst, layout)
+            best = (worst, layouts)
         if worst <= max_waste:
             break
     return best[1]
 
 
 def arena_layout(plan) -> ArenaLayout:
-    """The layout of a :class:`~kvq.cache.plan.CachePlan` with tiers."""
+    """The layout of a :class:`~kvq.cache.plan.CachePlan` with tiers (with the blocks per slab it is
+    given, ``plan.arena_per_slab``: a tensor parallel rank's, shared by every rank)."""
     m = plan.model
-    return plan_arena([[plane_offsets(plan.tier_layers(t)[i], m.num_kv_heads, m.head_dim, plan.block_size)[1]
-                        for i in range(m.num_layers)] for t in range(plan.num_tiers + 1)])
+    B = [[plane_offsets(plan.tier_layers(t)[i], m.num_kv_heads, m.head_dim, plan.block_size)[1]
+          for i in range(m.num_layers)] for t in range(plan.num_tiers + 1)]
+    if plan.arena_per_slab:
+        return _layout(plan.arena_per_slab, _aligned(B, ALIGN), ALIGN)
+    return plan_arena(B)
 
 
 class Arena:

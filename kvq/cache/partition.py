@@ -112,9 +112,18 @@ def rank_plan(plan, world: int, rank: int):
     """(KV heads [start, end), the plan of rank ``rank``'s own pool): the same formats over its heads."""
     from dataclasses import replace
 
-    part = head_partition(plan.model, world, rank)
-    local = replace(plan.model, num_kv_heads=part.local_kv_heads, num_attention_heads=part.local_heads)
-    return part.kv_heads, replace(plan, model=local)
+    def local(r: int):
+        part = head_partition(plan.model, world, r)
+        return part, replace(plan, model=replace(plan.model, num_kv_heads=part.local_kv_heads,
+                                                     num_attention_heads=part.local_heads))
+
+    part, mine = local(rank)
+    if plan.tiers and world > 1:  # elastic precision: every rank's arena holds the same blocks a slab
+        from kvq.cache.arena import arena_layout, plan_arena_shared
+
+        per = plan_arena_shared([arena_layout(local(r)[1]).block_bytes for r in range(world)])[0].per_slab
+        mine = replace(mine, arena_per_slab=per)
+    return part.kv_heads, mine
 
 
 def rank_plans(plan, world: int) -> list:

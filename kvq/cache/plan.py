@@ -57,6 +57,8 @@ class CachePlan:
     #: elastic precision (kvq.cache.tiers): the formats of tiers 1, 2, ... per layer, and their rule
     tiers: tuple[tuple[KVFormat, ...], ...] = ()
     tier_rule: TierRule | None = None
+    #: a tensor parallel rank's arena: the blocks of each tier a slab, shared by every rank (kvq.cache.arena)
+    arena_per_slab: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.layers) == self.model.num_layers, (len(self.layers), self.model.num_layers)

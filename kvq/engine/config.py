@@ -166,8 +166,6 @@ class EngineConfig:
 
         n = self.tensor_parallel_size
         unsupported = {"cpu_offload_gb > 0 (a host tier)": self.cpu_offload_gb > 0,
-                       "kv_cache_tiers (elastic precision: not tested across ranks)":
-                       bool(self.kv_cache_config.tiers),
                        "async_scheduling": self.async_scheduling is True,
                        "kv_scales warmup": bool(parse_warmup(self.kv_scales)),
                        f"device {self.device!r} (tensor parallel ranks take cuda:0..{n - 1}; use cuda or auto)":
