@@ -9,11 +9,12 @@ first, and that a prefix hit on a demoted block is served as stored.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
-from kvq.cache.block_manager import BlockManager, DemoteOp
+from kvq.cache.block_manager import BlockManager, DemoteOp, NoFreeBlocksError
 from kvq.cache.tiers import TierRule, age_tier, pool_tier
 from kvq.cache.window import WindowPolicy
 from tests.test_block_manager import ManagerMachine, kv_chain
@@ -128,16 +129,54 @@ def test_prefix_hit_on_a_demoted_block_is_served_as_stored():
     m.check_integrity()
 
 
-def test_swap_out_refuses_a_sequence_with_lower_tier_blocks():
+def test_swap_keeps_each_blocks_tier():
+    """A sequence with lower tiers' blocks swaps out into host q blocks (any tier's block fits one) and
+    back into blocks of the tiers it left; the op names each tier's pairs."""
     policy = WindowPolicy(4, sink_blocks=1, residual_tokens=4)
     rule = TierRule(1, 4, 1, 4, ages=(8,))
     m = BlockManager(0, 16, policy, host_blocks=(32, 16), tiers=rule, arena=((2, 3), 8, 0))
     m.allocate_prompt(0, [1, 2, 3])
     m.mark_computed(0, 3)
-    assert m.can_swap_out(0)
     grow(m, 0, 30)
-    assert any(r.pool == "q1" for r in m.block_table(0))
-    assert not m.can_swap_out(0)  # the host tier holds no lower tier yet: recomputed instead
+    before = [r.pool for r in m.block_table(0)]
+    assert "q1" in before and "q" in before
+    assert m.can_swap_out(0)
+    out = m.swap_out(0)
+    assert dict(out.tiers)["q1"] and len(out.tiers) == 1 and out.num_blocks == len(before)
+    host_q = [d for pool, pairs in out.pools() if pool != "hp" for _, d in pairs]
+    assert len(set(host_q)) == len(host_q) == sum(p != "hp" for p in before)  # host q ids, none twice
+    assert m.can_swap_in(0)
+    back = m.swap_in(0)
+    assert [r.pool for r in m.block_table(0)] == before
+    assert {pool: [s for s, _ in pairs] for pool, pairs in back.pools()} == \
+        {pool: [d for _, d in pairs] for pool, pairs in out.pools()}  # from the host blocks it went to
+    m.check_integrity()
+
+
+def test_swap_in_waits_while_the_tiers_cannot_take_its_blocks():
+    """The tiers share the arena's slabs: a swapped sequence comes back only when every tier it needs can
+    take its blocks together (the check takes them and gives them back), and nothing changes otherwise."""
+    policy = WindowPolicy(4, sink_blocks=1, residual_tokens=4)
+    rule = TierRule(1, 4, 1, 4, ages=(8,))
+    m = BlockManager(0, 16, policy, False, host_blocks=(32, 16), tiers=rule, arena=((2, 3), 4, 0))
+    m.allocate_prompt(0, [1, 2, 3])
+    m.mark_computed(0, 3)
+    grow(m, 0, 30)
+    before = [r.pool for r in m.block_table(0)]
+    m.swap_out(0)
+    m.allocate_prompt(1, list(range(24)))  # another sequence takes slabs: 2 are left, the tiers need 3
+    m.mark_computed(1, 24)
+    state = (m.num_free_blocks("q"), m.num_free_blocks("q1"), m.arena.num_unowned, list(m.arena.owner))
+    assert m.num_free_blocks("q") >= before.count("q") and m.num_free_blocks("q1") >= before.count("q1")
+    assert not m.can_swap_in(0)  # each tier alone has room, not both together
+    assert (m.num_free_blocks("q"), m.num_free_blocks("q1"), m.arena.num_unowned, list(m.arena.owner)) == state
+    with pytest.raises(NoFreeBlocksError):
+        m.swap_in(0)
+    m.free(1)
+    assert m.can_swap_in(0)
+    m.swap_in(0)
+    assert [r.pool for r in m.block_table(0)] == before
+    m.check_integrity()
 
 
 class TieredManagerMachine(ManagerMachine):

@@ -114,6 +114,66 @@ def test_status_and_metrics_show_blocks_bytes_and_demotions_per_tier(model):
 
 
 def test_tiers_refuse_what_they_do_not_carry_yet():
-    """Said at configuration, never a silent fallback: tensor parallelism with tiers is not supported yet."""
-    with pytest.raises(ValueError, match="kv_cache_tiers"):
-        EngineConfig(tensor_parallel_size=2, kv_cache_dtype="fp8_e4m3", kv_cache_tiers="int4_kivi")
+    """Said at configuration, never a silent fallback: disaggregated serving with tiers is not supported yet
+    (the KV transfer carries the resident and high-precision formats only)."""
+    import argparse
+
+    from kvq.server.command import kv_options_from_args
+
+    args = argparse.Namespace(kv_role="producer", kv_scales="none", tensor_parallel_size=1,
+                              kv_cache_tiers="int4_kivi")
+    with pytest.raises(ValueError, match="--kv-cache-tiers"):
+        kv_options_from_args(args)
+
+
+def _block_bytes(pool, name: str, block: int) -> bytes:
+    """Every layer's bytes of one device block of pool ``name`` (hp, q, q1...)."""
+    import torch
+
+    from kvq.cache.tiers import pool_tier
+    from kvq.formats import fp8
+
+    out = []
+    for layer in pool.layers:
+        t = pool_tier(name)
+        lt = layer if t is None else layer.tier(t)
+        tensors = [lt.k_hp, lt.v_hp] if t is None else [*lt.k.values(), *lt.v.values()]
+        out += [fp8.as_bytes(x[block]).contiguous().view(torch.uint8).numpy().tobytes() for x in tensors]
+    return b"".join(out)
+
+
+def test_swap_carries_demoted_blocks_as_they_were(model):
+    """Blocks age into int4_kivi (age policy) and a pool too small for four requests preempts by swap: a
+    sequence's blocks of every tier go to the host (a lower tier's block in a host q block) and come back
+    into blocks of the tiers they left, every byte as it was; every request runs to its end."""
+    # the newest request (the one preempted) long enough to hold aged blocks, no windows (no hp pool to
+    # run out first): 6 slabs of 2 fp8_e4m3 or 3 int4_kivi blocks
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([60, 60, 60, 400])]
+    eng = engine(model, "torch", kv_cache_memory="512KiB", preemption_mode="swap", cpu_offload_gb=0.01,
+                 block_size=32, kv_residual_tokens=0, kv_sink_tokens=0, kv_cache_tiers="int4_kivi",
+                 kv_tier_age="96", max_num_batched_tokens=64)
+    pool, conn = eng.runner.pool, eng.runner.swap
+    parked, moved = {}, []
+    issue = conn.issue
+
+    def checked(ops):
+        for op in ops:
+            if op.direction == "out":
+                parked[op.seq_id] = [(p, _block_bytes(pool, p, d)) for p, pairs in op.pools() for d, _ in pairs]
+        issue(ops)
+        for op in ops:
+            if op.direction == "in":
+                back = [(p, _block_bytes(pool, p, d)) for p, pairs in op.pools() for _, d in pairs]
+                assert back == parked.pop(op.seq_id), f"request {op.seq_id}: its blocks came back changed"
+                moved.append(op)
+
+    conn.issue = checked
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True, temperature=0))
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: len(o.outputs[0].token_ids) for o in eng.step() if o.finished})
+    assert done == dict.fromkeys(range(4), 200)
+    assert any(op.tiers for op in moved) and eng.block_manager.num_demotions[1] > 0, moved
+    assert conn.stats()["failed_copies"] == 0
+    eng.block_manager.check_integrity()

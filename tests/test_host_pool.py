@@ -266,3 +266,58 @@ def test_cuda_copies_run_on_a_copy_stream_after_queued_work(kv):
     plain = HostKVPool.create(pool, 2, 2, pin=False)
     assert not plain.pinned and plain.store(pool, [(9, 1)], [(0, 0)]).done()
     assert torch.equal(as_bytes(plain.layers[1].v["scale"][1]), as_bytes(pool.layers[1].v["scale"][9]).cpu())
+
+
+@pytest.mark.parametrize("ladder", [("fp8_e4m3", "int4_kivi"), ("bfloat16", "fp8_e4m3,int4_kivi,int2_kivi")])
+def test_a_tiered_pools_blocks_round_trip_in_their_own_format(ladder):
+    """Elastic precision: a host q block holds a block of any tier (its row of bytes viewed as that tier's
+    planes); each tier's device blocks go out and come back into other blocks byte for byte, in every
+    layer (layers after the first sit at an offset inside the host memory), and a bad tier is refused."""
+    plan = make_plan(bare_model(3, 2, 64), ladder[0], tiers=ladder[1], sink_tokens=32, residual_tokens=32)
+    pool = KVPool.create(plan, 0, 3, "cpu", num_slabs=8)  # tier t's blocks in slabs 2t (out) and 2t + 1 (in)
+    per = pool.layout.per_slab
+
+    def ids(t: int, slab: int) -> list[int]:
+        return [slab * per[t], slab * per[t] + per[t] - 1]
+    g = torch.Generator().manual_seed(5)
+    for layer in pool.layers:
+        layer.arena.copy_(torch.randint(0, 256, layer.arena.shape, generator=g, dtype=torch.uint8))
+        for t in (layer.k_hp, layer.v_hp):
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    host = HostKVPool.create(pool, 9, 3)
+    tiers = [f"q{t}" for t in range(1, plan.num_tiers + 1)]
+
+    def blocks(name, ids):
+        t = None if name == "hp" else (0 if name == "q" else int(name[1:]))
+        out = []
+        for layer in pool.layers:
+            lt = layer if t is None else layer.tier(t)
+            xs = [lt.k_hp, lt.v_hp] if t is None else [*lt.k.values(), *lt.v.values()]
+            out.append([fp8.as_bytes(x[i]).contiguous().view(torch.uint8).clone() for x in xs for i in ids])
+        return out
+
+    before = {"q": blocks("q", ids(0, 0)), "hp": blocks("hp", [0, 1]),
+              **{n: blocks(n, ids(t, 2 * t)) for t, n in enumerate(tiers, 1)}}
+    q_pairs = list(zip(ids(0, 0), [0, 1]))
+    tier_pairs = [(n, list(zip(ids(t, 2 * t), [2 * t, 2 * t + 1]))) for t, n in enumerate(tiers, 1)]
+    host.store(pool, q_pairs, [(0, 0), (1, 1)], tier_pairs).synchronize()
+    for layer in pool.layers:
+        layer.arena.zero_()
+        layer.k_hp.zero_()
+        layer.v_hp.zero_()
+    host.load(pool, list(zip([0, 1], ids(0, 1))), [(0, 1), (1, 2)],
+              [(n, list(zip([h for _, h in pairs], ids(t, 2 * t + 1)))) for t, (n, pairs) in
+               enumerate(tier_pairs, 1)]).synchronize()
+    after = {"q": blocks("q", ids(0, 1)), "hp": blocks("hp", [1, 2]),
+             **{n: blocks(n, ids(t, 2 * t + 1)) for t, n in enumerate(tiers, 1)}}
+    for name in before:
+        for la, lb in zip(before[name], after[name]):
+            assert all(torch.equal(a, b) for a, b in zip(la, lb)), name
+    with pytest.raises(ValueError, match="named twice"):
+        host.store(pool, [(0, 0)], (), [(tiers[0], [(1, 0)])])
+    with pytest.raises(ValueError, match="lower tiers"):
+        host.store(pool, (), (), [(f"q{plan.num_tiers + 1}", [(0, 1)])])
+    untiered = HostKVPool.create(KVPool.create(make_plan(bare_model(3, 2, 64), ladder[0]), 4, 3, "cpu"), 2, 2)
+    with pytest.raises(ValueError, match="untiered"):
+        untiered.store(untiered_pool := KVPool.create(untiered.plan, 4, 3, "cpu"), (), (), [("q1", [(0, 0)])])
+    del untiered_pool

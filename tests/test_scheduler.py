@@ -15,6 +15,7 @@ import zlib
 
 import pytest
 from hypothesis import HealthCheck, event, settings
+from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -99,6 +100,7 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}
         self.num_preempted = 0
         self.tables: dict[int, list] = {}  # the runner's mirror, built only from scheduler outputs
+        self.tier_swaps = 0  # swap ops that moved a lower tier's blocks (elastic precision)
 
     def add(self, sid, prompt, **params) -> Sequence:
         seq = Sequence(sid, prompt, SamplingParams(**params), arrival_time=self.clock.t)
@@ -121,10 +123,15 @@ class Engine:
             elif isinstance(op, CopyOp):
                 self.mem[op.dst.pool][op.dst.block_id] = list(self.mem[op.src.pool][op.src.block_id])
             elif isinstance(op, SwapOp):  # blocks between the device and the host tier, as they are
-                src, dst = (self.mem, self.host) if op.direction == "out" else (self.host, self.mem)
-                for pool, pairs in (("q", op.q), ("hp", op.hp)):
+                if op.tiers:
+                    self.tier_swaps += 1
+                    if currently_in_test_context():  # (the stateful machine's statistics)
+                        event(f"swap {op.direction}: a lower tier's blocks")
+                for pool, pairs in op.pools():  # a lower tier's block in a host q block
+                    dev, host = self.mem[pool], self.host["hp" if pool == "hp" else "q"]
+                    src, dst = (dev, host) if op.direction == "out" else (host, dev)
                     for a, b in pairs:
-                        dst[pool][b] = [POISON] * self.bs if op in failed else list(src[pool][a])
+                        dst[b] = [POISON] * self.bs if op in failed else list(src[a])
             else:
                 assert isinstance(op, SealOp)
                 i, bs = op.logical_index, self.bs
@@ -608,6 +615,25 @@ def test_swap_parks_kv_in_the_host_tier_and_resumes_first(pipelined):
         assert (seq.output_token_ids, seq.finish_reason) == reference(seq.prompt_token_ids, seq.params, 64), sid
     assert e.used_blocks() == 0 and e.bm.num_swapped == 0
     assert all(e.bm.host_allocator(p).num_used == 0 for p in ("q", "hp"))
+
+
+def test_swap_carries_lower_tiers_blocks_and_brings_them_back():
+    """Elastic precision with swap: blocks age into tier 1 (8 tokens behind their head), sequences
+    holding them are swapped out whole (a lower tier's block in a host q block) and back into the tiers
+    they left; every request gets the tokens it would have alone (each step reads its own KV)."""
+    from kvq.cache.tiers import TierRule
+
+    pol = WindowPolicy(4, sink_blocks=1, residual_tokens=4)
+    rule = TierRule(1, 4, 1, 4, ages=(8,), pressure=False)
+    e = Engine(pol, nq=8, nhp=12, host=(24, 12), max_num_seqs=4, max_num_batched_tokens=16,
+               preemption_mode="swap", tiers=(rule, (2, 3), 4, 0))
+    for i in range(8):
+        e.add(i, [1 + i, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=24, ignore_eos=True)
+    e.run()
+    assert e.tier_swaps > 0 and e.s.num_swapped_in == e.s.num_swapped_out > 0
+    for sid, seq in e.seqs.items():
+        assert (seq.output_token_ids, seq.finish_reason) == reference(seq.prompt_token_ids, seq.params, 64), sid
+    assert e.used_blocks() == 0 and e.bm.num_swapped == 0
 
 
 def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():

@@ -465,7 +465,7 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
         """
         if seq_id in self._swapped:
             for ref in reversed(self._swapped.pop(seq_id).table):
-                self._host[ref.pool].free(ref.block_id)
+                self._host_of(ref.pool).free(ref.block_id)
             return
         seq = self._seq(seq_id)
         self._register_computed(seq)

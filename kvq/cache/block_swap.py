@@ -16,17 +16,20 @@ class SwapMixin:
     # -- swap (request-level, to the host tier) ---------------------------------------------
     @staticmethod
     def _count(table: Sequence[BlockRef]) -> dict[str, int]:
+        """Blocks of each host pool the table takes (a lower tier's block takes a host q block)."""
         need = {"q": 0, "hp": 0}
         for ref in table:
-            need[ref.pool] += 1
+            need["hp" if ref.pool == "hp" else "q"] += 1
         return need
+
+    def _host_of(self, pool: str):
+        """The host allocator that holds blocks of device pool ``pool`` (every q pool's: the host q pool)."""
+        return self._host["hp" if pool == "hp" else "q"]
 
     def can_swap_out(self, seq_id: SeqId) -> bool:
         """Whether the host tier has a block for every block of the sequence (its budget)."""
         table = self._seq(seq_id).table
         if seq_id in self._loading:  # its prefix is not on the device yet
-            return False
-        if any(r.pool not in POOLS for r in table):  # a lower tier's block: the host tier holds none (yet)
             return False
         need = self._count(table)
         return all(need[p] <= self._host[p].num_free for p in POOLS)
@@ -46,28 +49,49 @@ class SwapMixin:
         self._register_computed(seq)
         del self._seqs[seq_id]
         self._swapped[seq_id] = seq
-        return self._move(seq_id, seq, self._alloc, self._host, "out")
+        return self._move(seq_id, seq, self._alloc.__getitem__, self._host_of, "out")
 
-    def _move(self, seq_id: SeqId, seq: SeqBlocks, src: dict, dst: dict, direction: str) -> SwapOp:
-        """Give every block of ``seq`` a block of the same pool in ``dst`` (device or host allocators),
-        release the ``src`` ones (tail first) and return the copy between them."""
+    def _move(self, seq_id: SeqId, seq: SeqBlocks, src, dst, direction: str) -> SwapOp:
+        """Give every block of ``seq`` a block of the same pool on the other side (``src`` / ``dst``: a
+        device or host pool name -> its allocator), release the ``src`` ones (tail first) and return the
+        copy between them.  The table keeps each block's pool, so a swapped-in block returns to its tier."""
         pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
         table = []
         for ref in seq.table:
-            b = dst[ref.pool].allocate()
-            pairs[ref.pool].append((ref.block_id, b))
+            b = dst(ref.pool).allocate()
+            pairs.setdefault(ref.pool, []).append((ref.block_id, b))
             table.append(BlockRef(ref.pool, b))
         for ref in reversed(seq.table):
-            src[ref.pool].free(ref.block_id)
+            src(ref.pool).free(ref.block_id)
         seq.table = table
-        return SwapOp(seq_id, direction, tuple(pairs["q"]), tuple(pairs["hp"]))
+        tiers = tuple((p, tuple(pairs[p])) for p in self.pools[2:] if pairs.get(p))
+        return SwapOp(seq_id, direction, tuple(pairs["q"]), tuple(pairs["hp"]), tiers)
 
     def can_swap_in(self, seq_id: SeqId) -> bool:
         """Whether the device pools have a private block for every block of a swapped sequence
-        (prefix-cache hits are not reused: it may need more blocks than it released)."""
+        (prefix-cache hits are not reused: it may need more blocks than it released).  A tiered
+        arena's tiers share its slabs: the check takes the blocks and gives them back (a cached block
+        evicted on the way stays evicted)."""
         seq = self._swapped[seq_id]
-        need = self._count(seq.table)
-        return all(need[p] <= self._alloc[p].num_free for p in POOLS)
+        need: dict[str, int] = {}
+        for ref in seq.table:
+            need[ref.pool] = need.get(ref.pool, 0) + 1
+        if self.arena is None or set(need) <= {"hp"}:
+            return all(n <= self._alloc[p].num_free for p, n in need.items())
+        if need.get("hp", 0) > self._alloc["hp"].num_free:
+            return False
+        taken: list[tuple[str, int]] = []  # the tiers share the arena's slabs: take the blocks, then give them back
+        try:
+            for p, n in need.items():
+                if p != "hp":
+                    for _ in range(n):
+                        taken.append((p, self._alloc[p].allocate()))
+            return True
+        except NoFreeBlocksError:
+            return False
+        finally:
+            for p, b in reversed(taken):
+                self._alloc[p].free(b)
 
     def swap_in(self, seq_id: SeqId) -> SwapOp:
         """Bring a swapped sequence back into fresh device blocks (whole table, so a mirror
@@ -76,10 +100,10 @@ class SwapMixin:
             raise KeyError(f"sequence {seq_id!r} is not swapped")
         if not self.can_swap_in(seq_id):
             need = self._count(self._swapped[seq_id].table)
-            raise NoFreeBlocksError(f"cannot swap {seq_id!r} in: needs {need['q']} q and {need['hp']} hp blocks, "
-                                    f"{self.num_free_blocks('q')} and {self.num_free_blocks('hp')} free")
+            raise NoFreeBlocksError(f"cannot swap {seq_id!r} in: needs {need['q']} q (any tier) and {need['hp']} hp "
+                                    f"blocks, {self.num_free_blocks('q')} and {self.num_free_blocks('hp')} free")
         seq = self._swapped.pop(seq_id)
-        op = self._move(seq_id, seq, self._host, self._alloc, "in")
+        op = self._move(seq_id, seq, self._host_of, self._alloc.__getitem__, "in")
         seq.changed = seq.num_registered = 0
         self._seqs[seq_id] = seq
         self._landing.add(seq)  # registered for prefix reuse from the next step on, once the copy has run

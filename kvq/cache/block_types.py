@@ -64,12 +64,23 @@ class PrefixHit:
 class SwapOp:
     """Move one sequence's blocks between the device pools and the host tier: ``direction`` "out"
     copies device -> host, "in" host -> device; ``q`` and ``hp`` are ``(src, dst)`` block ids of
-    each pool (device ids on the device side, host ids on the host side)."""
+    each pool (device ids on the device side, host ids on the host side).  ``tiers``: elastic
+    precision's lower tiers, ``(pool, pairs)`` for ``q1``, ``q2``... (a lower tier's block keeps its
+    format on the host, in a resident block's bytes: host ids are the host q pool's)."""
 
     seq_id: SeqId
     direction: str
     q: tuple[tuple[int, int], ...]
     hp: tuple[tuple[int, int], ...]
+    tiers: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
+
+    def pools(self) -> tuple[tuple[str, tuple[tuple[int, int], ...]], ...]:
+        """``(device pool, pairs)`` of every pool the op moves blocks of."""
+        return (("q", self.q), ("hp", self.hp), *self.tiers)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(pairs) for _, pairs in self.pools())
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ import torch
 
 from kvq.cache.host_faults import CopyFaults
 from kvq.cache.plan import CachePlan
-from kvq.cache.pool import KVPool
+from kvq.cache.pool import KVPool, arena_planes
+from kvq.cache.tiers import pool_tier
 from kvq.formats import fp8
 
 log = logging.getLogger(__name__)
@@ -55,18 +56,25 @@ _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | 
 
 @dataclass
 class HostLayerKV:
-    """One layer's host tensors (layout: module docstring)."""
+    """One layer's host tensors (layout: module docstring).  A tiered pool's (elastic precision): every
+    host q block is one row of ``raw`` ([host_q_blocks, the resident tier's block bytes]), which holds
+    a block of any tier; ``k``/``v`` view the rows as the resident tier's planes, ``tiers`` as each
+    lower tier's."""
 
     k: dict[str, torch.Tensor]  # [host_q_blocks, *plane.shape]
     v: dict[str, torch.Tensor]
     k_hp: torch.Tensor  # [host_hp_blocks, H, bs, D], model dtype
     v_hp: torch.Tensor
+    tiers: tuple[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], ...] = ()
+    raw: torch.Tensor | None = None
 
-    def planes(self, role: str) -> dict[str, torch.Tensor]:
-        return self.k if role == "k" else self.v
+    def planes(self, role: str, tier: int = 0) -> dict[str, torch.Tensor]:
+        k, v = (self.k, self.v) if tier == 0 else self.tiers[tier - 1]
+        return k if role == "k" else v
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.k.values(), *self.v.values(), self.k_hp, self.v_hp]
+        q = [self.raw] if self.raw is not None else [*self.k.values(), *self.v.values()]
+        return [*q, self.k_hp, self.v_hp]
 
 
 @dataclass
@@ -240,14 +248,29 @@ class HostKVPool:
         if pin and device.type != "cuda":
             raise ValueError(f"pin=True needs a CUDA pool (page-locked memory serves CUDA copies); this pool is on "
                              f"{device}")
-        arena = _Arena([(t.shape[1:], t.dtype, n) for dl in pool.layers
-                        for t, n in [*((t, num_q_blocks) for t in (*dl.k.values(), *dl.v.values())),
+        lay = pool.layout  # a tiered pool: one row of bytes a host q block, which any tier's block fits
+        rows = [max(lay.block_bytes[t][i] for t in range(len(lay.per_slab))) for i in range(len(pool.layers))] \
+            if lay is not None else None
+        arena = _Arena([(t.shape[1:], t.dtype, n) for i, dl in enumerate(pool.layers)
+                        for t, n in [*(((torch.empty(0, rows[i], dtype=torch.uint8), num_q_blocks),) if rows else
+                                       ((t, num_q_blocks) for t in (*dl.k.values(), *dl.v.values()))),
                                      (dl.k_hp, num_hp_blocks), (dl.v_hp, num_hp_blocks)]])
+        plan, m = pool.plan, pool.plan.model
 
         def split(memory: torch.Tensor) -> list[HostLayerKV]:
             it = iter(arena.tensors(memory))
-            return [HostLayerKV(k={name: next(it) for name in dl.k}, v={name: next(it) for name in dl.v},
-                                k_hp=next(it), v_hp=next(it)) for dl in pool.layers]
+            out = []
+            for i, dl in enumerate(pool.layers):
+                if rows is None:
+                    out.append(HostLayerKV(k={name: next(it) for name in dl.k}, v={name: next(it) for name in dl.v},
+                                           k_hp=next(it), v_hp=next(it)))
+                    continue
+                raw = next(it)
+                views = [arena_planes(raw.view(-1), plan.tier_layers(t)[i], num_q_blocks, rows[i], m.num_kv_heads,
+                                      m.head_dim, plan.block_size) for t in range(plan.num_tiers + 1)]
+                out.append(HostLayerKV(k=views[0][0], v=views[0][1], k_hp=next(it), v_hp=next(it),
+                                       tiers=tuple(views[1:]), raw=raw))
+            return out
 
         layers = addressed = split(arena.memory)
         registration = None
@@ -294,8 +317,10 @@ class HostKVPool:
     # -- bytes -------------------------------------------------------------------------------
     @property
     def bytes_per_q_block(self) -> int:
-        """One resident block across all layers, K and V, every plane (scales, zeros)."""
-        return sum(_row_bytes(t) for hl in self.layers for t in (*hl.k.values(), *hl.v.values()))
+        """One resident block across all layers, K and V, every plane (scales, zeros); a tiered pool's
+        host q block: the row that holds a block of any tier."""
+        return sum(_row_bytes(hl.raw) if hl.raw is not None else
+                   sum(_row_bytes(t) for t in (*hl.k.values(), *hl.v.values())) for hl in self.layers)
 
     @property
     def bytes_per_hp_block(self) -> int:
@@ -317,53 +342,87 @@ class HostKVPool:
         if self._stream is not None:
             self._stream.synchronize()
 
-    def store(self, pool: KVPool, q_pairs: Sequence = (), hp_pairs: Sequence = ()) -> CopyHandle:
+    def store(self, pool: KVPool, q_pairs: Sequence = (), hp_pairs: Sequence = (),
+              tier_pairs: Sequence = ()) -> CopyHandle:
         """Copy device blocks to host slots: ``q_pairs`` / ``hp_pairs`` are ``(device_block_id,
-        host_block_id)``.  Free the device blocks only once the handle is done."""
+        host_block_id)``; ``tier_pairs`` ``((pool, pairs), ...)`` for a tiered pool's lower tiers
+        (``q1``...: device ids of that tier, host q ids).  Free the device blocks only once the handle
+        is done."""
         if self.faults is not None:
             self.faults.maybe_fail("store")
-        qs, qd = _pairs(q_pairs, "q_pairs", "device q block", pool.num_q_blocks, "host q block", self.num_q_blocks)
-        hs, hd = _pairs(hp_pairs, "hp_pairs", "device hp block", pool.num_hp_blocks,
-                        "host hp block", self.num_hp_blocks)
-        return self._copy(pool, qs, qd, hs, hd, to_host=True)
+        return self._copy(pool, self._groups(pool, q_pairs, hp_pairs, tier_pairs, to_host=True), to_host=True)
 
-    def load(self, pool: KVPool, q_pairs: Sequence = (), hp_pairs: Sequence = ()) -> CopyHandle:
+    def load(self, pool: KVPool, q_pairs: Sequence = (), hp_pairs: Sequence = (),
+             tier_pairs: Sequence = ()) -> CopyHandle:
         """Copy host slots to device blocks: pairs are ``(host_block_id, device_block_id)``.
         Read the device blocks only after ``handle.wait()`` (or on a stream that waited)."""
         if self.faults is not None:
             self.faults.maybe_fail("load")
-        qs, qd = _pairs(q_pairs, "q_pairs", "host q block", self.num_q_blocks, "device q block", pool.num_q_blocks)
-        hs, hd = _pairs(hp_pairs, "hp_pairs", "host hp block", self.num_hp_blocks,
-                        "device hp block", pool.num_hp_blocks)
-        return self._copy(pool, qs, qd, hs, hd, to_host=False)
+        return self._copy(pool, self._groups(pool, q_pairs, hp_pairs, tier_pairs, to_host=False), to_host=False)
+
+    def _groups(self, pool: KVPool, q_pairs, hp_pairs, tier_pairs, to_host: bool) -> list:
+        """``[(kind, src ids, dst ids)]`` for the pools of a call, checked (kind: q, hp, q1, ...)."""
+        groups = []
+        for kind, pairs in (("q", q_pairs), ("hp", hp_pairs), *tier_pairs):
+            tier = pool_tier(kind)
+            if tier is None:
+                dev_n, host_n, host_what = pool.num_hp_blocks, self.num_hp_blocks, "host hp block"
+            elif tier == 0 or self._tiers:
+                if tier > len(self._tiers):
+                    raise ValueError(f"{kind}_pairs: the pool has {len(self._tiers)} lower tiers")
+                dev_n = pool.num_q_blocks if tier == 0 else pool.layers[0].tier(tier).k["data"].shape[0]
+                host_n, host_what = self.num_q_blocks, "host q block"
+            else:
+                raise ValueError(f"{kind}_pairs: this host pool mirrors an untiered pool")
+            dev_what = f"device {kind} block"
+            src_w, src_n, dst_w, dst_n = ((dev_what, dev_n, host_what, host_n) if to_host else
+                                          (host_what, host_n, dev_what, dev_n))
+            s, d = _pairs(pairs, f"{kind}_pairs", src_w, src_n, dst_w, dst_n)
+            groups.append((kind, s, d))
+        q_hosts = [x for kind, s, d in groups if kind != "hp" for x in (d if to_host else s)]
+        if len(set(q_hosts)) != len(q_hosts):
+            raise ValueError("a host q block is named twice in one call (q and tier pairs)")
+        return groups
+
+    @property
+    def _tiers(self) -> tuple:
+        return self.layers[0].tiers if self.layers else ()
 
     def _tensor_pairs(self, pool: KVPool, kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device tensor, addressed host tensor) of every plane ("q") or hp pool ("hp"), all layers."""
+        """(device tensor, addressed host tensor) of every plane of a q pool (``q``, a tier's ``q1``...)
+        or of the hp pools (``hp``), all layers."""
         if pool.plan != self.plan or torch.device(pool.device) != self.device or len(pool.layers) != len(self.layers):
             raise ValueError(f"this host pool mirrors a pool of plan {self.plan.name} on {self.device}; "
                              f"got plan {pool.plan.name} on {pool.device}")
         out = []
+        tier = pool_tier(kind)
         for dl, hl in zip(pool.layers, self._addressed):
-            if kind == "q":
-                out += [(t, hl.planes(role)[name]) for role in ("k", "v") for name, t in dl.planes(role).items()]
-            else:
+            if tier is None:
                 out += [(dl.k_hp, hl.k_hp), (dl.v_hp, hl.v_hp)]
+            else:
+                lt = dl.tier(tier)
+                out += [(t, hl.planes(role, tier)[name]) for role in ("k", "v") for name, t in lt.planes(role).items()]
         for d, h in out:
             assert d.shape[1:] == h.shape[1:] and d.dtype == h.dtype, (d.shape, h.shape, d.dtype, h.dtype)
         return out
 
-    def _copy(self, pool: KVPool, qs: list[int], qd: list[int], hs: list[int], hd: list[int],
-              to_host: bool) -> CopyHandle:
+    def _copy(self, pool: KVPool, groups: list, to_host: bool) -> CopyHandle:
         jobs = []  # (src tensor, dst tensor, offset of its src ids, offset of its dst ids, count)
-        for kind, n, off in (("q", len(qs), 0), ("hp", len(hs), 2 * len(qs))):
-            if n:
-                for dev, host in self._tensor_pairs(pool, kind):
-                    src, dst = (dev, host) if to_host else (host, dev)
-                    jobs.append((src, dst, off, off + n, n))
-        handle = CopyHandle(None, len(qs), len(hs))
+        ids, n_q, n_hp = [], 0, 0
+        for kind, s, d in groups:
+            n = len(s)
+            if not n:
+                continue
+            off = len(ids)
+            ids += s + d
+            n_hp, n_q = (n_hp + n, n_q) if kind == "hp" else (n_hp, n_q + n)
+            for dev, host in self._tensor_pairs(pool, kind):
+                src, dst = (dev, host) if to_host else (host, dev)
+                jobs.append((src, dst, off, off + n, n))
+        handle = CopyHandle(None, n_q, n_hp)
         if not jobs:
             return handle
-        ids_host = torch.tensor(qs + qd + hs + hd, dtype=torch.int64)
+        ids_host = torch.tensor(ids, dtype=torch.int64)
         if not self._mapped:
             # Synchronous: gather where the source lives, move, scatter where the destination lives.
             ids_dev = ids_host.to(self.device)

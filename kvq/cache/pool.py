@@ -141,8 +141,9 @@ def arena_planes(arena: torch.Tensor, fmt: KVFormat, n: int, stride: int, H: int
         inner = [1]
         for d in reversed(plane.shape[1:]):
             inner.insert(0, inner[0] * d)
-        base = arena.view(fp8.torch_dtype(plane.dtype))
-        out[role][plane.name] = base.as_strided((n, *plane.shape), (stride // elt, *inner), off // elt)
+        base = arena.view(fp8.torch_dtype(plane.dtype))  # (as_strided's offset counts from the storage's start)
+        out[role][plane.name] = base.as_strided((n, *plane.shape), (stride // elt, *inner),
+                                                base.storage_offset() + off // elt)
     return out["k"], out["v"]
 
 

@@ -38,13 +38,13 @@ class SwapConnector(KVConnector):
         for op in ops:
             copy = self.host_pool.store if op.direction == "out" else self.host_pool.load
             try:
-                copy(self.pool, op.q, op.hp).wait()
+                copy(self.pool, op.q, op.hp, op.tiers).wait()
             except RuntimeError as e:  # an injected fault (kvq.cache.host_faults) or a failed copy
                 log.warning("swap-%s copy of request %s failed (%s): it is recomputed", op.direction, op.seq_id, e)
                 self.counters["failed_copies"] += 1
                 self._failed.append(op)
                 continue
-            self.counters[f"swapped_{op.direction}_blocks"] += len(op.q) + len(op.hp)
+            self.counters[f"swapped_{op.direction}_blocks"] += op.num_blocks
 
     def take_failed(self) -> list:
         """The swap ops whose copy failed since the last call."""

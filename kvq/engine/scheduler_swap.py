@@ -24,10 +24,10 @@ class SwapFailuresMixin:
         # device blocks a failed swap-in should have filled, and those a swap-out of the same sequence read
         # back in the step (seals of them included): whatever prefix index holds them must forget them
         bm.forget_blocks(BlockRef(pool, d) for op in ops if op.direction == "in"
-                         for pool, pairs in (("q", op.q), ("hp", op.hp)) for _, d in pairs)
+                         for pool, pairs in op.pools() for _, d in pairs)
         bm.forget_blocks(BlockRef(pool, d) for op in output.ops
                          if isinstance(op, SwapOp) and op.direction == "out" and op.seq_id in lost
-                         for pool, pairs in (("q", op.q), ("hp", op.hp)) for d, _ in pairs)
+                         for pool, pairs in op.pools() for d, _ in pairs)
         for sid in dict.fromkeys(op.seq_id for op in ops):
             seq = self._seqs.get(sid)
             if seq is None:  # finished meanwhile
