@@ -449,3 +449,35 @@ def test_decode_any_split_count_merges_to_the_reference(fmt):
         got = decode.paged_decode(q, layer, tables, lens, 0.5, max_seq_len=24 * bs, has_hp=False, block_n=bs,
                                   num_splits=splits).float()
         torch.testing.assert_close(got, want, rtol=0, atol=2e-2, msg=f"{splits} splits")
+
+
+@pytest.mark.parametrize("fmt,D", [("int4_kivi", 64), ("int2_kivi", 64), ("int2_kivi", 128), ("int4_per_token", 64),
+                                   ("int2_per_token", 128)])
+def test_kivi_decode_kernel_folds_scales_into_the_other_operand(fmt, D):
+    """The KIVI decode kernel (kvq.attention.triton.decode_kivi: codes into the dots as integers, K's
+    scales and zero points folded into the query, V's into the probabilities) over outlier channels, hp
+    sink and window pages, a partial last tile and two splits: the reference's output."""
+    from kvq.attention.triton import decode, decode_kivi
+    from kvq.cache.plan import bare_model, make_plan
+    from kvq.cache.pool import KVPool
+
+    H, group = 2, 3
+    plan = make_plan(bare_model(1, H, D, num_attention_heads=H * group), fmt, sink_tokens=32, residual_tokens=32)
+    bs = plan.block_size
+    layer = KVPool.create(plan, 12, 4, DEV).layers[0]
+    assert decode_kivi.serves(layer)
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(12 * bs, H, D, generator=g).bfloat16() * 2 for _ in range(2))
+    k[..., 3] += 8  # an outlier channel
+    reference.write_kv(layer, k.to(DEV), v.to(DEV), torch.arange(12 * bs, device=DEV))
+    layer.k_hp.copy_(torch.randn(layer.k_hp.shape, generator=g).to(layer.k_hp.dtype))
+    layer.v_hp.copy_(torch.randn(layer.v_hp.shape, generator=g).to(layer.v_hp.dtype))
+    order = torch.randperm(12, generator=g).to(torch.int32)
+    hp = torch.tensor([-1], dtype=torch.int32)
+    tables = torch.stack([torch.cat([hp, order[:8], hp - 2]), torch.cat([order[8:], order[:6]])]).to(DEV)
+    lens = torch.tensor([10 * bs - 7, 5 * bs + 5], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, H * group, D, generator=g).bfloat16().to(DEV)
+    want = reference.paged_decode(q, layer, tables, lens, D ** -0.5).float()
+    for splits in (None, 2):
+        got = decode.paged_decode(q, layer, tables, lens, D ** -0.5, max_seq_len=10 * bs, num_splits=splits).float()
+        torch.testing.assert_close(got, want, rtol=0, atol=3e-2)

@@ -234,7 +234,7 @@ def launch_defaults(layer: LayerKV) -> tuple[int, int, bool]:
     K 64/1 (chosen by shared memory, not yet swept on the H200)."""
     bits = min(layer.fmt.k.bits, layer.fmt.v.bits)
     if decode_kivi.serves(layer):  # one 32-token group a tile (kvq.attention.triton.decode_kivi)
-        return decode_kivi.GROUP_TOKENS, 2, True
+        return decode_kivi.tile_tokens(layer), 2, True
     if layer.fmt.k.family == "rot":  # rotated K: its level gather pipelined in 2 stages doubles shared memory
         return 64, 1, True          # (Triton 3.6, head_dim 128: 131 KB, one block an SM; 1 stage: 68 KB)
     if bits == 16:

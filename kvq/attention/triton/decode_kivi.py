@@ -10,13 +10,16 @@ exact integers:
 
     K (scale s_c, zero z_c per channel over the tile's 32-token group):
         q . k_n = sum_c (q_c s_c) code_nc + sum_c q_c z_c
+    K per token (int4_per_token, int2_per_token: like V):
+        q . k_n = sum_j s_nj (sum_{c in j} q_c code_nc) + sum_j z_nj (sum_{c in j} q_c)
     V (scale s_nj, zero z_nj per token over channel group j of 32):
         o_c = sum_n (p_n s_nj) code_nc + sum_n p_n z_nj          (j = c // 32)
 
 A tile is one 32-token group, so one page (pages hold whole groups) and one
 block id: the whole tile is quantized or high precision (sinks, recent window).
 V's groups are the batch of a 3-D dot: [groups, queries, tokens] x [groups,
-tokens, 32] -> [groups, queries, 32].  Codes are read in natural channel order
+tokens, 32] -> [groups, queries, 32] (per-token K's too: [groups, queries, 32] x [groups,
+32, tokens], its groups' scores scaled per token and summed).  Codes are read in natural channel order
 (channel c is bit plane c // DP of byte c % DP), so the query, the outputs and
 the partial results need no tile-order map.
 
@@ -38,13 +41,20 @@ GROUP_TOKENS = 32
 
 
 def serves(layer: LayerKV) -> bool:
-    """Whether this kernel reads the layer: K KIVI per channel and V KIVI per token, both in groups of
-    32 and of one width (int4_kivi, int2_kivi), pages of whole groups, at least 16 packed bytes a row."""
+    """Whether this kernel reads the layer: K KIVI per channel (or per token) and V KIVI per token, in groups
+    of 32 and of one width (int4_kivi, int2_kivi, int4_per_token, int2_per_token), pages of whole groups,
+    at least 16 packed bytes a row."""
     k, v = layer.fmt.k, layer.fmt.v
-    return (k.family == "kivi" and v.family == "kivi" and k.scale == "channel_group" and v.scale == "token_group"
+    return (k.family == "kivi" and v.family == "kivi" and k.scale in ("channel_group", "token_group")
+            and v.scale == "token_group"
             and k.group_size == v.group_size == GROUP_TOKENS and k.bits == v.bits and k.bits in (2, 4)
-            and layer.block_size % GROUP_TOKENS == 0 and layer.head_dim % GROUP_TOKENS == 0
+            and layer.block_size % tile_tokens(layer) == 0 and layer.head_dim % GROUP_TOKENS == 0
             and layer.head_dim * k.bits // 8 >= 16)
+
+
+def tile_tokens(layer: LayerKV) -> int:
+    """Tokens a tile: a KIVI K group (32), or with K per token 16 where pages hold 16."""
+    return 16 if layer.fmt.k.scale == "token_group" and layer.block_size % 32 else GROUP_TOKENS
 
 
 @triton.jit
@@ -70,9 +80,8 @@ def _decode_kivi_kernel(
     qk_scale,  # sm_scale * log2(e)
     split_base, split_total,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr,
-    HAS_HP: tl.constexpr, DOT: tl.constexpr,
+    HAS_HP: tl.constexpr, DOT: tl.constexpr, K_TOKEN: tl.constexpr, N: tl.constexpr,
 ):
-    N: tl.constexpr = 32
     NG: tl.constexpr = D // 32
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -86,10 +95,16 @@ def _decode_kivi_kernel(
     gmask = g < GROUP
     c = tl.arange(0, D)
     i = tl.arange(0, N)
+    ch = tl.arange(0, 32)
     j = tl.arange(0, NG)
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + (h * GROUP + g)[:, None] * s_qh + c[None, :],
                 mask=gmask[:, None], other=0.0).to(tl.float32)
-    vcol = (j[:, None, None] * 32 + i[None, None, :])  # [NG, 1, 32]: V's channels, group by group
+    vcol = (j[:, None, None] * 32 + ch[None, None, :])  # [NG, 1, 32]: V's channels, group by group
+    if K_TOKEN:  # the query group by group: [NG, G_PAD, 32], and each group's sum
+        q3 = tl.load(q_ptr + b.to(tl.int64) * s_qb + (h * GROUP + g)[None, :, None] * s_qh + vcol,
+                     mask=gmask[None, :, None], other=0.0).to(tl.float32)
+        qsum = tl.sum(q3, axis=2)  # [NG, G_PAD]
+        q3 = q3.to(DOT)
 
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
@@ -104,9 +119,19 @@ def _decode_kivi_kernel(
             hrow = (-bid - 1).to(tl.int64) * s_hb + h * s_hh + off.to(tl.int64) * s_ht
             kh = tl.load(khp + hrow[:, None] + c[None, :]).to(DOT)
             s = tl.dot(q.to(DOT), tl.trans(kh))
+        elif K_TOKEN:
+            qb = bid.to(tl.int64)
+            krow = qb * s_kdb + h * s_kdh + off.to(tl.int64) * s_kdt
+            kcol = j[:, None, None] * 32 + ch[None, :, None]  # [NG, 32, 1]
+            code = _codes(kd, krow[None, None, :], kcol, D, BITS).to(DOT)  # [NG, 32, N]
+            s3 = tl.dot(q3, code)  # [NG, G_PAD, N]: each channel group's share of the scores
+            grow = qb * s_ksb + h * s_ksh + off.to(tl.int64) * s_kst
+            ksc = tl.load(ks + grow[None, :] + j[:, None]).to(tl.float32)  # [NG, N]
+            kzr = tl.load(kz + grow[None, :] + j[:, None]).to(tl.float32)
+            s = tl.sum(s3 * ksc[:, None, :] + qsum[:, :, None] * kzr[:, None, :], axis=0)
         else:
             qb = bid.to(tl.int64)
-            srow = qb * s_ksb + h * s_ksh + ((t0 % PAGE) // N) * s_kst
+            srow = qb * s_ksb + h * s_ksh + ((t0 % PAGE) // 32) * s_kst  # (N = 32: one group)
             sc = tl.load(ks + srow + c).to(tl.float32)
             zr = tl.load(kz + srow + c).to(tl.float32)
             krow = qb * s_kdb + h * s_kdh + off.to(tl.int64) * s_kdt
@@ -160,5 +185,7 @@ def launch(q, layer: LayerKV, tables, lens, has_hp: bool, po, plse, base: int, q
         *layer.k_hp.stride()[:3],
         tables, tables.stride(0), lens, po, plse, splits, qk_scale, base, po.shape[2],
         GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=layer.block_size,
-        BITS=layer.fmt.k.bits, HAS_HP=bool(has_hp), DOT=dot, num_warps=num_warps, num_stages=num_stages,
+        BITS=layer.fmt.k.bits, HAS_HP=bool(has_hp), DOT=dot, K_TOKEN=layer.fmt.k.scale == "token_group",
+        N=tile_tokens(layer),
+        num_warps=num_warps, num_stages=num_stages,
     )
