@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton import decode_kivi
+from kvq.attention.triton.splitk import finish, partial_rows, program_share, softmax_step
 from kvq.attention.triton.tiles import (ROT, ROT_C, format_code, hp_rows, load_tile, rot_mags, rot_mean, rot_table,
                                        rot_tile, tile_channel)
 from kvq.cache.pool import LayerKV
@@ -53,16 +54,7 @@ def _decode_split_kernel(
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
     K_G: tl.constexpr, V_G: tl.constexpr, HAS_HP: tl.constexpr, DOT: tl.constexpr, PO_NATURAL: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.program_id(2)
-    n = tl.load(lens_ptr + b)
-    # each sequence divides its own context into num_splits whole-tile shares, so the
-    # grid depends only on (B, H, num_splits): short sequences of a mixed batch spread
-    # over all splits, and a CUDA graph captured for a batch size serves any lengths
-    tokens_per_split = tl.cdiv(tl.cdiv(n, BLOCK_N), num_splits) * BLOCK_N
-    start = sp * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, n)
+    b, h, sp, start, end = program_share(lens_ptr, num_splits, BLOCK_N)
 
     g = tl.arange(0, G_PAD)
     gmask = g < GROUP
@@ -101,11 +93,7 @@ def _decode_split_kernel(
             k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
                                 bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
             s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = softmax_step(tl.where(valid[None, :], s, float("-inf")), m_i, l_i)
         if V_FMT >= ROT:
             lev, v_sc = rot_tile(vd, vs, v_mags, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, bid, off, h, D, V_FMT, DOT)
             acc = acc * alpha[:, None]
@@ -129,11 +117,10 @@ def _decode_split_kernel(
 
     # partial results: out [B, Hq, S, D] in V's tile order (PO_NATURAL: in channel order, so that parts
     # of other formats merge with it), lse [B, Hq, S] (log2 domain)
-    row = (b * tl.num_programs(1) * GROUP + h * GROUP + g).to(tl.int64) * split_total + split_base + sp
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    row = partial_rows(b, h, g, sp, split_base, split_total, GROUP)
+    l_safe, lse = finish(l_i, m_i)
     chan = tile_channel(pos, V_PER, D) if PO_NATURAL else pos
     tl.store(po_ptr + row[:, None] * D + chan[None, :], acc / l_safe[:, None], mask=gmask[:, None])
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
     tl.store(plse_ptr + row, lse, mask=gmask)
 
 

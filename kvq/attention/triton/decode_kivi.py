@@ -34,6 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvq.attention.triton.splitk import finish, partial_rows, program_share, softmax_step
 from kvq.cache.pool import LayerKV
 
 #: Tokens a tile: one KIVI group (the kernel's scale rows are per group).
@@ -83,13 +84,7 @@ def _decode_kivi_kernel(
     HAS_HP: tl.constexpr, DOT: tl.constexpr, K_TOKEN: tl.constexpr, N: tl.constexpr,
 ):
     NG: tl.constexpr = D // 32
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    sp = tl.program_id(2)
-    n = tl.load(lens_ptr + b)
-    tokens_per_split = tl.cdiv(tl.cdiv(n, N), num_splits) * N
-    start = sp * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, n)
+    b, h, sp, start, end = program_share(lens_ptr, num_splits, N)
 
     g = tl.arange(0, G_PAD)
     gmask = g < GROUP
@@ -137,11 +132,7 @@ def _decode_kivi_kernel(
             krow = qb * s_kdb + h * s_kdh + off.to(tl.int64) * s_kdt
             code = _codes(kd, krow[:, None], c[None, :], D, BITS).to(DOT)
             s = tl.dot((q * sc[None, :]).to(DOT), tl.trans(code)) + tl.sum(q * zr[None, :], axis=1)[:, None]
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = softmax_step(tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i)
         p3 = tl.broadcast_to(p[None, :, :], (NG, G_PAD, N))
         acc = acc * alpha[None, :, None]
         zacc = zacc * alpha[None, :]
@@ -160,11 +151,10 @@ def _decode_kivi_kernel(
             zacc += tl.sum(p3 * vzr[:, None, :], axis=2)
         m_i = m_new
 
-    row = (b * tl.num_programs(1) * GROUP + h * GROUP + g).to(tl.int64) * split_total + split_base + sp
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    row = partial_rows(b, h, g, sp, split_base, split_total, GROUP)
+    l_safe, lse = finish(l_i, m_i)
     o = (acc + zacc[:, :, None]) / l_safe[None, :, None]
     tl.store(po_ptr + row[None, :, None] * D + vcol, o, mask=gmask[None, :, None])
-    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
     tl.store(plse_ptr + row, lse, mask=gmask)
 
 
