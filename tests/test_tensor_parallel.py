@@ -359,13 +359,13 @@ def test_two_ranks_age_blocks_into_their_tier_as_one_does():
     import kvq
 
     prose = open(os.path.join(os.path.dirname(kvq.__file__), "data", "reference_prose.txt")).read()
-    prompts = [prose[:1600], prose[2000:3400]]  # ~350 tokens: blocks 160 tokens behind the head age down
+    prompts = [prose[:1100], prose[2000:3000]]  # ~240 tokens: blocks 160 tokens behind the head age down
     runs = []
     for tp in (1, 2):
         llm = LLM(tensor_parallel_size=tp, kv_cache=KVCacheConfig().with_spec("fp8_e4m3>int4_kivi@160"),
                   device=DEVICE, progress=False, kv_cache_memory="48MiB", max_num_seqs=2, max_num_batched_tokens=256)
         try:
-            outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, logprobs=5), use_tqdm=False)
+            outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, logprobs=5), use_tqdm=False)
             runs.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
                          list(llm.engine.block_manager.num_demotions), llm.engine.info))
         finally:
