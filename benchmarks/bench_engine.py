@@ -291,7 +291,9 @@ def demotions(engine) -> dict:
     bm = engine.block_manager
     if bm.arena is None:
         return {}
-    return {"demotions_by_tier": list(bm.num_demotions[1:]), "pressure_demotions": engine.scheduler.num_demotions}
+    clock = engine.runner.demote_clock
+    return {"demotions_by_tier": list(bm.num_demotions[1:]), "pressure_demotions": engine.scheduler.num_demotions,
+            "demotion_s": round(clock.seconds, 4) if clock is not None else 0.0}
 
 
 def prefill_backend(info: dict) -> str | None:

@@ -20,6 +20,7 @@ import torch
 from kvq.cache.pool import encode_slots
 from kvq.cache.step import HostStep, apply_ops, layer_ops, stage_step
 from kvq.engine.block_tables import BlockTables
+from kvq.engine.demote_clock import DemoteClock
 from kvq.engine.staging import Staging
 
 
@@ -27,6 +28,8 @@ class ModelRunner:
     def __init__(self, model, pool, kernels, device: torch.device, graphs=None, max_num_seqs: int = 64,
                  swap=None):
         self.model, self.pool, self.kernels, self.device = model, pool, kernels, device
+        # a tiered cache's forward runs its demotions: timed apart (kvq.engine.demote_clock)
+        self.demote_clock = DemoteClock(kernels, device.type == "cuda") if getattr(pool, "layout", None) else None
         self.swap = swap  # the "swap" KV connector that copies swap ops (kvq.connectors.swap), or None
         self.block_size = pool.plan.block_size
         self.graphs = graphs  # DecodeGraphs or None (eager)
@@ -37,7 +40,7 @@ class ModelRunner:
 
     def apply_ops(self, ops) -> None:
         """Run a step's cache ops (seals, copies, swaps) in order, before anything writes KV."""
-        apply_ops(self.pool, self.kernels, ops, self.swap)
+        apply_ops(self.pool, self.demote_clock or self.kernels, ops, self.swap)
 
     def execute(self, sched, seqs: dict, feed: tuple[torch.Tensor, dict] | None = None
                 ) -> tuple[torch.Tensor | None, list[int]]:
@@ -103,7 +106,8 @@ class ModelRunner:
             policy=self.pool.plan.window_policy, tiered=self.pool.layout is not None)
         if fed_at:
             ids_dev.index_copy_(0, at, feed[0].index_select(0, fed_src))
-        logits = self.model(ids_dev, pos_dev, self.pool, meta, self.kernels, rows_dev)
+        kernels = self.demote_clock if meta.demotes and self.demote_clock is not None else self.kernels
+        logits = self.model(ids_dev, pos_dev, self.pool, meta, kernels, rows_dev)
         if self.warmup is not None and self.warmup.advance(len(ids)):
             self.pool.observer, warmup, self.warmup = None, self.warmup, None
             warmup.freeze()  # enqueued after this step's forward, before the next one

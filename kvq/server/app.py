@@ -227,7 +227,8 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             "kv_pool": {**info["kv_pool"], "bytes_per_block": engine.engine.plan.bytes_per_block,
                         "hp_bytes_per_block": engine.engine.plan.hp_bytes_per_block},
             "kv_blocks": snap["kv_blocks"], "steps": snap["steps"], "recoveries": snap["recoveries"],
-            "kv_tiers": {"tiers": snap["tiers"], "pressure_demotions": snap["pressure_demotions"]}
+            "kv_tiers": {"tiers": snap["tiers"], "pressure_demotions": snap["pressure_demotions"],
+                         "demotion_seconds": round(snap["demotion_seconds"], 6)}
             if snap["tiers"] else None,
             "preemption_mode": info["preemption_mode"],
             "cpu_offload": {**info["cpu_offload"], "swap": snap["swap"], "prefix_tier_stats": snap["cpu_offload"]},

@@ -433,6 +433,7 @@ class AsyncEngine:
             # elastic precision: blocks, bytes and demotions (into each tier) per tier; pressure's share
             "tiers": tiers,
             "pressure_demotions": sched.num_demotions,
+            "demotion_seconds": clock.seconds if (clock := getattr(self.engine.runner, "demote_clock", None)) else 0.0,
             "swap": {"out": sched.num_swapped_out, "in": sched.num_swapped_in, "fallbacks": sched.num_swap_fallbacks,
                      "failures": sched.num_swap_failures,
                      "host_blocks": {p: {"total": h.num_blocks, "used": h.num_used}

@@ -162,6 +162,8 @@ class EngineStateCollector:
             yield from (tb, tbl, ts, dm)
             yield CounterMetricFamily("kvq_kv_pressure_demotions", "Blocks demoted where the scheduler would have "
                                       "preempted or could not admit", value=snap["pressure_demotions"])
+            yield CounterMetricFamily("kvq_kv_demotion_seconds", "Time the demotion kernels took (device time, "
+                                      "summed once each launch completed)", value=snap["demotion_seconds"])
         host = GaugeMetricFamily("kvq_cpu_offload_blocks", "Host-tier KV blocks (swap)", labels=["pool", "state"])
         for pool, b in swap["host_blocks"].items():
             host.add_metric([pool, "used"], b["used"])
