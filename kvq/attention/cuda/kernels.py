@@ -12,8 +12,6 @@ plan's choice is fixed when the backend is selected (backends.py reports it).
 
 from __future__ import annotations
 
-import torch
-
 from kvq.attention.cuda import decode8, seal
 from kvq.attention.triton import decode as triton_decode
 from kvq.attention.triton.demote import demote_pairs  # noqa: F401 (the Triton kernel serves every tier)
@@ -33,26 +31,20 @@ def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, h
                                           has_hp=has_hp)
     # a tiered cache: one launch a tier, each by the kernel of its format (the CUDA one where it reads it),
     # into one set of partial results merged by log-sum-exp
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item())
-    if has_hp is None:
-        has_hp = layer.k_hp.shape[0] > 0
-    parts = triton_decode.decode_parts(layer, block_tables, seq_lens, max_seq_len, bool(has_hp), tiers)
+    parts = triton_decode.decode_parts(layer, block_tables, seq_lens, max_seq_len, has_hp, tiers)
     cuda = [decode8.unsupported_reason(p.layer, group, q.dtype) is None for p in parts]
     splits = [decode8.splits_for(q, p.layer, p.longest) if c else triton_decode.part_splits(q, p)
               for p, c in zip(parts, cuda)]
-    B, Hq, D = q.shape
-    po = torch.empty(B, Hq, sum(splits), D, dtype=torch.float32, device=q.device)
-    plse = torch.empty(B, Hq, sum(splits), dtype=torch.float32, device=q.device)
-    base = 0
-    for p, c, n in zip(parts, cuda, splits):
-        if c:
+    by_cuda = {id(p) for p, c in zip(parts, cuda) if c}
+
+    def launch(p, po, plse, base, n):
+        if id(p) in by_cuda:
             decode8.paged_decode(q, p.layer, p.tables, p.lens, sm_scale, max_seq_len=p.longest, has_hp=p.has_hp,
                                  num_splits=n, partials=(po, plse, base))
         else:
             triton_decode.launch_part(q, p, po, plse, base, sm_scale, n, natural=True)
-        base += n
-    return triton_decode.merge_parts(po, plse, torch.empty_like(q))
+
+    return triton_decode.run_parts(q, parts, splits, launch)
 
 
 def seal_pairs(layer, pairs):

@@ -257,10 +257,14 @@ class DecodePart(NamedTuple):
     has_hp: bool
 
 
-def decode_parts(layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                 has_hp: bool, tiers=None) -> list[DecodePart]:
+def decode_parts(layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int | None,
+                 has_hp: bool | None, tiers=None) -> list[DecodePart]:
     """The launches of one decode: the layer itself, or with ``tiers`` (kvq.cache.step.TierTables) its hp
-    and resident blocks, then each lower tier's blocks (the tiers' tables hold no hp block)."""
+    and resident blocks, then each lower tier's blocks (the tiers' tables hold no hp block).  A length
+    bound or hp flag not given is read from the tables (the bound: one device sync)."""
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    has_hp = layer.k_hp.shape[0] > 0 if has_hp is None else bool(has_hp)
     if tiers is None:
         return [DecodePart(layer, block_tables, seq_lens, max_seq_len, has_hp)]
     return [DecodePart(layer, tiers.base_tables, tiers.base_lens, tiers.base_max_len, has_hp)] + [
@@ -306,6 +310,20 @@ def launch_part(q: torch.Tensor, part: DecodePart, po: torch.Tensor, plse: torch
     )
 
 
+def run_parts(q: torch.Tensor, parts: list[DecodePart], splits: list[int], launch, v_per: int = 1) -> torch.Tensor:
+    """One decode as launches into one set of partial results, merged by log-sum-exp: ``launch(part, po,
+    plse, base, n)`` writes part ``i``'s ``n = splits[i]`` splits from split ``base`` on (each part by
+    the kernel of its format: kvq.attention.cuda.kernels runs the CUDA one where it reads the part)."""
+    B, Hq, D = q.shape
+    po = torch.empty(B, Hq, sum(splits), D, dtype=torch.float32, device=q.device)
+    plse = torch.empty(B, Hq, sum(splits), dtype=torch.float32, device=q.device)
+    base = 0
+    for part, n in zip(parts, splits):
+        launch(part, po, plse, base, n)
+        base += n
+    return merge_parts(po, plse, torch.empty_like(q), v_per)
+
+
 def merge_parts(po: torch.Tensor, plse: torch.Tensor, out: torch.Tensor, v_per: int = 1) -> torch.Tensor:
     """Merge the partial results of every launch by their log-sum-exps into ``out`` [B, Hq, D]
     (``v_per``: the values per byte of V's tile order the partials are in; 1: natural order)."""
@@ -348,17 +366,12 @@ def paged_decode(
     H = layer.num_kv_heads
     assert Hq % H == 0 and D == layer.head_dim, (Hq, H, D, layer.head_dim)
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max().item())
-    if has_hp is None:
-        has_hp = layer.k_hp.shape[0] > 0
-    parts = decode_parts(layer, block_tables, seq_lens, max_seq_len, bool(has_hp), tiers)
+    parts = decode_parts(layer, block_tables, seq_lens, max_seq_len, has_hp, tiers)
     splits = [num_splits or part_splits(q, part, block_n) for part in parts]
-    po = torch.empty(B, Hq, sum(splits), D, dtype=torch.float32, device=q.device)
-    plse = torch.empty(B, Hq, sum(splits), dtype=torch.float32, device=q.device)
-    base = 0
-    for part, n in zip(parts, splits):
-        launch_part(q, part, po, plse, base, sm_scale, n, len(parts) > 1, block_n, num_warps, num_stages, g_pad)
-        base += n
-    v_per = 1 if len(parts) > 1 or decode_kivi.serves(layer) else tile_per(layer.fmt.v)
-    return merge_parts(po, plse, torch.empty_like(q), v_per)
+    natural = len(parts) > 1
+
+    def launch(part, po, plse, base, n):
+        launch_part(q, part, po, plse, base, sm_scale, n, natural, block_n, num_warps, num_stages, g_pad)
+
+    v_per = 1 if natural or decode_kivi.serves(layer) else tile_per(layer.fmt.v)
+    return run_parts(q, parts, splits, launch, v_per)
