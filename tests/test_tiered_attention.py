@@ -132,6 +132,37 @@ def test_cuda_decode_reads_a_tiers_view_of_the_arena(kv):
     assert "not contiguous" in decode8.unsupported_reason(bad, GROUP, torch.bfloat16)
 
 
+def test_cuda_backend_runs_each_tier_by_its_kernel_into_one_merge(kv, monkeypatch):
+    """The cuda backend's tiered decode (kvq.attention.cuda.kernels), its dispatch checked on the CPU: the
+    tiers the CUDA kernel reads go to it with their own split offsets into one set of partials (here a
+    stand-in writes them through the Triton kernel), int2_kivi at head_dim 64 goes to Triton after them,
+    and the merge gives the reference's output."""
+    from kvq.attention.cuda import decode8
+    from kvq.attention.cuda import kernels as cuda_kernels
+
+    layer, table, _, _ = tiered_layer(*LADDER, kv, LAYOUT, DEV)
+    bs, W = layer.block_size, len(table)
+    lens = [W * bs - 3, W * bs - bs - 5]
+    meta, _ = stage_step(HostStep(slots=[0, 1], tables=np.array([table, table], np.int32), seq_lens=lens,
+                                  num_new=[1, 1]), bs, each_to(DEV))
+    calls = []
+
+    def stand_in(q, lay, tab, ln, scale, max_seq_len=None, has_hp=None, num_splits=None, partials=None):
+        po, plse, base = partials
+        calls.append((lay.fmt.k.name, base, num_splits))
+        part = triton_decode.DecodePart(lay, tab, ln, max_seq_len, has_hp)
+        triton_decode.launch_part(q, part, po, plse, base, scale, num_splits, True)
+
+    monkeypatch.setattr(decode8, "splits_for", lambda q, lay, longest, *a: 3)
+    monkeypatch.setattr(decode8, "paged_decode", stand_in)
+    q = torch.randn(2, H * GROUP, D, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
+    want = reference.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5).float()
+    got = cuda_kernels.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5, max_seq_len=max(lens),
+                                    tiers=meta.tiers).float()
+    assert calls == [("fp8_e4m3", 0, 3), ("int4_kivi", 3, 3)]
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode needs a GPU")
 @pytest.mark.parametrize("ladder", [LADDER, ("bfloat16", "fp8_e4m3")])
 def test_cuda_decode_merges_the_tiers(ladder, kv):
