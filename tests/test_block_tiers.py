@@ -16,7 +16,7 @@ from hypothesis.stateful import initialize, invariant, rule
 
 from kvq.cache.block_manager import BlockManager, DemoteOp, NoFreeBlocksError
 from kvq.cache.tiers import TierRule, age_tier, pool_tier
-from kvq.cache.window import WindowPolicy
+from kvq.cache.window import WindowPolicy, block_state
 from tests.test_block_manager import ManagerMachine, kv_chain
 
 
@@ -177,6 +177,131 @@ def test_swap_in_waits_while_the_tiers_cannot_take_its_blocks():
     m.swap_in(0)
     assert [r.pool for r in m.block_table(0)] == before
     m.check_integrity()
+
+
+def _aged_and_offered(m: BlockManager, n: int = 30) -> tuple[list[int], list[str]]:
+    """Sequence 0 decodes ``n`` tokens (blocks age into q1), ends, and its blocks are stored into the CPU
+    prefix tier (the copy completes); then another prompt takes every slab, so the device cache loses
+    them.  -> (its tokens, its table's pools)."""
+    m.allocate_prompt(0, [1, 2, 3])
+    m.mark_computed(0, 3)
+    grow(m, 0, n)
+    tokens = list(m.token_ids(0))
+    m.mark_computed(0, len(tokens))
+    pools = [r.pool for r in m.block_table(0)]
+    m.free(0)
+    stores = m.take_host_ops()
+    assert len(stores) == 1 and dict(stores[0].tier_pairs())["q1"]  # demoted blocks offered as stored
+    m.host_copy_done(stores[0])
+    m.allocate_prompt("flush", [900 + i for i in range(4 * m.num_free_blocks("q"))])
+    m.free("flush")
+    m.take_host_ops()  # (its own store: not completed, it holds its blocks until then)
+    assert len(m._plan_prompt(tokens, use_host=False).hits) < (len(tokens) - 1) // 4, "the device holds the prefix"
+    return tokens, pools
+
+
+def test_cpu_prefix_tier_reloads_a_demoted_block_into_its_tier():
+    """A demoted block goes to the CPU prefix tier as stored (a host q block tagged with its tier) and a
+    prompt with its prefix loads it back into a block of that tier: the table names the tier the block
+    left, the load's pairs put each block into its own pool."""
+    policy = WindowPolicy(4, sink_blocks=1, residual_tokens=4)
+    m = BlockManager(0, 16, policy, host_tier_blocks=(32, 16), tiers=TierRule(1, 4, 1, 4, ages=(8,)),
+                     arena=((2, 3), 10, 0))
+    tokens, pools = _aged_and_offered(m)
+    hit = m.allocate_prompt(1, tokens)
+    h = hit.num_cached_tokens // 4
+    assert hit.num_loading_tokens > 0 and h == (len(tokens) - 1) // 4  # every full block before the last token
+    loaded = m.block_table(1)[h - hit.num_loading_tokens // 4:h]
+    state = [block_state(i, h * 4, policy) for i in range(h)]
+    want = [p if s == "q" else "hp" for p, s in zip(pools, state)][h - len(loaded):h]
+    assert [r.pool for r in loaded] == want and "q1" in want
+    load, = m.take_host_ops()
+    assert load.tier_pairs() and {d for _, d in load.pairs("q1")} == {r.block_id for r in loaded if r.pool == "q1"}
+    assert m.load_state(1) == "loading"
+    m.check_integrity()
+    m.host_copy_done(load)
+    assert m.load_state(1) is None and m.num_computed(1) == h * 4
+    m.check_integrity()
+
+
+def _hogged(hog: int) -> BlockManager | None:
+    """A manager whose CPU prefix tier holds an aged sequence's blocks (q and q1) the device lost, and a
+    prompt of ``hog`` tokens holding slabs; None when that prompt does not fit."""
+    policy = WindowPolicy(4, sink_blocks=1, residual_tokens=4)
+    m = BlockManager(0, 16, policy, host_tier_blocks=(32, 16), tiers=TierRule(1, 4, 1, 4, ages=(8,)),
+                     arena=((2, 3), 10, 0))
+    m.tokens, _ = _aged_and_offered(m)
+    if not m.can_allocate(hog, [500 + i for i in range(hog)]):
+        return None
+    m.allocate_prompt("hog", [500 + i for i in range(hog)])
+    return m
+
+
+def _arena_state(m: BlockManager) -> tuple:
+    return (m.num_free_blocks("q"), m.num_free_blocks("q1"), m.arena.num_unowned, list(m.arena.owner),
+            [len(t._idle) for t in m.arena.tiers], m.allocator("q").num_hits, m.allocator("hp").num_hits)
+
+
+def test_a_load_into_several_tiers_fits_the_arena_or_takes_a_shorter_hit():
+    """The tiers share the arena's slabs: a prompt that would load blocks of q and q1 and compute the rest
+    is planned by counting the busy slabs' free ids and the free and idle slabs together.  Other prompts
+    of every size hold slabs: where each tier's count alone would let the whole hit in but not all
+    together, the plan takes a shorter hit, none, or waits; whatever it promises, allocation takes;
+    planning changes nothing."""
+    refused_whole = loaded = 0
+    for hog in range(1, 100, 2):
+        m = _hogged(hog)
+        if m is None:
+            break
+        full = _hogged(1)._plan_prompt(m.tokens)
+        assert full.ok and {b.pool for b in full.loads} >= {"q", "q1"}
+        state = _arena_state(m)
+        plan = m._plan_prompt(m.tokens)
+        assert _arena_state(m) == state
+        need = {p: sum(b.pool == p for b in full.loads) for p in ("q", "q1")}
+        if all(need[p] <= m.num_free_blocks(p) for p in need) and (not plan.ok or len(plan.loads) < len(full.loads)):
+            refused_whole += 1  # each tier alone had room for the loads, not both together
+        if plan.ok:
+            hit = m.allocate_prompt(1, m.tokens)  # what the plan promised, it takes
+            loaded += any(r.pool == "q1" for r in m.block_table(1)) and hit.num_loading_tokens > 0
+            m.check_integrity()
+        else:
+            assert not m.can_allocate(len(m.tokens), m.tokens)
+    assert refused_whole > 0 and loaded > 0, (refused_whole, loaded)
+
+
+def test_a_load_the_allocators_defeat_gives_everything_back_and_plans_again(monkeypatch):
+    """Where the count promises a load into several tiers that allocation cannot give (forced here: the
+    count says yes to all), the blocks taken are given back, the hit counters restored, and the prompt
+    is planned again without such a load: it takes a shorter hit or waits, never a half table."""
+    from kvq.cache.block_prefix import PrefixMixin
+
+    monkeypatch.setattr(PrefixMixin, "_fits_in_free_slabs", lambda self, need: True)
+    fell_back = 0
+    for hog in range(1, 100, 2):
+        m = _hogged(hog)
+        if m is None:
+            break
+        plan = m._plan_prompt(m.tokens)
+        if not (plan.ok and any(b.pool == "q1" for b in plan.loads)):
+            continue
+        try:
+            m._take_prompt_blocks(plan, m.tokens)
+            continue  # it fit after all
+        except NoFreeBlocksError:
+            pass
+        fell_back += 1
+        m.check_integrity()  # nothing held by the attempt
+        try:
+            hit = m.allocate_prompt(1, m.tokens)
+        except NoFreeBlocksError:
+            assert 1 not in m._seqs
+        else:
+            table = m.block_table(1)
+            assert not any(r.pool == "q1" for r in table[hit.num_cached_tokens // 4 - hit.num_loading_tokens // 4:
+                                                          hit.num_cached_tokens // 4])
+        m.check_integrity()
+    assert fell_back > 0
 
 
 class TieredManagerMachine(ManagerMachine):

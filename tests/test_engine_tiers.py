@@ -180,3 +180,49 @@ def test_swap_carries_demoted_blocks_as_they_were(model):
     assert any(op.tiers for op in moved) and eng.block_manager.num_demotions[1] > 0, moved
     assert conn.stats()["failed_copies"] == 0
     eng.block_manager.check_integrity()
+
+
+def _chat(eng: LLMEngine, turns: int = 3) -> list[list[int]]:
+    """Each prompt's turn t + 1 is its turn-t prompt, answer and three more tokens; -> every answer."""
+    prompts, answers = [list(p) for p in PROMPTS], []
+    for _ in range(turns):
+        ids = {}
+        for p in prompts:
+            ids[eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))] = len(ids)
+        got = {}
+        while eng.has_unfinished():
+            got.update({o.request_id: list(o.outputs[0].token_ids) for o in eng.step() if o.finished})
+        out = [got[r] for r in sorted(got, key=ids.get)]
+        answers += out
+        prompts = [p + a + [11, 12, 13] for p, a in zip(prompts, out)]
+    return answers
+
+
+def test_cpu_prefix_tier_reloads_demoted_blocks_as_the_device_served_them(model):
+    """Multi-turn chats whose blocks age into int4_kivi: a device pool too small to keep the history stores
+    each request's blocks in the CPU prefix tier as they were (a demoted block in a host q block, tagged
+    with its tier; a copy of another tier replaced once the device's block moved down) and reloads them
+    into their tiers; every greedy token equals a roomy pool's, whose prefix hits serve the same demoted
+    blocks from the device.  One request at a time and no windows, so that neither pool preempts nor
+    loses a window block (a recompute would store a block anew, in the resident format)."""
+    kw = dict(block_size=32, kv_residual_tokens=0, kv_sink_tokens=0, kv_cache_tiers="int4_kivi",
+              kv_tier_age="64", kv_tier_policy="age", max_num_seqs=1)
+    want = _chat(engine(model, "torch", kv_cache_memory="4MiB", **kw))
+    eng = engine(model, "torch", kv_cache_memory="256KiB", cpu_offload_gb=0.01, **kw)
+    conn = eng.connector("cpu_prefix_tier")
+    lower = []
+    issue = conn.issue
+
+    def watched(ops):
+        ops = list(ops)
+        lower.extend((type(op).__name__, len(p)) for op in ops for _, p in op.tier_pairs())
+        issue(ops)
+
+    conn.issue = watched
+    assert _chat(eng) == want
+    stats = eng.host_offload_stats()
+    assert stats["reloaded_blocks"] > 0 and stats["load_failed"] == stats["store_failed"] == 0, stats
+    assert stats["tier_replaced"] > 0, stats  # host copies stored in q, replaced by their demoted blocks
+    assert {k for k, _ in lower} == {"HostStoreOp", "HostLoadOp"}, lower  # demoted blocks went and came back
+    assert eng.poll_host_copies(wait=True) == 0
+    eng.block_manager.check_integrity()

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvq.cache.block_allocator import hash_block_tokens
 from kvq.cache.block_manager import BlockManager, WindowPolicy
-from kvq.cache.host_tier import HostBlock, HostHit, HostPrefixTier, chain_blocks
+from kvq.cache.host_tier import HostBlock, HostHit, HostPrefixTier, chain_blocks, host_pool_of
 
 BS = 4
 
@@ -274,9 +274,11 @@ def test_check_integrity_catches_each_broken_invariant(corrupt):
 class TierMachine(RuleBasedStateMachine):
     """Random offers, store completions and failures, lookups, pinned loads and their ends over tiny pools.
 
-    The model: per pool, ``hash -> [tokens, state, pins, last use]``; the LRU victim is the
-    LOADABLE unpinned entry of least last use.  After every rule the tier's integrity holds and it
-    agrees with the model on what is held, loadable, pinned and in which LRU order.
+    The model: per host pool, ``hash -> [tokens, state, pins, last use, device pool]``; the LRU victim
+    is the LOADABLE unpinned entry of least last use.  Blocks are offered from the device pools q, hp
+    and the lower tiers' q1, q2 (elastic precision: kept in host q blocks, tagged with their tier).
+    After every rule the tier's integrity holds and it agrees with the model on what is held,
+    loadable, pinned, from which device pool and in which LRU order.
     """
 
     @initialize(bs=st.integers(1, 3), nq=st.integers(1, 4), nhp=st.integers(1, 3),
@@ -292,7 +294,7 @@ class TierMachine(RuleBasedStateMachine):
         self.stores: list = []  # outstanding StoreRequests
         self.loads: list = []
         self.ended: list = []  # requests already ended: ending them again raises
-        self.counts = {p: dict(stores=0, store_failures=0, rejected=0, evictions=0, hits=0, loads=0,
+        self.counts = {p: dict(stores=0, store_failures=0, rejected=0, evictions=0, replaced=0, hits=0, loads=0,
                                load_failures=0, load_timeouts=0) for p in ("q", "hp")}
 
     def touch(self, entry):
@@ -306,7 +308,8 @@ class TierMachine(RuleBasedStateMachine):
             return data.draw(st.sampled_from(self.seen))
         values = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=4))
         chain = chain_blocks(prompt(*values, bs=self.bs), self.bs)
-        pools = data.draw(st.lists(st.sampled_from(["q", "hp"]), min_size=len(chain), max_size=len(chain)))
+        pools = data.draw(st.lists(st.sampled_from(["q", "hp", "q1", "q2"]), min_size=len(chain),
+                                   max_size=len(chain)))
         self.seen.append((chain, pools))
         return chain, pools
 
@@ -326,42 +329,49 @@ class TierMachine(RuleBasedStateMachine):
                 self.end_store(req, True)
 
     def offer_one(self, pool, h, toks, dev):
-        model = self.held[pool]
+        host = host_pool_of(pool)
+        model = self.held[host]
         req = self.tier.offer(pool, h, toks, dev)
         if h in model:
-            assert req is None
             e = model[h]
+            if e[1] == "loadable" and e[2] == 0 and e[0] == toks and e[4] != pool:  # another tier's: replaced
+                assert req is not None and req.evicted_hash == h and (req.pool, req.device_block) == (pool, dev)
+                model[h] = [toks, "storing", 0, 0, pool]
+                self.counts[host]["replaced"] += 1
+                self.stores.append(req)
+                return req
+            assert req is None
             if e[1] == "loadable" and e[2] == 0 and e[0] == toks:
                 self.touch(e)
             return
         victims = [(e[3], hh) for hh, e in model.items() if e[1] == "loadable" and e[2] == 0]
-        if len(model) < self.cap[pool]:
+        if len(model) < self.cap[host]:
             assert req is not None and req.evicted_hash is None
         elif victims:
             assert req is not None and req.evicted_hash == min(victims)[1]
             del model[req.evicted_hash]
-            self.counts[pool]["evictions"] += 1
+            self.counts[host]["evictions"] += 1
         else:
             assert req is None
-            self.counts[pool]["rejected"] += 1
+            self.counts[host]["rejected"] += 1
             return
-        assert (req.pool, req.block_hash, req.device_block) == (pool, h, dev)
-        model[h] = [toks, "storing", 0, 0]
+        assert (req.pool, req.host_pool, req.block_hash, req.device_block) == (pool, host, h, dev)
+        model[h] = [toks, "storing", 0, 0, pool]
         self.stores.append(req)
         return req
 
     def end_store(self, req, ok):
         self.stores.remove(req)
-        model = self.held[req.pool]
+        model = self.held[req.host_pool]
         if ok:
             self.tier.store_done(req)
             model[req.block_hash][1] = "loadable"
             self.touch(model[req.block_hash])
-            self.counts[req.pool]["stores"] += 1
+            self.counts[req.host_pool]["stores"] += 1
         else:
             self.tier.store_failed(req)
             del model[req.block_hash]
-            self.counts[req.pool]["store_failures"] += 1
+            self.counts[req.host_pool]["store_failures"] += 1
         self.ended.append(req)
 
     @rule(data=st.data())
@@ -373,12 +383,13 @@ class TierMachine(RuleBasedStateMachine):
             self.end_store(req, data.draw(st.sampled_from([True, True, True, False])))
 
     def expected_run(self, pools, chain, start):
+        """(device pool stored from, hash) of the run: a host q block loads into the tier it came from."""
         run = []
         for i in range(start, len(chain)):
             e = self.held[pools[i]].get(chain[i][0])
             if e is None or e[1] != "loadable" or e[0] != chain[i][1]:
                 break
-            run.append((pools[i], chain[i][0]))
+            run.append((e[4], chain[i][0]))
         return run
 
     @rule(data=st.data(), pin=st.booleans())
@@ -389,19 +400,26 @@ class TierMachine(RuleBasedStateMachine):
         else:
             chain, pools = self.prompt(data)
             start = data.draw(st.sampled_from([0, data.draw(st.integers(0, len(chain)))]))
+        pools = [host_pool_of(p) for p in pools]  # a lookup asks the window rule's state: q or hp
         if data.draw(st.integers(0, 3)) == 0:  # ask for other pools than the blocks were offered to
             pools = data.draw(st.lists(st.sampled_from(["q", "hp"]), min_size=len(chain), max_size=len(chain)))
         hit = self.tier.lookup_chain(pools, chain, start)
         want = self.expected_run(pools, chain, start)
         assert hit.start == start and [(b.pool, b.block_hash) for b in hit.blocks] == want
         for i, b in enumerate(hit.blocks, start):
-            assert self.tier.probe(b.pool, b.block_hash, chain[i][1]) == b.host_block
+            assert self.tier.probe(b.host_pool, b.block_hash, chain[i][1]) == b.host_block
+            assert self.tier.probe_block(b.host_pool, b.block_hash, chain[i][1]) == b
         if not pin or not hit.blocks:
             return
         load = self.tier.pin_for_load(hit, range(100, 100 + hit.num_blocks))
-        for b in hit.blocks:
-            self.held[b.pool][b.block_hash][2] += 1
-            self.counts[b.pool]["hits"] += 1
+        got = {"q": load.q_pairs, "hp": load.hp_pairs, **dict(load.tier_pairs)}
+        want_pairs: dict[str, list] = {}
+        for j, b in enumerate(hit.blocks):
+            self.held[b.host_pool][b.block_hash][2] += 1
+            self.counts[b.host_pool]["hits"] += 1
+            want_pairs.setdefault(b.pool, []).append((b.host_block, 100 + j))
+        assert {p: list(v) for p, v in got.items() if v} == want_pairs  # each block into its own pool
+        assert [p for p, _ in load.tier_pairs] == sorted(set(want_pairs) - {"q", "hp"})
         self.loads.append(load)
 
     @rule(data=st.data(), outcome=st.sampled_from(["loads", "load_failures", "load_timeouts"]))
@@ -413,11 +431,11 @@ class TierMachine(RuleBasedStateMachine):
                "load_timeouts": self.tier.load_timed_out}[outcome]
         end(load)
         for b in load.hit.blocks:
-            e = self.held[b.pool][b.block_hash]
+            e = self.held[b.host_pool][b.block_hash]
             e[2] -= 1
             if e[2] == 0:
                 self.touch(e)
-            self.counts[b.pool][outcome] += 1
+            self.counts[b.host_pool][outcome] += 1
         self.ended.append(load)
 
     @rule(data=st.data())
@@ -444,6 +462,7 @@ class TierMachine(RuleBasedStateMachine):
             for h, e in model.items():
                 got = tier.probe(pool, h, e[0])
                 assert (got is not None) == (e[1] == "loadable")
+                assert t.source[t.index[h]] == e[4]
                 if got is not None:
                     assert t.pins[got - t.first] == e[2]
             assert tier.num_used(pool) == len(model) <= self.cap[pool]

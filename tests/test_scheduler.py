@@ -193,13 +193,16 @@ class Engine:
             if fault == "fail":
                 self.s.host_copy_done(op, ok=False)
                 continue
+            if op.tier_pairs():
+                kind = "store" if isinstance(op, HostStoreOp) else "load"
+                event(f"CPU prefix tier: a {kind} of a lower tier's blocks")
             if isinstance(op, HostStoreOp):
-                for r in op.requests:
-                    self.host[r.pool][r.host_block] = list(self.mem[r.pool][r.device_block])
+                for r in op.requests:  # a lower tier's block in a host q block, as stored
+                    self.host[r.host_pool][r.host_block] = list(self.mem[r.pool][r.device_block])
             else:
-                for pool in ("q", "hp"):
+                for pool in self.bm.pools:  # back into the tier each block was stored from
                     for h, d in op.pairs(pool):
-                        self.mem[pool][d] = list(self.host[pool][h])
+                        self.mem[pool][d] = list(self.host["hp" if pool == "hp" else "q"][h])
             self.s.host_copy_done(op)
         self.copies = left
 

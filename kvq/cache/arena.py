@@ -243,6 +243,12 @@ class TierAllocator(BlockAllocator):
     def num_slabs(self) -> int:
         return sum(1 for o in self.arena.owner if o == self.tier)
 
+    @property
+    def num_free_ids_busy(self) -> int:
+        """Free ids in the held slabs that are not idle (no other tier reclaims those): what
+        :meth:`allocate` gives before it takes a slab."""
+        return sum(len(ids) for s, ids in self._slab_free.items() if s not in self._idle)
+
     def slab_of(self, block_id: int) -> int:
         return block_id // self.per_slab
 

@@ -29,14 +29,18 @@ def check_block_manager(bm) -> None:
             raise AssertionError(f"seq {sid!r}: num_settled/num_computed outside [0, {n}]")
         if any(r.pool not in q_pools for r in seq.table[bm.policy.sink_blocks:seq.seal_from]):
             raise AssertionError(f"seq {sid!r}: an hp block below seal_from={seq.seal_from}")
+        load = bm._loading.get(sid)
+        loaded = range(load.request.hit.start, load.request.hit.end) if load is not None else range(0)
         for i, ref in enumerate(seq.table):
             refs[ref.pool][ref.block_id] += 1
             at = seq.num_settled if i * bs < seq.num_settled else n
             if ("q" if ref.pool in q_pools else ref.pool) != block_state(i, at, bm.policy):
                 raise AssertionError(f"seq {sid!r}: block {i} is in {ref.pool}, rule says "
                                      f"{block_state(i, at, bm.policy)} at n={at}")
-            if ref.pool not in ("q", "hp") and (i < bm.policy.sink_blocks or (i + 1) * bs > seq.num_computed):
-                raise AssertionError(f"seq {sid!r}: block {i} is in {ref.pool} but is a sink or not computed")
+            if ref.pool not in ("q", "hp") and (i < bm.policy.sink_blocks or
+                                                (i + 1) * bs > seq.num_computed and i not in loaded):
+                raise AssertionError(f"seq {sid!r}: block {i} is in {ref.pool} but is a sink or not computed "
+                                     "(nor loaded as stored from the CPU prefix tier)")
             stored = bm._alloc[ref.pool].block_tokens(ref.block_id)
             if stored is not None and stored != tuple(bm._block_tokens(seq.tokens, i)):
                 raise AssertionError(f"seq {sid!r}: block {i} ({ref}) holds other tokens")
@@ -66,8 +70,8 @@ def check_block_manager(bm) -> None:
             raise AssertionError(f"seq {sid!r} waits for a load that is not outstanding")
         seq = bm._seqs[sid]
         hit = op.request.hit
-        if seq.num_computed != hit.start * bs or [r.block_id for r in seq.table[hit.start:hit.end]] != \
-                list(op.request.device_blocks):
+        if seq.num_computed != hit.start * bs or [(r.pool, r.block_id) for r in seq.table[hit.start:hit.end]] != \
+                [(b.pool, d) for b, d in zip(hit.blocks, op.request.device_blocks)]:
             raise AssertionError(f"seq {sid!r}: its table or progress disagrees with its load")
     if bm.host_tier is not None:
         bm.host_tier.check_integrity()

@@ -137,7 +137,7 @@ class LoadsMixin:
         reqs = []
         for i in range(seq.num_registered):
             ref = seq.table[i]
-            if ref in held or ref.pool not in ("q", "hp"):  # the tier holds the resident and hp formats only
+            if ref in held:  # a lower tier's block is kept as stored, tagged with its tier
                 continue
             r = self.host_tier.offer(ref.pool, seq.hashes[i], self._block_tokens(seq.tokens, i), ref.block_id)
             if r is not None:

@@ -254,6 +254,10 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
         blocks and a :class:`HostLoadOp` (:meth:`take_host_ops`); ``num_computed`` covers them
         only once it has completed (:meth:`host_copy_done`), and the sequence must not run before
         (:meth:`load_state`).  ``use_cache=False`` takes no hit: every token is computed.
+
+        A hit that loads blocks of several tiers (elastic precision: each back into the tier it
+        was stored from) is planned by counting the arena's slabs, which the allocators' order
+        can still defeat: then nothing is kept and the prompt is planned again without such loads.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence id {seq_id!r} already has blocks")
@@ -261,28 +265,23 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
         plan = self._plan_prompt(token_ids, use_cache, end=end, use_host=use_host)  # use_cache=False: no hit
+        try:
+            table = self._take_prompt_blocks(plan, token_ids) if plan.ok else None
+        except NoFreeBlocksError:  # only a load into lower tiers can get here: taken blocks given back
+            plan = self._plan_prompt(token_ids, use_cache, end=end, use_host=use_host, lower_loads=False)
+            table = self._take_prompt_blocks(plan, token_ids) if plan.ok else None
         bs, L = self.block_size, plan.L
-        if not plan.ok:
+        if table is None:
             raise NoFreeBlocksError(
                 f"prompt of {L} tokens for {seq_id!r} does not fit: "
                 f"q free {self.num_free_blocks('q')}, hp free {self.num_free_blocks('hp')}"
             )
         token_ids = token_ids[:L]
         k, h = len(plan.hits), len(plan.hits) + len(plan.loads)
-        table: list[BlockRef] = []
-        for i, (pool, want) in enumerate(plan.hits):  # take hits before allocating, so none is evicted
-            got = self._alloc[pool].lookup(plan.hashes[i], self._block_tokens(token_ids, i))
-            assert got == want, (pool, got, want)
-            table.append(BlockRef(pool, got))
-        for b in plan.loads:
-            table.append(BlockRef(b.pool, self._alloc[b.pool].allocate()))
         if plan.miss:
             self._alloc[block_state(h, L, self.policy)].note_miss()
             if self.host_tier is not None and use_host:
                 self.host_tier.note_miss(block_state(h, L, self.policy))
-        for i in range(h, -(-L // bs)):
-            pool = block_state(i, L, self.policy)
-            table.append(BlockRef(pool, self._alloc[pool].allocate()))
         seq = self._seqs[seq_id] = SeqBlocks(token_ids, table, k * bs, plan.hashes[:k], self.policy.sink_blocks)
         seq.num_settled = h * bs  # the hits follow the rule at their end, as after an append
         if plan.loads:
@@ -290,6 +289,29 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
             op = self._loading[seq_id] = self._loads[req.ticket] = HostLoadOp(seq_id, req)
             self._host_ops.append(op)
         return PrefixHit(h * bs, (h - k) * bs)
+
+    def _take_prompt_blocks(self, plan, token_ids: Sequence[int]) -> list[BlockRef]:
+        """A planned prompt's table: its hits taken first (so none is evicted), a block for each load,
+        then the blocks it computes.  All or nothing: on NoFreeBlocksError every block taken is given
+        back and the hit counters restored (a cached block evicted on the way stays evicted)."""
+        bs, L, table = self.block_size, plan.L, []
+        try:
+            for i, (pool, want) in enumerate(plan.hits):
+                got = self._alloc[pool].lookup(plan.hashes[i], self._block_tokens(token_ids, i))
+                assert got == want, (pool, got, want)
+                table.append(BlockRef(pool, got))
+            for b in plan.loads:
+                table.append(BlockRef(b.pool, self._alloc[b.pool].allocate()))
+            for i in range(len(plan.hits) + len(plan.loads), -(-L // bs)):
+                pool = block_state(i, L, self.policy)
+                table.append(BlockRef(pool, self._alloc[pool].allocate()))
+        except NoFreeBlocksError:
+            for ref in reversed(table):
+                self._alloc[ref.pool].free(ref.block_id)
+            for pool, _ in plan.hits:
+                self._alloc[pool].num_hits -= 1
+            raise
+        return table
 
 
     # -- appends ----------------------------------------------------------------------------

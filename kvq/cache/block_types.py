@@ -7,6 +7,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from kvq.cache.host_tier import LoadRequest, StoreRequest
+from kvq.cache.tiers import pool_tier
 from kvq.cache.window import Pool
 
 PENDING_TOKEN = -1
@@ -91,9 +92,15 @@ class HostStoreOp:
 
     requests: tuple[StoreRequest, ...]
 
-    def pairs(self, pool: Pool) -> tuple[tuple[int, int], ...]:
-        """``(device, host)`` block ids of ``pool``, the argument order of ``HostKVPool.store``."""
+    def pairs(self, pool: str) -> tuple[tuple[int, int], ...]:
+        """``(device, host)`` block ids of device pool ``pool`` (q, hp, q1...), the argument order of
+        ``HostKVPool.store``."""
         return tuple((r.device_block, r.host_block) for r in self.requests if r.pool == pool)
+
+    def tier_pairs(self) -> tuple[tuple[str, tuple[tuple[int, int], ...]], ...]:
+        """``((pool, pairs), ...)`` of the lower tiers' blocks (``HostKVPool.store``'s ``tier_pairs``)."""
+        pools = sorted({r.pool for r in self.requests} - {"q", "hp"}, key=pool_tier)
+        return tuple((p, self.pairs(p)) for p in pools)
 
     @property
     def num_blocks(self) -> int:
@@ -109,9 +116,15 @@ class HostLoadOp:
     seq_id: SeqId
     request: LoadRequest
 
-    def pairs(self, pool: Pool) -> tuple[tuple[int, int], ...]:
-        """``(host, device)`` block ids of ``pool``, the argument order of ``HostKVPool.load``."""
-        return self.request.q_pairs if pool == "q" else self.request.hp_pairs
+    def pairs(self, pool: str) -> tuple[tuple[int, int], ...]:
+        """``(host, device)`` block ids of device pool ``pool``, the argument order of ``HostKVPool.load``."""
+        if pool in ("q", "hp"):
+            return self.request.q_pairs if pool == "q" else self.request.hp_pairs
+        return dict(self.request.tier_pairs).get(pool, ())
+
+    def tier_pairs(self) -> tuple[tuple[str, tuple[tuple[int, int], ...]], ...]:
+        """``((pool, pairs), ...)`` of the lower tiers' blocks (``HostKVPool.load``'s ``tier_pairs``)."""
+        return self.request.tier_pairs
 
     @property
     def num_blocks(self) -> int:

@@ -3,8 +3,15 @@
 Tensor-free bookkeeping for issue 14, part 2.  The device pools index computed
 full blocks under chained content hashes (:func:`hash_block_tokens`, see
 :mod:`kvq.cache.block_allocator`); this tier keeps host copies of such blocks
-under the *same* hashes, one index per pool ("q" resident, "hp" high precision),
-so that a device prefix miss can continue from host memory.  It decides; the
+under the *same* hashes, one index per host pool ("q" resident, "hp" high precision),
+so that a device prefix miss can continue from host memory.  With elastic precision
+(:mod:`kvq.cache.tiers`) a block of a lower tier (device pool ``q1``, ``q2``...) is kept
+as it was stored, in a host q block (a host q row holds a block of any tier), and tagged
+with its device pool: a hit loads it back into that tier (served as stored, as a device
+hit on a demoted block is).  Requests and hits name the *device* pool; a hash is held
+once per host pool, in the tier last offered: the device indexes a demoted block's hash
+in its new tier, so a copy offered from another tier replaces the one held (when it is
+loadable and unpinned), and a reload serves what the device served.  It decides; the
 engine moves bytes (:meth:`HostKVPool.store` / :meth:`~HostKVPool.load` on the
 copy stream) and reports back when each copy's event has completed.
 
@@ -17,6 +24,7 @@ Every host block of a pool is in exactly one state::
         pins >= 1: a load reads it: not in the LRU, never evicted
 
     offer()        FREE or evicted LRU head -> STORING   (StoreRequest)
+                   (or the block of the same hash from another tier, replaced)
     store_done()   STORING -> LOADABLE (most recently used)
     store_failed() STORING -> FREE
     pin_for_load() LOADABLE: pins += 1                   (LoadRequest)
@@ -36,7 +44,7 @@ miss, as in the device prefix index.  Lookups (:meth:`probe`,
 :meth:`lookup_chain`) change nothing, so a caller pins what it found before
 anything else (an offer may evict an unpinned block).
 
-Counters are in blocks, per pool (a q and an hp block differ in bytes; the
+Counters are in blocks, per host pool (a q and an hp block differ in bytes; the
 caller multiplies by the plan's bytes per block).
 """
 
@@ -48,9 +56,16 @@ from dataclasses import dataclass
 from itertools import count
 
 from kvq.cache.block_allocator import hash_block_tokens
+from kvq.cache.tiers import pool_tier
 from kvq.cache.window import POOLS, Pool
 
 FREE, STORING, LOADABLE = "free", "storing", "loadable"
+
+
+def host_pool_of(pool: str) -> Pool:
+    """The host pool that keeps blocks of device pool ``pool``: ``hp`` for hp, ``q`` for every q pool
+    (the resident tier's and the lower tiers' ``q1``, ``q2``...); ValueError naming the valid ones."""
+    return "hp" if pool_tier(pool) is None else "q"
 
 
 def chain_blocks(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None) -> list[tuple[int, tuple]]:
@@ -70,7 +85,8 @@ def chain_blocks(token_ids: Sequence[int], block_size: int, num_blocks: int | No
 
 @dataclass(frozen=True)
 class StoreRequest:
-    """Copy device block ``device_block`` of ``pool`` into host block ``host_block``.
+    """Copy device block ``device_block`` of ``pool`` (``q``, ``hp`` or a lower tier's ``q1``...) into
+    host block ``host_block`` (of :attr:`host_pool`).
 
     The caller keeps the device block's content unchanged (holds a reference) until the copy's
     event completes, then calls :meth:`HostPrefixTier.store_done` (or ``store_failed``).
@@ -83,14 +99,23 @@ class StoreRequest:
     host_block: int
     evicted_hash: int | None
 
+    @property
+    def host_pool(self) -> Pool:
+        return host_pool_of(self.pool)
+
 
 @dataclass(frozen=True)
 class HostBlock:
-    """A loadable host copy: logical block of a prompt -> host block of ``pool`` holding ``block_hash``."""
+    """A loadable host copy: logical block of a prompt -> host block holding ``block_hash``, stored from
+    (and loaded back into) device pool ``pool`` (``q``, ``hp``, a lower tier's ``q1``...)."""
 
-    pool: Pool
+    pool: str
     host_block: int
     block_hash: int
+
+    @property
+    def host_pool(self) -> Pool:
+        return host_pool_of(self.pool)
 
 
 @dataclass(frozen=True)
@@ -112,14 +137,16 @@ class HostHit:
 @dataclass(frozen=True)
 class LoadRequest:
     """Copy pinned host blocks into device blocks: ``q_pairs`` / ``hp_pairs`` are ``(host, device)``
-    block ids, the argument order of :meth:`HostKVPool.load`.  ``device_blocks[j]`` receives
-    ``hit.blocks[j]``."""
+    block ids, the argument order of :meth:`HostKVPool.load`; ``tier_pairs`` ``((pool, pairs), ...)``
+    those of the lower tiers' blocks (device ids of that tier).  ``device_blocks[j]`` receives
+    ``hit.blocks[j]`` (a block of ``hit.blocks[j].pool``)."""
 
     ticket: int
     hit: HostHit
     device_blocks: tuple[int, ...]
     q_pairs: tuple[tuple[int, int], ...]
     hp_pairs: tuple[tuple[int, int], ...]
+    tier_pairs: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,6 +162,7 @@ class HostTierStats:
     store_failures: int
     rejected: int  # offers refused: every block STORING or pinned
     evictions: int
+    replaced: int  # copies of a hash replaced by the same hash from another tier (a block demoted since)
     hits: int  # blocks pinned for a load
     misses: int  # lookups the caller counted as missing (note_miss)
     loads: int  # blocks whose load completed
@@ -142,8 +170,8 @@ class HostTierStats:
     load_timeouts: int
 
 
-_COUNTERS = ("stores", "store_failures", "rejected", "evictions", "hits", "misses", "loads", "load_failures",
-             "load_timeouts")
+_COUNTERS = ("stores", "store_failures", "rejected", "evictions", "replaced", "hits", "misses", "loads",
+             "load_failures", "load_timeouts")
 
 
 class _PoolTier:
@@ -154,6 +182,7 @@ class _PoolTier:
         self.state = [FREE] * num_blocks
         self.hash: list[int | None] = [None] * num_blocks
         self.tokens: list[tuple | None] = [None] * num_blocks
+        self.source: list[str | None] = [None] * num_blocks  # the device pool it was stored from (q, q1...)
         self.pins = [0] * num_blocks
         self.last_use = [0] * num_blocks  # tick of the last use (store completion, touch, unpin)
         self.free = list(range(num_blocks - 1, -1, -1))  # stack: a fresh tier hands out 0, 1, 2, ...
@@ -176,7 +205,7 @@ class _PoolTier:
 
     def clear(self, i: int) -> None:
         del self.index[self.hash[i]]
-        self.state[i], self.hash[i], self.tokens[i] = FREE, None, None
+        self.state[i], self.hash[i], self.tokens[i], self.source[i] = FREE, None, None, None
 
 
 class HostPrefixTier:
@@ -208,6 +237,10 @@ class HostPrefixTier:
             raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
         return self._pools[pool]
 
+    def _host(self, pool: str) -> _PoolTier:
+        """The host pool keeping device pool ``pool``'s blocks (ValueError naming the valid ones)."""
+        return self._pools[host_pool_of(pool)]
+
     def _touch(self, t: _PoolTier, i: int) -> None:
         """Make a LOADABLE, unpinned block the most recently used."""
         self._clock += 1
@@ -228,7 +261,7 @@ class HostPrefixTier:
         return t.n - len(t.free) - self.num_storing(pool)
 
     def num_storing(self, pool: Pool) -> int:
-        return sum(r.pool == pool for r in self._stores.values())
+        return sum(r.host_pool == pool for r in self._stores.values())
 
     def num_pinned(self, pool: Pool) -> int:
         return sum(p > 0 for p in self._pool(pool).pins)
@@ -243,27 +276,35 @@ class HostPrefixTier:
         self._pool(pool).counters["misses"] += 1
 
     # -- stores ------------------------------------------------------------------------------
-    def offer(self, pool: Pool, block_hash: int, token_ids: Sequence[int], device_block: int) -> StoreRequest | None:
-        """Ask to keep a host copy of a full, computed device block.
+    def offer(self, pool: str, block_hash: int, token_ids: Sequence[int], device_block: int) -> StoreRequest | None:
+        """Ask to keep a host copy of a full, computed device block of device pool ``pool`` (``q``,
+        ``hp``, a lower tier's ``q1``...; kept as stored, tagged with its pool).
 
-        None if the pool already holds ``block_hash`` (a LOADABLE, unpinned copy with these tokens
-        becomes the most recently used) or if every block is STORING or pinned.  Otherwise the
+        None if the host pool already holds ``block_hash`` from ``pool`` (a LOADABLE, unpinned copy with
+        these tokens becomes the most recently used), holds it STORING or pinned, or if every block is
+        STORING or pinned.  A LOADABLE, unpinned copy from another tier is replaced in place.  Otherwise the
         hash is taken, in a free block or by evicting the least recently used LOADABLE unpinned
         block, and stays STORING (not loadable) until :meth:`store_done`.
         """
-        t = self._pool(pool)
+        t = self._host(pool)
         token_ids = tuple(token_ids)
         if len(token_ids) != self.block_size:
             raise ValueError(f"only full blocks are offered ({len(token_ids)} tokens, block size {self.block_size})")
         if isinstance(device_block, bool) or not isinstance(device_block, int) or device_block < 0:
             raise ValueError(f"device block must be an int >= 0, got {device_block!r}")
         held = t.index.get(block_hash)
-        if held is not None:
-            if t.state[held] == LOADABLE and t.pins[held] == 0 and t.tokens[held] == token_ids:
-                self._touch(t, held)
-            return None
         evicted = None
-        if t.free:
+        if held is not None:
+            if t.state[held] != LOADABLE or t.pins[held] or t.tokens[held] != token_ids:
+                return None
+            if t.source[held] == pool:
+                self._touch(t, held)
+                return None
+            i, evicted = held, block_hash  # another tier's copy: the device serves this one now
+            del t.lru[i]
+            t.clear(i)
+            t.counters["replaced"] += 1
+        elif t.free:
             i = t.free.pop()
         elif t.lru:
             i, _ = t.lru.popitem(last=False)
@@ -273,7 +314,7 @@ class HostPrefixTier:
         else:
             t.counters["rejected"] += 1
             return None
-        t.state[i], t.hash[i], t.tokens[i] = STORING, block_hash, token_ids
+        t.state[i], t.hash[i], t.tokens[i], t.source[i] = STORING, block_hash, token_ids, pool
         t.index[block_hash] = i
         req = StoreRequest(next(self._tickets), pool, block_hash, device_block, t.first + i, evicted)
         self._stores[req.ticket] = req
@@ -283,7 +324,7 @@ class HostPrefixTier:
         if self._stores.get(getattr(req, "ticket", None)) != req:
             raise ValueError(f"{req!r} is not an outstanding store (already completed, failed, or never issued)")
         del self._stores[req.ticket]
-        t = self._pools[req.pool]
+        t = self._host(req.pool)
         i = t.local(req.host_block)
         assert t.state[i] == STORING and t.hash[i] == req.block_hash, (req, t.state[i])
         return t, i
@@ -304,10 +345,17 @@ class HostPrefixTier:
 
     # -- lookups (no mutation) ---------------------------------------------------------------
     def probe(self, pool: Pool, block_hash: int, token_ids: Sequence[int]) -> int | None:
-        """Host id of the LOADABLE block of ``pool`` holding ``block_hash`` with ``token_ids``, or None."""
+        """Host id of the LOADABLE block of host pool ``pool`` holding ``block_hash`` with ``token_ids``,
+        or None."""
+        b = self.probe_block(pool, block_hash, token_ids)
+        return None if b is None else b.host_block
+
+    def probe_block(self, pool: Pool, block_hash: int, token_ids: Sequence[int]) -> HostBlock | None:
+        """The LOADABLE copy in host pool ``pool`` of ``block_hash`` with ``token_ids`` (its
+        :attr:`HostBlock.pool`: the device pool to load it into), or None."""
         t = self._pool(pool)
         i = t.find(block_hash, token_ids)
-        return None if i is None else t.first + i
+        return None if i is None else HostBlock(t.source[i], t.first + i, block_hash)
 
     def lookup_chain(self, pool_for_index: Sequence[Pool] | Callable[[int], Pool],
                      blocks: Sequence[tuple[int, Sequence[int]]], start: int = 0) -> HostHit:
@@ -315,7 +363,8 @@ class HostPrefixTier:
 
         ``blocks[i]`` is ``(chained hash, tokens)`` of the prompt's full block ``i`` (:func:`chain_blocks`;
         the caller leaves out a block holding the prompt's last token), ``pool_for_index(i)`` (or
-        ``pool_for_index[i]``) the pool block ``i`` must be loaded into.  The run covers blocks
+        ``pool_for_index[i]``) the host pool block ``i`` must come from (``q`` or ``hp``: the window
+        rule's state; a q block loads into the tier it was stored from).  The run covers blocks
         ``start, start + 1, ...`` up to the first one not loadable there.  Changes nothing.
         """
         if not 0 <= start <= len(blocks):
@@ -324,11 +373,10 @@ class HostPrefixTier:
         found: list[HostBlock] = []
         for i in range(start, len(blocks)):
             block_hash, toks = blocks[i]
-            pool = pool_of(i)
-            local = self._pool(pool).find(block_hash, toks)
-            if local is None:
+            b = self.probe_block(pool_of(i), block_hash, toks)
+            if b is None:
                 break
-            found.append(HostBlock(pool, self._pools[pool].first + local, block_hash))
+            found.append(b)
         return HostHit(start, tuple(found))
 
     # -- loads -------------------------------------------------------------------------------
@@ -345,24 +393,26 @@ class HostPrefixTier:
             raise ValueError(f"{len(device_blocks)} device blocks for {len(hit.blocks)} host blocks")
         pairs: dict[str, list[tuple[int, int]]] = {p: [] for p in POOLS}
         for b, d in zip(hit.blocks, device_blocks):
-            t = self._pool(b.pool)
+            t = self._host(b.pool)
             i = t.local(b.host_block)
-            if t.state[i] != LOADABLE or t.hash[i] != b.block_hash:
-                raise ValueError(f"host {b.pool} block {b.host_block} no longer holds a loadable copy of the hit")
+            if t.state[i] != LOADABLE or t.hash[i] != b.block_hash or t.source[i] != b.pool:
+                raise ValueError(f"host {t.name} block {b.host_block} no longer holds a loadable copy of the hit "
+                                 f"(from device pool {b.pool})")
             if isinstance(d, bool) or not isinstance(d, int) or d < 0:
                 raise ValueError(f"device block must be an int >= 0, got {d!r}")
-            pairs[b.pool].append((b.host_block, d))
+            pairs.setdefault(b.pool, []).append((b.host_block, d))
         for pool, ps in pairs.items():
             if len({d for _, d in ps}) != len(ps):
                 raise ValueError(f"a device {pool} block receives two host blocks")
         for b in hit.blocks:
-            t = self._pools[b.pool]
+            t = self._host(b.pool)
             i = t.local(b.host_block)
             if t.pins[i] == 0:
                 del t.lru[i]
             t.pins[i] += 1
             t.counters["hits"] += 1
-        req = LoadRequest(next(self._tickets), hit, device_blocks, tuple(pairs["q"]), tuple(pairs["hp"]))
+        tiers = tuple((p, tuple(pairs[p])) for p in sorted(set(pairs) - set(POOLS), key=pool_tier))
+        req = LoadRequest(next(self._tickets), hit, device_blocks, tuple(pairs["q"]), tuple(pairs["hp"]), tiers)
         self._loads[req.ticket] = req
         return req
 
@@ -371,7 +421,7 @@ class HostPrefixTier:
             raise ValueError(f"{req!r} is not an outstanding load (already ended, or never issued)")
         del self._loads[req.ticket]
         for b in req.hit.blocks:
-            t = self._pools[b.pool]
+            t = self._host(b.pool)
             i = t.local(b.host_block)
             assert t.pins[i] > 0 and t.state[i] == LOADABLE and t.hash[i] == b.block_hash, (b, t.state[i])
             t.pins[i] -= 1
@@ -402,21 +452,23 @@ class HostPrefixTier:
         """Raise AssertionError naming the first broken invariant (see module docstring)."""
         storing = {p: {} for p in POOLS}
         for ticket, r in self._stores.items():
-            t = self._pools[r.pool]
+            t = self._host(r.pool)
             i = r.host_block - t.first
             assert r.ticket == ticket and 0 <= i < t.n, f"store {r!r} names a block outside its pool"
-            assert i not in storing[r.pool], f"host {r.pool} block {r.host_block}: two outstanding stores"
+            assert i not in storing[t.name], f"host {t.name} block {r.host_block}: two outstanding stores"
             assert t.hash[i] == r.block_hash, f"store {r!r}: its block holds another hash"
-            storing[r.pool][i] = r
+            assert t.source[i] == r.pool, f"store {r!r}: its block is tagged with device pool {t.source[i]}"
+            storing[t.name][i] = r
         pins = {p: [0] * self._pools[p].n for p in POOLS}
         for ticket, r in self._loads.items():
             assert r.ticket == ticket and len(r.device_blocks) == len(r.hit.blocks), f"load {r!r} is malformed"
             for b in r.hit.blocks:
-                t = self._pools[b.pool]
+                t = self._host(b.pool)
                 i = b.host_block - t.first
                 assert 0 <= i < t.n, f"load {r!r} names a block outside its pool"
-                assert t.hash[i] == b.block_hash, f"host {b.pool} block {b.host_block} was evicted while pinned"
-                pins[b.pool][i] += 1
+                assert t.hash[i] == b.block_hash and t.source[i] == b.pool, \
+                    f"host {t.name} block {b.host_block} was evicted while pinned"
+                pins[t.name][i] += 1
         for pool, t in self._pools.items():
             name = f"host {pool}"
             free = set(t.free)
@@ -431,12 +483,15 @@ class HostPrefixTier:
                 assert (i in t.lru) == (s == LOADABLE and t.pins[i] == 0), \
                     f"{name} block {i}: in LRU {i in t.lru}, state {s}, pins {t.pins[i]}"
                 if s == FREE:
-                    assert t.hash[i] is None and t.tokens[i] is None, f"{name} free block {i} holds a hash"
+                    assert t.hash[i] is None and t.tokens[i] is None and t.source[i] is None, \
+                        f"{name} free block {i} holds a hash"
                 else:
                     assert t.hash[i] is not None and t.index.get(t.hash[i]) == i, \
                         f"{name} block {i}: its hash is not indexed to it"
                     assert t.tokens[i] is not None and len(t.tokens[i]) == self.block_size, \
                         f"{name} block {i} holds a hash without a full block of tokens"
+                    assert t.source[i] is not None and host_pool_of(t.source[i]) == pool, \
+                        f"{name} block {i} is tagged with device pool {t.source[i]!r}"
             for h, i in t.index.items():
                 assert 0 <= i < t.n and t.hash[i] == h, f"{name}: index maps a hash to block {i}, which lacks it"
             uses = [t.last_use[i] for i in t.lru]

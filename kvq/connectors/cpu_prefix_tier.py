@@ -28,7 +28,7 @@ def offload_stats(counters: dict, scheduler, block_manager) -> dict:
     out.update(load_timeouts=s.num_load_timeouts, loads_abandoned_for_failure=s.num_load_failures,
                requests_loaded=s.num_host_loads)
     tier = block_manager.host_tier
-    for key in ("hits", "misses", "evictions", "rejected", "stores", "store_failures"):
+    for key in ("hits", "misses", "evictions", "replaced", "rejected", "stores", "store_failures"):
         out[f"tier_{key}"] = sum(getattr(tier.stats(p), key) for p in ("q", "hp")) if tier else 0
     for key in ("num_loadable", "num_used"):
         out[f"tier_{key}_blocks"] = sum(getattr(tier.stats(p), key) for p in ("q", "hp")) if tier else 0
@@ -60,7 +60,7 @@ class CPUPrefixTierConnector(KVConnector):
             store = isinstance(op, HostStoreOp)
             copy = self.host_pool.store if store else self.host_pool.load
             try:
-                handle = copy(self.pool, op.pairs("q"), op.pairs("hp"))
+                handle = copy(self.pool, op.pairs("q"), op.pairs("hp"), op.tier_pairs())
             except Exception:  # nothing lost: a store's blocks stay on the device, a load's prompt is computed
                 logger.exception("kvq: a CPU prefix tier %s of %d blocks failed", "store" if store else "load",
                                  op.num_blocks)
@@ -104,7 +104,8 @@ class CPUPrefixTierConnector(KVConnector):
                 continue
             kind = "stored" if isinstance(op, HostStoreOp) else "reloaded"
             n[f"{kind}_blocks"] += op.num_blocks
-            q, hp = len(op.pairs("q")), len(op.pairs("hp"))
+            hp = len(op.pairs("hp"))  # a lower tier's block takes a host q block, like a resident one
+            q = op.num_blocks - hp
             n[f"{kind}_bytes"] += q * self.host_pool.bytes_per_q_block + hp * self.host_pool.bytes_per_hp_block
             n["store_seconds" if kind == "stored" else "reload_seconds"] += now - t0
         self.inflight = left

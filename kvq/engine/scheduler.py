@@ -399,7 +399,11 @@ class Scheduler(LoadsMixin, ChecksMixin, SwapFailuresMixin):
                                                                                 use_host=use_host)):
                     break
             assert seq.num_pending == 0, "a sequence re-admitted before its in-flight token arrived"
-            hit = bm.allocate_prompt(seq.seq_id, tokens, end=first_chunk_end, use_host=use_host, use_cache=cached)
+            try:
+                hit = bm.allocate_prompt(seq.seq_id, tokens, end=first_chunk_end, use_host=use_host,
+                                         use_cache=cached)
+            except NoFreeBlocksError:  # a load into several tiers the allocators' order defeated: it waits
+                break
             self._waiting.pop(0)
             seq.num_computed_tokens = seq.num_scheduled_tokens = hit.num_cached_tokens
             self._insort(self._running, seq)

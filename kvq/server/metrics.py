@@ -101,6 +101,8 @@ TIER_COUNTERS = (
     ("kvq_kv_cpu_offload_rejected", "tier_rejected", "Blocks not stored: every host block was being "
                                                       "stored or loaded"),
     ("kvq_kv_cpu_offload_evicted", "tier_evictions", "Host blocks evicted (least recently used) for new ones"),
+    ("kvq_kv_cpu_offload_replaced", "tier_replaced", "Host blocks replaced by the same block from another tier "
+                                                     "(elastic precision: demoted since it was stored)"),
     ("kvq_kv_cpu_reload_blocks", "reloaded_blocks", "KV blocks loaded back from the CPU prefix cache"),
     ("kvq_kv_cpu_reload_bytes", "reloaded_bytes", "Bytes loaded back from the CPU prefix cache"),
     ("kvq_kv_cpu_reload_failed", "load_failed", "Loads from the CPU prefix cache that failed (recomputed)"),
