@@ -116,19 +116,6 @@ def test_status_and_metrics_show_blocks_bytes_and_demotions_per_tier(model):
     assert metrics[("kvq_kv_demotion_seconds_total", ())] == snap["demotion_seconds"]
 
 
-def test_tiers_refuse_what_they_do_not_carry_yet():
-    """Said at configuration, never a silent fallback: disaggregated serving with tiers is not supported yet
-    (the KV transfer carries the resident and high-precision formats only)."""
-    import argparse
-
-    from kvq.server.command import kv_options_from_args
-
-    args = argparse.Namespace(kv_role="producer", kv_scales="none", tensor_parallel_size=1,
-                              kv_cache_tiers="int4_kivi")
-    with pytest.raises(ValueError, match="--kv-cache-tiers"):
-        kv_options_from_args(args)
-
-
 def _block_bytes(pool, name: str, block: int) -> bytes:
     """Every layer's bytes of one device block of pool ``name`` (hp, q, q1...)."""
     import torch

@@ -335,3 +335,74 @@ def _to_cpu(pool: KVPool, plan) -> KVPool:
         for s, t in zip(a.tensors(), b.tensors()):
             as_bytes(t).copy_(as_bytes(s).cpu())  # contiguous: views of the pool's own tensors
     return out
+
+
+# -- a sender with elastic precision: blocks of its table in several formats ----------------------
+def tiered_fill(plan, k, v, n, chunk=64):
+    """Tokens [0, n) written by a tiered engine: prompt chunks of ``chunk`` then decode tokens, each
+    append ageing the blocks behind it into the lower tier (the age policy), demotions and seals run
+    before each step's write -> (pool, table with lower-tier blocks)."""
+    from kvq.cache.arena import arena_layout
+
+    bs, lay = plan.block_size, arena_layout(plan)
+    nb = -(-n // bs)
+    slabs = 2 * nb + 4
+    bm = BlockManager(0, nb + 2, plan.window_policy, enable_prefix_caching=False, tiers=plan.tier_rule,
+                      arena=(lay.per_slab, slabs, 0))
+    pool = KVPool.create(plan, 0, nb + 2, num_slabs=slabs)
+
+    def write(a, b, ops=()):
+        apply_ops(pool, reference, ops)
+        if a < b:
+            slots = torch.tensor(encode_slots(bm.slots(0, a, b), bs), dtype=torch.int64)
+            for i, layer in enumerate(pool.layers):
+                reference.write_kv(layer, k[i, a:b], v[i, a:b], slots)
+
+    tokens = list(range(n))
+    first = min(chunk, n)
+    bm.allocate_prompt(0, tokens, end=lambda hit: first)
+    write(0, first)
+    pos = first
+    while pos < n:
+        step = min(chunk, n - pos) if pos < n // 2 else 1
+        bm.begin_step()
+        ops = bm.append_slots(0, tokens[pos:pos + step])
+        bm.mark_computed(0, pos)
+        write(pos, pos + step, ops)
+        pos += step
+    bm.mark_computed(0, n)
+    bm.check_integrity()
+    return pool, bm.block_table(0)
+
+
+@pytest.mark.parametrize("receiver", [("fp8_e4m3", {"residual_tokens": 32}), ("int8", {}),
+                                      ("int4_kivi", {"residual_tokens": 32})], ids=lambda r: r[0])
+def test_tiered_sender_casts_every_tier_as_its_attention_reads_it(kv, receiver):
+    """A prefill server whose blocks aged into int4_kivi (fp8_e4m3 > int4_kivi, age policy) sends what
+    its attention reads: demoted blocks dequantized through their tier, then the receiver's own write;
+    resident fp8_e4m3 blocks pass through as bytes where the receiver keeps fp8_e4m3."""
+    sender = make_plan(MODEL, "fp8_e4m3", residual_tokens=32, tiers=("int4_kivi",), tier_age=96)
+    plan = make_plan(MODEL, receiver[0], block_size=sender.block_size, **receiver[1])
+    for n in (223, 333):
+        src, src_table = tiered_fill(sender, *kv, n)
+        assert any(r.pool == "q1" for r in src_table), [r.pool for r in src_table]
+        staged = SenderCast(plan).cast(src, src_table, n)
+        ref, table = engine_fill(plan, *dequantized(src, src_table, n), n)
+        if receiver[0] == "fp8_e4m3":
+            assert staged.passthrough  # tier-0 blocks are the sender's bytes ...
+            for li, (a, c) in enumerate(zip(staged.pool.layers, src.layers)):
+                for i, (s, r) in enumerate(zip(staged.table, src_table)):
+                    if s.pool == "q" and r.pool == "q":
+                        for name, t in c.planes("k").items():
+                            assert torch.equal(as_bytes(a.planes("k")[name][s.block_id]), as_bytes(t[r.block_id]))
+            # ... and everything else, the demoted blocks included, the receiver's write of the read values
+            q1 = [i for i, r in enumerate(src_table) if r.pool == "q1"]
+            for li, (a, b) in enumerate(zip(staged.pool.layers, ref.layers)):
+                for i in q1:
+                    s, t = staged.table[i], table[i]
+                    if s.pool == "q":
+                        for name, x in a.planes("v").items():
+                            assert torch.equal(as_bytes(x[s.block_id]), as_bytes(b.planes("v")[name][t.block_id]))
+        else:
+            assert staged.passthrough == ()
+            assert_blocks_equal(staged, ref, table, n, tails=True)

@@ -439,3 +439,78 @@ def test_fake_errors(fake_pair):
         a.write_blocks("decode", [(0, 0)])
     a.close()
     a.close()
+
+
+# -- a tiered pool (elastic precision): tier 0's planes are strided views of a byte arena -----------
+TIERED = KVCacheConfig(dtype="fp8_e4m3", tiers=("int4_kivi",), residual_tokens=32)
+
+
+def owned_filled(tiered: bool, seed: int) -> KVPool:
+    """A tiered pool (at least NUM_Q resident blocks) or a plain fp8_e4m3 one of the same block size,
+    every byte it owns random."""
+    from kvq.cache.arena import arena_layout
+
+    plan = TIERED.plan(SHAPE)
+    if tiered:
+        pool = KVPool.create(plan, 0, NUM_HP, num_slabs=-(-NUM_Q // arena_layout(plan).per_slab[0]) + 1)
+    else:
+        pool = KVPool.create(KVCacheConfig(dtype="fp8_e4m3", block_size=plan.block_size).plan(SHAPE), NUM_Q, NUM_HP)
+    g = torch.Generator().manual_seed(seed)
+    for layer in pool.layers:
+        for t in layer.tensors():
+            b = t.view(torch.uint8)
+            b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
+    return pool
+
+
+def memory(pool: KVPool) -> list[torch.Tensor]:
+    """Every byte the pool owns (a tiered layer's arena whole, every tier's blocks and padding)."""
+    return [t.view(torch.uint8).clone() for layer in pool.layers for t in layer.tensors()]
+
+
+@pytest.mark.parametrize("transport", ["nixl", "fake"])
+@pytest.mark.parametrize("op", ["tiered pulls", "tiered is read"])
+def test_a_tiered_pools_resident_tier_moves_block_by_block_byte_exact(transport, op):
+    """A decode server with elastic precision registers its arena: tier 0's planes are views whose blocks
+    lie a whole arena block apart (the other planes and tiers in between).  Regions say their stride,
+    the registration covers each arena once, and a strided region moves one block a descriptor: every
+    pair lands byte for byte, and no other byte of the arena (other planes, other tiers' blocks) moves."""
+    if transport == "nixl":
+        pytest.importorskip("nixl")
+        from kvq.transfer.nixl_transport import NixlTransport as make
+    else:
+        fabric = FakeFabric()
+
+        def make(name):
+            return FakeTransport(name, fabric)
+
+    tiered, plain = owned_filled(True, 1), owned_filled(False, 2)
+    a, b = make("decode"), make("prefill")
+    try:
+        da, db = a.register_pool(tiered), b.register_pool(plain)
+        assert any(not r.contiguous for r in da.regions) and all(r.contiguous for r in db.regions)
+        a.connect(db.to_bytes()), b.connect(da.to_bytes())
+        # the expected bytes: the same copies through torch's strided views of a twin pool
+        src, dst = (plain, tiered) if op == "tiered pulls" else (tiered, plain)
+        twin = owned_filled(True, 1) if dst is tiered else owned_filled(False, 2)
+        for ls, ld in zip(src.layers, twin.layers):
+            for role in ("k", "v"):
+                for name, t in ls.planes(role).items():
+                    for s, d in Q_PAIRS:
+                        ld.planes(role)[name][d] = t[s]
+                for s, d in HP_PAIRS:
+                    ld.hp(role)[d] = ls.hp(role)[s]
+        before_src = memory(src)
+        if op == "tiered pulls":  # (local, remote) pairs: the tiered pool reads the plain one
+            h = a.read_blocks("prefill", [(d, s) for s, d in Q_PAIRS], [(d, s) for s, d in HP_PAIRS])
+        else:  # the plain pool reads the tiered one
+            h = b.read_blocks("decode", [(d, s) for s, d in Q_PAIRS], [(d, s) for s, d in HP_PAIRS])
+        h.wait(TIMEOUT)
+        assert h.poll() == "done"
+        for i, (got, want) in enumerate(zip(memory(dst), memory(twin))):
+            bad = (got != want).nonzero().flatten()
+            assert not len(bad), f"tensor {i}: {len(bad)} bytes differ, first at {bad[:4].tolist()}"
+        assert all(torch.equal(x, y) for x, y in zip(memory(src), before_src))
+    finally:
+        a.close()
+        b.close()

@@ -115,9 +115,6 @@ def kv_options_from_args(args: argparse.Namespace) -> KVRoleOptions:
     if args.kv_role != "both" and args.tensor_parallel_size > 1:
         raise ValueError(f"--kv-role {args.kv_role} with --tensor-parallel-size {args.tensor_parallel_size} is not "
                          "supported yet: KV transfer reads one rank's pool (valid: --kv-role both, or one rank)")
-    if args.kv_role != "both" and getattr(args, "kv_cache_tiers", None):
-        raise ValueError(f"--kv-role {args.kv_role} with --kv-cache-tiers is not supported yet: the KV transfer "
-                         "carries the resident and high-precision formats only (valid: --kv-role both)")
     return KVRoleOptions(role=args.kv_role, peer=args.kv_peer, fallback=args.kv_fallback,
                          timeout_s=args.kv_transfer_timeout, staging_tokens=args.kv_staging_tokens,
                          verify=args.kv_verify)

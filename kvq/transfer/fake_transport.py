@@ -151,8 +151,10 @@ class FakeHandle(TransferHandle):
 
 
 def _rows(t: torch.Tensor, r: Region) -> torch.Tensor:
-    """``[num_blocks, block_bytes]`` uint8 view of a pool tensor."""
-    return fp8.as_bytes(t).view(torch.uint8).reshape(r.num_blocks, r.block_bytes)
+    """``[num_blocks, block_bytes]`` uint8 view of a pool tensor (rows ``r.stride`` bytes apart)."""
+    rows = fp8.as_bytes(t).view(torch.uint8).flatten(1)
+    assert tuple(rows.shape) == (r.num_blocks, r.block_bytes) and (r.num_blocks < 2 or rows.stride(0) == r.stride)
+    return rows
 
 
 class FakeTransport(BlockTransport):

@@ -2,22 +2,25 @@
 
 A transport registers one :class:`~kvq.cache.pool.KVPool` and describes it to peers as a
 :class:`PoolDescriptor`: the NIXL agent's metadata plus, for every pool tensor, a
-*region* (base address, bytes per block, block count), in this order::
+*region* (base address, bytes per block, block count, block stride), in this order::
 
     for layer in 0 .. L-1:
         k planes (data, [scale, [zero]], spec order)   region "{layer}.k.{plane}"   pool "q"
         v planes                                       region "{layer}.v.{plane}"   pool "q"
         k hp, v hp  [num_hp_blocks, H, bs, D]          region "{layer}.k.hp", ".v.hp" pool "hp"
 
-Block ``b`` of a region lives at ``addr + b * block_bytes`` (pool tensors are contiguous,
-block-major).  Two pools can exchange blocks when their regions agree name for name and
-byte for byte per block (same plan; block counts may differ): :meth:`BlockTransport.connect`
-checks it.  Converting between formats is not this layer's job.
+Block ``b`` of a region lives at ``addr + b * stride``, ``block_bytes`` long (pool tensors are
+block-major; ``stride == block_bytes`` for a contiguous tensor, more for a tier's view of an
+elastic-precision arena, kvq.cache.arena, whose planes of one block sit side by side).  Two
+pools can exchange blocks when their regions agree name for name and byte for byte per block
+(same plan; block counts and strides may differ): :meth:`BlockTransport.connect` checks it.
+Converting between formats is not this layer's job.
 
 One :meth:`~BlockTransport.write_blocks` / :meth:`~BlockTransport.read_blocks` call is ONE
 NIXL transfer whose descriptor list covers every region of the chosen layers for the
 given ``(local block, remote block)`` pairs of each pool.  Pairs are sorted by local
-block and runs where both sides are consecutive become one descriptor ("chunk")::
+block and runs where both sides are consecutive become one descriptor ("chunk"), in a region
+contiguous on both sides (a strided region moves one block a descriptor)::
 
     chunks: int64 [N, 4]  (region index, local block, remote block, block count)
             region-major in region order, runs by ascending local block
@@ -84,16 +87,29 @@ class Region:
     num_blocks: int
     mem: str  # "DRAM" | "VRAM"
     device_id: int
+    stride: int = 0  # bytes from one block to the next (0: block_bytes, a contiguous tensor)
 
     def __post_init__(self) -> None:  # descriptors arrive from peers: check what they say
+        if self.stride == 0 and isinstance(self.block_bytes, int):
+            object.__setattr__(self, "stride", self.block_bytes)
         for f, tp in (("name", str), ("layer", int), ("pool", str), ("addr", int), ("block_bytes", int),
-                      ("num_blocks", int), ("mem", str), ("device_id", int)):
+                      ("num_blocks", int), ("mem", str), ("device_id", int), ("stride", int)):
             v = getattr(self, f)
             if not isinstance(v, tp) or isinstance(v, bool) or (tp is int and v < 0):
                 raise ValueError(f"region {self.name!r}: {f} = {v!r}")
-        if self.pool not in POOLS or self.mem not in ("DRAM", "VRAM") or self.block_bytes == 0:
+        if self.pool not in POOLS or self.mem not in ("DRAM", "VRAM") or self.block_bytes == 0 \
+                or self.stride < self.block_bytes:
             raise ValueError(f"region {self.name!r}: pool {self.pool!r}, mem {self.mem!r}, "
-                             f"{self.block_bytes} bytes/block")
+                             f"{self.block_bytes} bytes/block every {self.stride} bytes")
+
+    @property
+    def contiguous(self) -> bool:
+        return self.stride == self.block_bytes
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """(first byte, bytes) of memory its blocks lie in."""
+        return self.addr, (self.num_blocks - 1) * self.stride + self.block_bytes if self.num_blocks else 0
 
 
 @dataclass(frozen=True)
@@ -127,7 +143,7 @@ class PoolDescriptor:
         r = next((r for r in self.regions if r.name == name), None)
         if r is None or not 0 <= block < r.num_blocks:
             raise KeyError(f"{self.agent}: no block {block} in region {name!r}")
-        return r.addr + block * r.block_bytes
+        return r.addr + block * r.stride
 
 
 def pool_regions(pool: KVPool) -> list[tuple[Region, torch.Tensor]]:
@@ -137,14 +153,29 @@ def pool_regions(pool: KVPool) -> list[tuple[Region, torch.Tensor]]:
         named = [(f"{i}.{role}.{p}", "q", t) for role in ("k", "v") for p, t in layer.planes(role).items()]
         named += [(f"{i}.{role}.hp", "hp", layer.hp(role)) for role in ("k", "v")]
         for name, kind, t in named:
-            if not t.is_contiguous():
-                raise ValueError(f"pool tensor {name} is not contiguous; blocks cannot be addressed by stride")
+            block_bytes = math.prod(t.shape[1:]) * t.element_size()
+            stride = t.stride(0) * t.element_size() if t.shape[0] > 1 else block_bytes
+            if not t[:1].is_contiguous() or stride < block_bytes:
+                raise ValueError(f"pool tensor {name} is not block-major with contiguous blocks; blocks cannot be "
+                                 "addressed by stride")
             if t.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"pool tensor {name} is on {t.device}; NIXL moves CPU (DRAM) or CUDA (VRAM) memory")
             mem, dev = ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
-            block_bytes = math.prod(t.shape[1:]) * t.element_size()
-            out.append((Region(name, i, kind, t.data_ptr(), block_bytes, t.shape[0], mem, dev), t))
+            out.append((Region(name, i, kind, t.data_ptr(), block_bytes, t.shape[0], mem, dev, stride), t))
     return out
+
+
+def memory_spans(regions) -> list[tuple[int, int, int]]:
+    """``(address, bytes, device)`` covering every region's blocks, overlapping and touching spans merged
+    (the planes of an arena's blocks interleave: registered once, not once a plane)."""
+    spans = sorted((r.device_id, *r.span) for r in regions if r.num_blocks)
+    out: list[list[int]] = []
+    for dev, addr, n in spans:
+        if out and out[-1][2] == dev and addr <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], addr + n - out[-1][0])
+        else:
+            out.append([addr, n, dev])
+    return [tuple(s) for s in out]
 
 
 def check_layout(local: PoolDescriptor, remote: PoolDescriptor) -> None:
@@ -169,6 +200,13 @@ def block_runs(src: list[int], dst: list[int]) -> np.ndarray:
     start[1:] = (np.diff(s) != 1) | (np.diff(d) != 1)
     first = np.flatnonzero(start)
     return np.column_stack([s[first], d[first], np.diff(np.append(first, len(s)))])
+
+
+def single_blocks(runs: np.ndarray) -> np.ndarray:
+    """:func:`block_runs`' runs cut into runs of one block (for a region whose blocks are not adjacent)."""
+    n = runs[:, 2]
+    step = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    return np.column_stack([np.repeat(runs[:, :2], n, axis=0) + step[:, None], np.ones(len(step), np.int64)])
 
 
 class TransferHandle(abc.ABC):
@@ -310,9 +348,12 @@ class BlockTransport(abc.ABC):
             bad = sorted(x for x in layers if not 0 <= x < len(self.pool.layers))
             if bad:
                 raise ValueError(f"layers: {bad[0]} out of range 0..{len(self.pool.layers) - 1}")
-        rows = [np.column_stack([np.full(len(runs[r.pool]), i, np.int64), runs[r.pool]])
-                for i, r in enumerate(self.descriptor.regions)
-                if len(runs[r.pool]) and (layers is None or r.layer in layers)]
+        units = {kind: single_blocks(r) for kind, r in runs.items()}  # a region strided on either side
+        rows = []
+        for i, r in enumerate(self.descriptor.regions):
+            if len(runs[r.pool]) and (layers is None or r.layer in layers):
+                ch = runs[r.pool] if r.contiguous and desc.regions[i].contiguous else units[r.pool]
+                rows.append(np.column_stack([np.full(len(ch), i, np.int64), ch]))
         if not rows:
             if notif:
                 self.notify(peer, notif)
@@ -502,7 +543,7 @@ class NixlTransport(BlockTransport):
         for r, t in regions:
             if t.device.type != self.device.type:
                 raise ValueError(f"pool tensor {r.name} is on {t.device}; transport {self.name} serves {self.device}")
-        rows = [(r.addr, r.block_bytes * r.num_blocks, r.device_id) for r, _ in regions if r.num_blocks]
+        rows = memory_spans([r for r, _ in regions])
         if rows:
             try:
                 self._reg = self._agent.register_memory(np.array(rows, np.uint64), regions[0][0].mem,
@@ -535,7 +576,7 @@ class NixlTransport(BlockTransport):
 
         def dlist(regions: tuple[Region, ...], blocks: np.ndarray) -> np.ndarray:  # [N, 3] (addr, len, dev)
             addr = np.array([r.addr for r in regions], np.int64)
-            stride = np.array([r.block_bytes for r in regions], np.int64)
+            stride = np.array([r.stride for r in regions], np.int64)
             dev = np.array([r.device_id for r in regions], np.int64)
             return np.column_stack([addr[reg] + blocks * stride[reg], nbytes, dev[reg]]).astype(np.uint64)
 

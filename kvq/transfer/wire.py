@@ -404,7 +404,7 @@ def _byte_view(pool, seg: Segment) -> torch.Tensor:
     """The pool tensor of ``seg`` as bytes: [num_blocks, *plane.shape[:-1], last * element size]."""
     layer = pool.layers[seg.layer]
     t = layer.hp(seg.role) if seg.pool == "hp" else layer.planes(seg.role)[seg.plane.name]
-    if t.dim() - 1 != len(seg.plane.shape) or tuple(t.shape[1:]) != seg.plane.shape or not t.is_contiguous():
+    if t.dim() - 1 != len(seg.plane.shape) or tuple(t.shape[1:]) != seg.plane.shape or not t[:1].is_contiguous():
         raise ValueError(f"layer {seg.layer} {seg.slot}: pool tensor {tuple(t.shape)} is not the layout's "
                          f"[n, {seg.plane.shape}] (a pool of another plan?)")
     if t.dtype != fp8.torch_dtype(seg.plane.dtype):
