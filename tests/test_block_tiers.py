@@ -78,6 +78,39 @@ def test_pressure_evacuates_cold_slabs_until_the_step_fits():
     assert m.make_room(1) == []  # room now: nothing more moves
 
 
+def test_pressure_reuses_its_scan_until_it_is_old_or_dry(monkeypatch):
+    """The scan of every running block is the expensive part of pressure at scale: it is kept across
+    steps, each entry checked again when used (a block freed, moved or shared since is skipped), and
+    redone when it is RESCAN_STEPS old or has nothing left to move (newer blocks may move)."""
+    import kvq.cache.block_tiers as bt
+
+    def run(rescan_steps):
+        monkeypatch.setattr(bt, "RESCAN_STEPS", rescan_steps)
+        m = tiered(per=(2, 3), slabs=60, reserve=2)
+        for sid in range(3):
+            m.allocate_prompt(sid, [sid] * 61)
+            m.mark_computed(sid, 61)
+        scans, moved = [], []
+        for step in range(30):
+            for sid in range(3):
+                grow(m, sid, 1, 100 + step)
+            m.begin_step()
+            before = m.num_scans
+            ops = m.make_room(m.allocator("q").num_free + 1, headroom=0)  # room for one more block, each step
+            assert all(isinstance(o, DemoteOp) for o in ops)
+            m.check_integrity()
+            scans.append(m.num_scans - before)
+            moved.append(len(ops))
+        return scans, moved
+
+    scans, moved = run(12)  # (grow begins a step per token: four steps a round here)
+    fresh, every = run(1)  # a scan a step: the old behaviour
+    assert sum(moved) == sum(every) and all(fresh)  # as many blocks move as with a scan a step
+    reused = [i for i, (s, n) in enumerate(zip(scans, moved)) if s == 0 and n > 0]
+    assert len(reused) >= 2 and reused[0] == 1, (scans, moved)  # rounds that moved blocks without a scan
+    assert max(scans) == 1 and sum(scans) < len(scans)
+
+
 def test_pressure_makes_room_below_first_when_the_next_tier_is_full():
     """Three tiers, no free slab left: room in tier 1 comes from evacuating a tier-1 slab into
     tier 2; the sequence keeps growing until even the lowest tier is full."""

@@ -98,7 +98,9 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
             self.arena = Arena(per_slab, num_slabs, policy.block_size, enable_prefix_caching, reserve)
         self._fresh: set[BlockRef] = set()  # blocks sealed this step: never moved in it
         self._landing: set[SeqBlocks] = set()  # swapped in this step: not registered before its copy ran
-        self._cands = None  # pressure's scan of demotable blocks, kept for the step (kvq.cache.block_tiers)
+        self._cands = None  # pressure's scan of demotable blocks, reused for a few steps (kvq.cache.block_tiers)
+        self._cands_step = self._step = 0  # the step it was made in, the current step (begin_step counts)
+        self.num_scans = 0
         self.num_demotions = [0] * ((tiers.num_tiers if tiers else 0) + 1)  # by destination tier
         self._alloc = {
             "q": (self.arena.tiers[0] if self.arena else

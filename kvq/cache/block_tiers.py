@@ -15,12 +15,18 @@ return to the arena for any tier; when the tier below has no room, it evacuates 
 first.  A demotion may use the arena's reserve slabs, which nothing else takes, and pressure goes
 on until the reserve is back (evacuated slabs refill it), so that the next time can start.  A
 demoted source is freed with its prefix hash forgotten (its demoted copy is indexed instead).
+Its scan of the running sequences' blocks (:meth:`TiersMixin._candidates`) is kept for
+``RESCAN_STEPS`` steps, every entry checked again when it is used; a scan that runs dry before
+then is redone once (blocks sealed since may move).
 """
 
 from __future__ import annotations
 
 from kvq.cache.block_types import BlockRef, DemoteOp, SeqBlocks, SeqId
 from kvq.cache.tiers import age_tier, pool_tier, protected, tier_pool
+
+#: Steps a pressure scan is reused for (:meth:`TiersMixin.make_room`).
+RESCAN_STEPS = 64
 
 
 class TiersMixin:
@@ -32,7 +38,7 @@ class TiersMixin:
         copies ran) may be registered for prefix reuse."""
         self._fresh.clear()
         self._landing.clear()
-        self._cands = None
+        self._step += 1
         if self.arena is not None:
             self.arena.begin_step()
 
@@ -123,17 +129,31 @@ class TiersMixin:
         if headroom is None:
             q = self._alloc["q"]
             headroom = max(q.per_slab, q.num_blocks // 100)
-        if self._cands is None:  # one scan a step: later calls of the step reuse it, checking each entry
-            self._cands = self._candidates()
-        cands = self._cands
+        # one scan serves later calls and steps (each entry is checked when it is used) until it runs dry or
+        # is RESCAN_STEPS old: at 768 requests a scan reads 10^5 blocks, a step seals about 24 new ones
+        if self._cands is None or self._step - self._cands_step >= RESCAN_STEPS:
+            self._rescan()
         ops: list[DemoteOp] = []
         arena = self.arena
         # until the step fits, and the arena has its reserve back (the next demotion starts from it)
         while self._alloc["q"].num_free < need + headroom or arena.num_unowned < arena.reserve_slabs:
             # the resident tier's slabs first; with none left to move, a lower tier's (its slabs go back too)
-            if not any(self._evacuate(t, cands, ops) for t in range(self.tiers.num_tiers)):
-                break
+            moved = blocked = False
+            for t in range(self.tiers.num_tiers):
+                r = self._evacuate(t, self._cands, ops)
+                if r:
+                    moved = True
+                    break
+                blocked = blocked or r is None
+            if not moved:
+                if blocked or self._cands_step == self._step:
+                    break  # nowhere to move blocks to this step, or nothing left to move
+                self._rescan()  # an older scan ran dry: blocks sealed since may move
         return ops
+
+    def _rescan(self) -> None:
+        self._cands, self._cands_step = self._candidates(), self._step
+        self.num_scans += 1
 
     def _candidates(self) -> list[tuple[dict[int, list[tuple[int, SeqId, int]]], list[int]]]:
         """Per tier above the lowest: (per slab ``(tokens behind the head, seq id, block)`` of every
@@ -169,24 +189,43 @@ class TiersMixin:
                                                        -sum(c for c, _, _ in d[s]) / len(d[s])))))
         return ranked
 
-    def _evacuate(self, t: int, cands, ops: list[DemoteOp]) -> bool:
+    def _evacuate(self, t: int, cands, ops: list[DemoteOp]) -> bool | None:
         """Move the demotable blocks of one slab of tier ``t`` down one tier (the next in
-        :meth:`_candidates`' order), making room below first; False when none moved."""
+        :meth:`_candidates`' order whose entries still hold a demotable block: a kept scan's may
+        not), making room below first; True when some moved, None when the tier below has no room,
+        False when no slab has anything to move."""
         if t >= self.tiers.num_tiers:
-            return False
+            return None
+        slabs, order = cands[t]
+        while order:
+            moved = self._evacuate_slab(t, cands, ops)
+            if moved is None:
+                return None
+            if moved:
+                return True
+        return False
+
+    def _evacuate_slab(self, t: int, cands, ops: list[DemoteOp]) -> int | None:
+        """:meth:`_evacuate` of the next slab in the order: blocks moved (None: the tier below is full).
+        From a scan of an earlier step, only a slab whose used blocks are all its entries: one that took
+        new blocks since would not empty (a fresh scan ranks it again)."""
         slabs, order = cands[t]
         while order and order[0] not in slabs:
             order.pop(0)
         if not order:
-            return False
+            return 0
+        slab = order.pop(0)
+        entries = slabs.pop(slab)
+        if self._cands_step != self._step and self._alloc[tier_pool(t)].slab_used(slab) > len(entries):
+            return 0
         moved = 0
-        for cold, sid, i in sorted(slabs.pop(order.pop(0)), key=lambda x: -x[0]):
+        for cold, sid, i in sorted(entries, key=lambda x: -x[0]):
             seq = self._seqs.get(sid)  # the step may have freed it, or moved the block, since the scan
             if seq is None or i >= len(seq.table) or pool_tier(seq.table[i].pool) != t or not self._demotable(seq, i):
                 continue
             while self._alloc[tier_pool(t + 1)].available(True, demotion=True) == 0:
-                if not self._evacuate(t + 1, cands, ops):
-                    return moved > 0
+                if not self._evacuate(t + 1, cands, ops):  # (the lowest tier: None, nowhere below it)
+                    return moved or None
             op = self._demote(sid, seq, i, t + 1, reserve_ok=True)
             ops.append(op)
             moved += 1
@@ -196,4 +235,4 @@ class TiersMixin:
                 if slab not in below_slabs:
                     below_order.append(slab)
                 below_slabs.setdefault(slab, []).append((cold, sid, i))
-        return moved > 0
+        return moved
