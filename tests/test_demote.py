@@ -32,6 +32,7 @@ LADDERS = [
     ("int8_per_token_head", "int4_per_token", [(0, 1)]),
     ("fp8_per_block", "turboquant_4bit_nc", [(0, 1)]),
     ("turboquant_4bit_nc", "turboquant_3bit_nc", [(0, 1)]),
+    ("fp8_e4m3", "rot4_kc,rot3_kc", [(0, 1), (1, 2)]),  # centred K: its means' plane in the arena too
 ]
 
 
@@ -124,7 +125,7 @@ def test_reference_demotion_is_a_direct_quantization_of_the_dequantized_block(ba
 @pytest.mark.parametrize("base,tiers,moves", LADDERS, ids=[f"{b}>{t}" for b, t, _ in LADDERS])
 def test_triton_demotion_matches_the_reference(base, tiers, moves, kv):
     """The Triton kernel (on a GPU, else under the interpreter) writes the reference's bytes (on the CPU)."""
-    rotated = "turboquant" in base + tiers
+    rotated = "turboquant" in base + tiers or "rot" in tiers
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for src, dst in moves[:2]:
         pools = [filled(base, tiers, kv), filled(base, tiers, kv, dev)]

@@ -213,3 +213,18 @@ def test_cpu_prefix_tier_reloads_demoted_blocks_as_the_device_served_them(model)
     assert {k for k, _ in lower} == {"HostStoreOp", "HostLoadOp"}, lower  # demoted blocks went and came back
     assert eng.poll_host_copies(wait=True) == 0
     eng.block_manager.check_integrity()
+
+
+def test_centred_rotated_tiers_read_by_triton_as_the_reference(model):
+    """fp8_e4m3 aged into rot4_kc then rot3_kc (centred K: each block's means in the arena beside its
+    codes): the Triton kernels (demotion, the prefill's page reads) score the prompt as the reference
+    does (max |logprob difference| 0.0053, mean 0.0013 when written) and make the same demotions.  (The
+    generated tokens are not compared: this dummy model's second token is a near tie, 86 and 204 within
+    0.002 of log-probability either way, which the rotation's float32 sums in another order flip.)"""
+    tiers = dict(kv_cache_tiers="rot4_kc,rot3_kc", kv_tier_age="40,72")
+    ref, demoted, _ = score(model, "torch", **tiers)
+    assert demoted[1] > 0 and demoted[2] > 0, demoted
+    tri, demoted_t, _ = score(model, "triton", **tiers)
+    assert demoted_t == demoted
+    diff = np.abs(tri - ref)
+    assert diff.max() < 0.012 and diff.mean() < 0.0025, (diff.max(), diff.mean())

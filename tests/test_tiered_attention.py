@@ -95,9 +95,13 @@ def test_reference_reads_each_block_in_its_tier(kv):
     assert (exact - got[0]).abs().max() > 5e-2
 
 
-@pytest.mark.parametrize("ladder", [LADDER, ("bfloat16", "fp8_e4m3")])
+#: centred rotated K in the lower tiers and resident: each block's means at its own arena offset
+CENTRED = [("fp8_e4m3", "rot4_kc,rot3_kc"), ("rot4_kc", "rot3_kc")]
+
+
+@pytest.mark.parametrize("ladder", [LADDER, ("bfloat16", "fp8_e4m3"), *CENTRED])
 def test_triton_decode_merges_the_tiers(ladder, kv):
-    layout = LAYOUT if ladder == LADDER else ["q", "q1", "q", "q1", "q1", "q"]
+    layout = LAYOUT if "," in ladder[1] else ["q", "q1", "q", "q1", "q1", "q"]
     layer, table, _, _ = tiered_layer(*ladder, kv, layout, DEV)
     bs = layer.block_size
     other = [e for e in table if e < 0] + [table[2]]  # a second sequence with no lower tier's block
@@ -107,7 +111,7 @@ def test_triton_decode_merges_the_tiers(ladder, kv):
     lens = [W * bs - 3, len(other) * bs, W * bs - bs]
     step = HostStep(slots=[0, 1, 2], tables=rows, seq_lens=lens, num_new=[1, 1, 1])
     meta, _ = stage_step(step, bs, each_to(DEV))
-    assert meta.has_tiers and meta.tiers is not None and len(meta.tiers.tiers) == (2 if ladder == LADDER else 1)
+    assert meta.has_tiers and meta.tiers is not None and len(meta.tiers.tiers) == (2 if "," in ladder[1] else 1)
     q = torch.randn(3, H * GROUP, D, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEV)
     want = reference.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5).float()
     got = triton_decode.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5,
@@ -237,13 +241,14 @@ def test_split_tiers_keeps_order_and_lengths():
     assert split_tiers(np.array([[-1, 4]], np.int32), [20], 16) is None
 
 
+@pytest.mark.parametrize("ladder", [LADDER, CENTRED[0]], ids=["kivi", "centred"])
 @pytest.mark.parametrize("windowed", [False, True])
-def test_triton_prefill_reads_each_page_in_its_tier(windowed, kv):
+def test_triton_prefill_reads_each_page_in_its_tier(windowed, ladder, kv):
     """A chunk of 40 new tokens after a tiered past; with ``windowed`` the block before the chunk is
     still hp, and the chunk's first queries read it exact, its last ones quantized (the per-query
     window rule)."""
     layout = ["hp", "q1", "q", "q2", "q1", "hp", "hp", "hp"]
-    layer, table, _, _ = tiered_layer(*LADDER, kv, layout, DEV)
+    layer, table, _, _ = tiered_layer(*ladder, kv, layout, DEV)
     bs = layer.block_size
     n = len(layout) * bs - 5
     T = 40

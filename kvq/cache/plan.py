@@ -433,19 +433,12 @@ def _tier_formats(model: ModelShape, names: tuple[str, ...], layers: tuple[KVFor
         return ()
     H, D = model.num_kv_heads, model.head_dim
     stored = [i for i, f in enumerate(layers) if (f.k, f.v) != (hp.k, hp.v)] or range(len(layers))
-    if any(t.scale == "centred_norm" for f in layers for t in (f.k, f.v)):
-        raise ValueError("--kv-cache-tiers: a rotated codebook format with centred K (rot3_kc, rot4_kc) cannot be "
-                         "the resident format of a tiered cache yet (its kernels read the means of a contiguous pool)")
     ladder, above = [], layers
     for name in names:
         try:
             fmt = resolve_kv(name, model_dtype=model.dtype, group_size=group_size)
         except ValueError as e:
             raise ValueError(f"--kv-cache-tiers: {e}") from None
-        if "centred_norm" in (fmt.k.scale, fmt.v.scale):
-            raise ValueError(f"--kv-cache-tiers: {fmt.name} cannot be a tier yet (its kernels read the means of a "
-                             "contiguous pool); rotated formats without centring can: turboquant_4bit_nc, "
-                             "turboquant_3bit_nc, turboquant_k3v4_nc")
         tier = tuple(fmt if i in stored else layers[i] for i in range(len(layers)))
         # a block size that lays out every format: bytes compared at the least common one
         bs = math.lcm(DEFAULT_BLOCK_SIZE, *(f.min_block_size() for f in (*above, *tier)))

@@ -43,8 +43,8 @@ def _decode_split_kernel(
     q_ptr, s_qb, s_qh,
     qr_ptr,  # rotated K: the queries rotated by K's rotation, float32 [B, Hq, D] contiguous (else q_ptr)
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
-    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
-    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
     s_hb, s_hh, s_ht,
     table_ptr, s_tb, lens_ptr,
     po_ptr, plse_ptr, num_splits,
@@ -74,23 +74,27 @@ def _decode_split_kernel(
         acc_r = tl.zeros((G_PAD, D), tl.float32)
         v_mags = rot_mags(vst, D, V_FMT)
     table = table_ptr + b.to(tl.int64) * s_tb
+    # rows past the split's end read its first block (masked to -inf, they weigh 0): a block of this
+    # format, whose values are finite (block 0 of a tier's view of an arena may hold another tier's bytes)
+    first = tl.load(table + start // PAGE, mask=start < end, other=0)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         valid = t < end
         bid = tl.load(table + t // PAGE, mask=valid, other=0)
+        bid = tl.where(valid, bid, first)
         off = t % PAGE
         if K_FMT >= ROT:
             lev, k_sc = rot_tile(kd, ks, k_mags, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, bid, off, h, D, K_FMT, DOT)
             s = tl.dot(q_r, tl.trans(lev)) * k_sc[None, :]
             if K_FMT >= ROT_C:
-                s += tl.dot(q, tl.trans(rot_mean(kz, s_ksb, s_ksh, bid, off, h, D, K_G).to(DOT)))
+                s += tl.dot(q, tl.trans(rot_mean(kz, s_kzb, s_ksh, bid, off, h, D, K_G).to(DOT)))
             if HAS_HP:
                 if tl.min(bid, axis=0) < 0:
                     kh = hp_rows(khp, s_hb, s_hh, s_ht, bid, off, h, D, DOT)
                     s = tl.where((bid < 0)[None, :], tl.dot(q, tl.trans(kh)), s)
             s = s * qk_scale
         else:
-            k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
+            k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb, s_hb, s_hh, s_ht,
                                 bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
             s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
         m_new, alpha, p, l_i = softmax_step(tl.where(valid[None, :], s, float("-inf")), m_i, l_i)
@@ -104,10 +108,10 @@ def _decode_split_kernel(
                     acc += tl.dot(tl.where(is_hp, p, 0.0).to(DOT), vh)
                 p = tl.where(is_hp, 0.0, p)
             if V_FMT >= ROT_C:
-                acc += tl.dot(p.to(DOT), rot_mean(vz, s_vsb, s_vsh, bid, off, h, D, V_G).to(DOT))
+                acc += tl.dot(p.to(DOT), rot_mean(vz, s_vzb, s_vsh, bid, off, h, D, V_G).to(DOT))
             acc_r = acc_r * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(DOT), lev)
         else:
-            v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
+            v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb, s_hb, s_hh, s_ht,
                                 bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
             pv = (p * v_sc[None, :]).to(DOT)
             acc = acc * alpha[:, None] + tl.dot(pv, v)
@@ -160,12 +164,15 @@ def _plane(planes: dict[str, torch.Tensor], name: str, fallback: torch.Tensor) -
     return planes.get(name, fallback)
 
 
-def _scale_strides(fmt_code: int, planes: dict[str, torch.Tensor]) -> tuple[int, int, int]:
-    t = planes.get("scale")
+def _scale_strides(fmt_code: int, planes: dict[str, torch.Tensor]) -> tuple[int, int, int, int]:
+    """Block, head and token strides of the scale plane, then the zero plane's block stride (a centred
+    K's means have a layout of their own)."""
+    t, z = planes.get("scale"), planes.get("zero")
+    zb = z.stride(0) if z is not None else 0
     if t is None:
-        return 0, 0, 0
+        return 0, 0, 0, zb
     st = list(t.stride()) + [0, 0]
-    return st[0], st[1], st[2] if t.dim() >= 3 else 0
+    return st[0], st[1], st[2] if t.dim() >= 3 else 0, zb
 
 
 def static_arg(layer: LayerKV, role: str) -> torch.Tensor:

@@ -23,28 +23,28 @@ from kvq.cache.pool import LayerKV
 
 
 @triton.jit
-def _demote_role(sd, ss, sz, shp, sst, s_sdb, s_sdh, s_sdt, s_ssb, s_ssh, s_sst, s_hb, s_hh, s_ht, src, h,
-                 dd, ds, dz, dst_static, s_ddb, s_ddh, s_ddt, s_dsb, s_dsh, s_dst, dst,
+def _demote_role(sd, ss, sz, shp, sst, s_sdb, s_sdh, s_sdt, s_ssb, s_ssh, s_sst, s_szb, s_hb, s_hh, s_ht, src, h,
+                 dd, ds, dz, dst_static, s_ddb, s_ddh, s_ddt, s_dsb, s_dsh, s_dst, s_dzb, dst,
                  PAGE: tl.constexpr, D: tl.constexpr, S_FMT: tl.constexpr, S_PER: tl.constexpr, S_G: tl.constexpr,
                  D_FMT: tl.constexpr, D_PER: tl.constexpr, D_G: tl.constexpr, D_QMAX: tl.constexpr):
     off = tl.arange(0, PAGE)
-    x = _page_tile(sd, ss, sz, shp, sst, s_sdb, s_sdh, s_sdt, s_ssb, s_ssh, s_sst, s_hb, s_hh, s_ht,
+    x = _page_tile(sd, ss, sz, shp, sst, s_sdb, s_sdh, s_sdt, s_ssb, s_ssh, s_sst, s_szb, s_hb, s_hh, s_ht,
                    src, h, off, PAGE, D, S_FMT, S_PER, S_G)
     r = off.to(tl.int64)
     _quant_store(x, dd, ds, dz, dst_static, h, dst * s_ddb + h * s_ddh + r * s_ddt, dst * s_dsb + h * s_dsh + r * s_dst,
-                 off >= 0, PAGE, D, D_FMT, D_PER, D_G, D_QMAX)
+                 dst * s_dzb + h * (s_dsh * D // D_G), off >= 0, PAGE, D, D_FMT, D_PER, D_G, D_QMAX)
 
 
 @triton.jit
 def _demote_kernel(
     pairs, s_pair,  # [S, 2] (source block, destination block); destination < 0: skip
     skd, sks, skz, skhp, skst, svd, svs, svz, svhp, svst,
-    s_skdb, s_skdh, s_skdt, s_sksb, s_sksh, s_skst,
-    s_svdb, s_svdh, s_svdt, s_svsb, s_svsh, s_svst,
+    s_skdb, s_skdh, s_skdt, s_sksb, s_sksh, s_skst, s_skzb,
+    s_svdb, s_svdh, s_svdt, s_svsb, s_svsh, s_svst, s_svzb,
     s_hb, s_hh, s_ht,
     dkd, dks, dkz, dkst, dvd, dvs, dvz, dvst,
-    s_dkdb, s_dkdh, s_dkdt, s_dksb, s_dksh, s_dkst,
-    s_dvdb, s_dvdh, s_dvdt, s_dvsb, s_dvsh, s_dvst,
+    s_dkdb, s_dkdh, s_dkdt, s_dksb, s_dksh, s_dkst, s_dkzb,
+    s_dvdb, s_dvdh, s_dvdt, s_dvsb, s_dvsh, s_dvst, s_dvzb,
     PAGE: tl.constexpr, D: tl.constexpr,
     SK_FMT: tl.constexpr, SK_PER: tl.constexpr, SK_G: tl.constexpr,
     SV_FMT: tl.constexpr, SV_PER: tl.constexpr, SV_G: tl.constexpr,
@@ -57,11 +57,11 @@ def _demote_kernel(
     dst = tl.load(pairs + i * s_pair + 1).to(tl.int64)
     if dst >= 0:
         src = tl.load(pairs + i * s_pair)
-        _demote_role(skd, sks, skz, skhp, skst, s_skdb, s_skdh, s_skdt, s_sksb, s_sksh, s_skst, s_hb, s_hh, s_ht,
-                     src, h, dkd, dks, dkz, dkst, s_dkdb, s_dkdh, s_dkdt, s_dksb, s_dksh, s_dkst, dst,
+        _demote_role(skd, sks, skz, skhp, skst, s_skdb, s_skdh, s_skdt, s_sksb, s_sksh, s_skst, s_skzb, s_hb, s_hh,
+                     s_ht, src, h, dkd, dks, dkz, dkst, s_dkdb, s_dkdh, s_dkdt, s_dksb, s_dksh, s_dkst, s_dkzb, dst,
                      PAGE, D, SK_FMT, SK_PER, SK_G, DK_FMT, DK_PER, DK_G, DK_QMAX)
-        _demote_role(svd, svs, svz, svhp, svst, s_svdb, s_svdh, s_svdt, s_svsb, s_svsh, s_svst, s_hb, s_hh, s_ht,
-                     src, h, dvd, dvs, dvz, dvst, s_dvdb, s_dvdh, s_dvdt, s_dvsb, s_dvsh, s_dvst, dst,
+        _demote_role(svd, svs, svz, svhp, svst, s_svdb, s_svdh, s_svdt, s_svsb, s_svsh, s_svst, s_svzb, s_hb, s_hh,
+                     s_ht, src, h, dvd, dvs, dvz, dvst, s_dvdb, s_dvdh, s_dvdt, s_dvsb, s_dvsh, s_dvst, s_dvzb, dst,
                      PAGE, D, SV_FMT, SV_PER, SV_G, DV_FMT, DV_PER, DV_G, DV_QMAX)
 
 

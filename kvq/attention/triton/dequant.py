@@ -54,7 +54,7 @@ def _packed_tile(data_ptr, scale_ptr, zero_ptr, qb, head, off,
 
 @triton.jit
 def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
-               s_db, s_dh, s_dt, s_sb, s_sh, s_st, s_hb, s_hh, s_ht,
+               s_db, s_dh, s_dt, s_sb, s_sh, s_st, s_zb, s_hb, s_hh, s_ht,
                bid, head, off, PAGE: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr,
                G: tl.constexpr):
     """[PAGE, D] float32, natural channel order, of one page (``bid`` a scalar signed block id)."""
@@ -65,12 +65,12 @@ def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
     elif FMT >= ROT:
         qb = bid.to(tl.int64)
         row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
-        mrow = mean_rows(qb, head, off, s_sb, s_sh, D, G)
+        mrow = mean_rows(qb, head, off, s_zb, s_sh, D, G)
         x = rot_values(data_ptr, scale_ptr, zero_ptr, static_ptr, row, qb * s_sb + head * s_sh + off * s_st, mrow,
                        D, FMT)
     elif PER == 1:
         qb = bid.to(tl.int64) + tl.zeros((PAGE,), tl.int64)
-        raw, sc = load_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr, s_db, s_dh, s_dt, s_sb, s_sh, s_st,
+        raw, sc = load_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr, s_db, s_dh, s_dt, s_sb, s_sh, s_st, s_zb,
                             s_hb, s_hh, s_ht, qb, off, head, off >= 0, PAGE, D, FMT, PER, G, False, tl.float32)
         x = raw * sc[:, None]
     else:
@@ -85,8 +85,8 @@ def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
 @triton.jit(do_not_specialize=["s_tb", "NB", "lo", "hi"], do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
 def _dequant_kernel(
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
-    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
-    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
     s_hb, s_hh, s_ht,
     table_ptr, s_tb, lens_ptr, out_k, out_v, s_ob, s_oh, s_ot, NB,
     lo, hi,  # the table entries this launch reads (one tier's tag range); its blocks are entry - max(lo, 0)
@@ -105,10 +105,10 @@ def _dequant_kernel(
         off = tl.arange(0, PAGE)
         c = tl.arange(0, D)
         dst = (b.to(tl.int64) * NB + j) * s_ob + h * s_oh + off[:, None].to(tl.int64) * s_ot + c[None, :]
-        k = _page_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
+        k = _page_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb, s_hb, s_hh, s_ht,
                        bid, h, off, PAGE, D, K_FMT, K_PER, K_G)
         tl.store(out_k + dst, k.to(out_k.dtype.element_ty))
-        v = _page_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
+        v = _page_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb, s_hb, s_hh, s_ht,
                        bid, h, off, PAGE, D, V_FMT, V_PER, V_G)
         tl.store(out_v + dst, v.to(out_v.dtype.element_ty))
 

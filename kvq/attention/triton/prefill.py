@@ -46,8 +46,8 @@ TILES = {
 def _prefill_tile(
     q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale, qlo,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
-    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
-    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
     s_hb, s_hh, s_ht,
     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
@@ -64,11 +64,13 @@ def _prefill_tile(
     t = t0 + tl.arange(0, BLOCK_N)
     valid = t < kv_end
     off = t % PAGE
+    # rows past the end read the row's first block (finite in its format; block 0 of a tier's view of
+    # an arena may hold another tier's bytes), masked to -inf
     if MODE == 1 or MODE == 3:
-        bid = tl.load(tableq + t // PAGE, mask=valid, other=0)
+        bid = tl.where(valid, tl.load(tableq + t // PAGE, mask=valid, other=0), tl.load(tableq))
     else:
-        bid = tl.load(table + t // PAGE, mask=valid, other=0)
-    k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_hb, s_hh, s_ht,
+        bid = tl.where(valid, tl.load(table + t // PAGE, mask=valid, other=0), tl.load(table))
+    k, k_sc = load_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb, s_hb, s_hh, s_ht,
                         bid, off, h, valid, BLOCK_N, D, K_FMT, K_PER, K_G, HAS_HP, DOT)
     s = tl.dot(q, tl.trans(k)) * (k_sc * qk_scale)[None, :]
     keep = valid[None, :] & (t[None, :] <= qpos[:, None])
@@ -83,7 +85,7 @@ def _prefill_tile(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_hb, s_hh, s_ht,
+    v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb, s_hb, s_hh, s_ht,
                         bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
     acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(DOT), v)
     return m_new, l_i, acc
@@ -96,8 +98,8 @@ def _prefill_tile(
 def _prefill_kernel(
     q_ptr, s_qt, s_qh, o_ptr, s_ot, s_oh, cu_ptr,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
-    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
-    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
     s_hb, s_hh, s_ht,
     table_ptr, s_tb, lens_ptr, qk_scale, tableq_ptr, SINK_T, RESID,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -152,7 +154,7 @@ def _prefill_kernel(
             for t0 in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T,
                                               qk_scale, qpos, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh,
-                                              s_kdt, s_ksb, s_ksh, s_kst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+                                              s_kdt, s_ksb, s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
                                               s_hb, s_hh, s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G,
                                               V_G, HAS_HP, DOT, 2 if run == 0 or run == 3 else
                                               3 if run == 1 or run == 4 else 1 if run == 2 else 0)
@@ -280,7 +282,7 @@ def dequant_first_default(layer: LayerKV) -> bool:
 
 def _dense_args(k: torch.Tensor, v: torch.Tensor) -> tuple[list, dict]:
     """Launch arguments that read f16 page scratches ``k``, ``v`` as a dense pool."""
-    args = [k, k, k, k, k, v, v, v, v, v, *k.stride()[:3], 0, 0, 0, *v.stride()[:3], 0, 0, 0, 0, 0, 0]
+    args = [k, k, k, k, k, v, v, v, v, v, *k.stride()[:3], 0, 0, 0, 0, *v.stride()[:3], 0, 0, 0, 0, 0, 0, 0]
     return args, dict(k_fmt=DENSE.value, k_per=1, v_fmt=DENSE.value, v_per=1, k_g=1, v_g=1)
 
 

@@ -82,10 +82,10 @@ def _pack(codes, R: tl.constexpr, D: tl.constexpr, PER: tl.constexpr):
 
 
 @triton.jit
-def _rot_store(x, data_ptr, norm_ptr, mean_ptr, table_ptr, d_row, s_row, rmask,
+def _rot_store(x, data_ptr, norm_ptr, mean_ptr, table_ptr, d_row, s_row, m_row, rmask,
                R: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr):
     """A rotated codebook tile (kvq.formats.reference's rule): K of ROT_C loses its per-channel group
-    mean (fp16, stored at the block's mean rows: ``s_row``'s first element times D / G), then each row
+    mean (fp16, stored at the block's mean rows from element ``m_row`` on), then each row
     is rotated (one [R, D] x [D, D] product), coded against the thresholds, and its norm corrected."""
     BITS: tl.constexpr = (FMT - ROT) % 3 + 2
     m2 = rmask[:, None]
@@ -94,7 +94,7 @@ def _rot_store(x, data_ptr, norm_ptr, mean_ptr, table_ptr, d_row, s_row, rmask,
         g = tl.reshape(x, (R // G, G, D))
         mean = (tl.sum(g, axis=1) / G).to(mean_ptr.dtype.element_ty)
         gi = tl.arange(0, R // G)
-        tl.store(mean_ptr + tl.min(s_row, axis=0) * D // G + gi[:, None] * D + c[None, :], mean)
+        tl.store(mean_ptr + m_row + gi[:, None] * D + c[None, :], mean)
         x = tl.reshape(g - mean.to(tl.float32)[:, None, :], (R, D))
     fwd = tl.load(table_ptr + c[:, None] * D + c[None, :])
     r = tl.dot(x, fwd, input_precision="tf32x3")
@@ -119,6 +119,7 @@ def _rot_store(x, data_ptr, norm_ptr, mean_ptr, table_ptr, d_row, s_row, rmask,
 def _quant_store(
     x, data_ptr, scale_ptr, zero_ptr, static_ptr, head,
     d_row, s_row,  # [R] element offsets of each row's data / scale row (KIVI K: of the block's scale row)
+    m_row,  # a centred K: element offset of the block's first mean row (of this head)
     rmask,  # [R] rows to store (per-row formats; block-scoped formats store whole tiles)
     R: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, G: tl.constexpr, QMAX: tl.constexpr,
 ):
@@ -162,7 +163,7 @@ def _quant_store(
         codes = tl.reshape(_int_code(y, 0.0, QMAX), (R, D))
         tl.store(data_ptr + d_row[:, None] + dp[None, :], _pack(codes, R, D, PER))
     elif FMT >= ROT:
-        _rot_store(x, data_ptr, scale_ptr, zero_ptr, static_ptr, d_row, s_row, rmask, R, D, FMT, G)
+        _rot_store(x, data_ptr, scale_ptr, zero_ptr, static_ptr, d_row, s_row, m_row, rmask, R, D, FMT, G)
     else:  # KIVI_V: per row, groups of G channels
         g = tl.reshape(x, (R, D // G, G))
         mn = tl.min(g, axis=2)
@@ -184,8 +185,8 @@ def _write_kernel(
     k_ptr, v_ptr, s_xt, s_xh, T,  # new tokens [T, H, D]
     slots_ptr,
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
-    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
-    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
     s_hb, s_hh, s_ht,
     PAGE: tl.constexpr, D: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr, TB: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, K_QMAX: tl.constexpr, K_DIRECT: tl.constexpr,
@@ -217,15 +218,17 @@ def _write_kernel(
     if tl.max(is_q.to(tl.int32), axis=0) > 0:
         if K_DIRECT:
             _quant_store(xk, kd, ks, kz, kst, h, blk * s_kdb + h * s_kdh + off * s_kdt,
-                         blk * s_ksb + h * s_ksh + off * s_kst, is_q, TB, D, K_FMT, K_PER, K_G, K_QMAX)
+                         blk * s_ksb + h * s_ksh + off * s_kst, tl.min(blk, axis=0) * s_kzb + h * (s_ksh * D // K_G),
+                         is_q, TB, D, K_FMT, K_PER, K_G, K_QMAX)
         if V_DIRECT:
             _quant_store(xv, vd, vs, vz, vst, h, blk * s_vdb + h * s_vdh + off * s_vdt,
-                         blk * s_vsb + h * s_vsh + off * s_vst, is_q, TB, D, V_FMT, V_PER, V_G, V_QMAX)
+                         blk * s_vsb + h * s_vsh + off * s_vst, tl.min(blk, axis=0) * s_vzb + h * (s_vsh * D // V_G),
+                         is_q, TB, D, V_FMT, V_PER, V_G, V_QMAX)
 
 
 @triton.jit
 def _seal_tile(src_ptr, base, s_sh, s_st, blk, h, data_ptr, scale_ptr, zero_ptr, static_ptr,
-               s_db, s_dh, s_dt, s_sb, s_shd, s_sst,
+               s_db, s_dh, s_dt, s_sb, s_shd, s_sst, s_zb,
                PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr,
                QMAX: tl.constexpr):
     """Quantize the ``[PAGE, D]`` tile of head ``h`` at element ``base`` of ``src`` into q block ``blk``."""
@@ -234,14 +237,16 @@ def _seal_tile(src_ptr, base, s_sh, s_st, blk, h, data_ptr, scale_ptr, zero_ptr,
     x = tl.load(src_ptr + base + h * s_sh + r[:, None].to(tl.int64) * s_st + p[None, :]).to(tl.float32)
     d_row = blk * s_db + h * s_dh + r.to(tl.int64) * s_dt
     s_row = blk * s_sb + h * s_shd + r.to(tl.int64) * s_sst
-    _quant_store(x, data_ptr, scale_ptr, zero_ptr, static_ptr, h, d_row, s_row, r >= 0, PAGE, D, FMT, PER, G, QMAX)
+    m_row = blk * s_zb + h * (s_shd * D // G)
+    _quant_store(x, data_ptr, scale_ptr, zero_ptr, static_ptr, h, d_row, s_row, m_row, r >= 0, PAGE, D, FMT, PER, G,
+                 QMAX)
 
 
 @triton.jit
 def _seal_kernel(
     src_ptr, src_ids, dst_ids, s_ids, s_src, s_sh, s_st,  # tile i: element src_ids[i * s_ids] * s_src of src
     data_ptr, scale_ptr, zero_ptr, static_ptr,
-    s_db, s_dh, s_dt, s_sb, s_shd, s_sst,
+    s_db, s_dh, s_dt, s_sb, s_shd, s_sst, s_zb,
     PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, QMAX: tl.constexpr,
 ):
     """One role; one program per (block, KV head)."""
@@ -250,15 +255,15 @@ def _seal_kernel(
     blk = tl.load(dst_ids + i * s_ids).to(tl.int64)
     base = tl.load(src_ids + i * s_ids).to(tl.int64) * s_src
     _seal_tile(src_ptr, base, s_sh, s_st, blk, h, data_ptr, scale_ptr, zero_ptr, static_ptr,
-               s_db, s_dh, s_dt, s_sb, s_shd, s_sst, PAGE, D, G, FMT, PER, QMAX)
+               s_db, s_dh, s_dt, s_sb, s_shd, s_sst, s_zb, PAGE, D, G, FMT, PER, QMAX)
 
 
 @triton.jit
 def _seal_hp_kernel(
     pairs, s_pair, khp, vhp, s_hb, s_hh, s_ht,  # pairs [S, 2] (hp block, q block); q block < 0: skip
     kd, ks, kz, kst, vd, vs, vz, vst,
-    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
-    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+    s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb,
+    s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
     PAGE: tl.constexpr, D: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, K_QMAX: tl.constexpr,
     V_FMT: tl.constexpr, V_PER: tl.constexpr, V_QMAX: tl.constexpr,
@@ -269,9 +274,9 @@ def _seal_hp_kernel(
     blk = tl.load(pairs + i * s_pair + 1)
     if blk >= 0:
         base = tl.load(pairs + i * s_pair) * s_hb
-        _seal_tile(khp, base, s_hh, s_ht, blk, h, kd, ks, kz, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst,
+        _seal_tile(khp, base, s_hh, s_ht, blk, h, kd, ks, kz, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb,
                    PAGE, D, K_G, K_FMT, K_PER, K_QMAX)
-        _seal_tile(vhp, base, s_hh, s_ht, blk, h, vd, vs, vz, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst,
+        _seal_tile(vhp, base, s_hh, s_ht, blk, h, vd, vs, vz, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
                    PAGE, D, V_G, V_FMT, V_PER, V_QMAX)
 
 
@@ -290,7 +295,9 @@ def _role_args(layer: LayerKV, role: str) -> tuple[list, list, dict]:
     sst = list(sc.stride()) + [0, 0] if sc is not None else [0, 0, 0]
     if sc is not None and sc.dim() == 2:  # per block: [nb, H]
         sst[2] = 0
-    strides = [data.stride(0), data.stride(1), data.stride(2), sst[0], sst[1], sst[2]]
+    zero = planes.get("zero")  # (a centred K's means: a layout of their own)
+    strides = [data.stride(0), data.stride(1), data.stride(2), sst[0], sst[1], sst[2],
+               zero.stride(0) if zero is not None else 0]
     meta = dict(fmt=format_code(fmt), per=1 if fmt.family == "rot" else fmt.values_per_byte,
                 qmax=float(fmt.qmax or 0.0),
                 direct=fmt.write_direct, g=fmt.group_size or 1)

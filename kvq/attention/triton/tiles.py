@@ -209,16 +209,17 @@ def rot_tile(data_ptr, norm_ptr, mags, s_db, s_dh, s_dt, s_sb, s_sh, s_st, bid, 
 
 
 @triton.jit
-def mean_rows(qb, head, off, s_sb, s_sh, D: tl.constexpr, GROUP: tl.constexpr):
+def mean_rows(qb, head, off, s_zb, s_sh, D: tl.constexpr, GROUP: tl.constexpr):
     """Element offsets of each row's mean row in a centred K's mean plane (a row of D means per group of
-    GROUP tokens, laid out like the norm plane's ``[block, head, token]`` with D per group)."""
-    return qb * (s_sb * D // GROUP) + head * (s_sh * D // GROUP) + (off // GROUP) * D
+    GROUP tokens: a block's ``[head, group, D]``, head stride the norm plane's ``s_sh`` x D / GROUP; the
+    block stride ``s_zb`` its own, as a tier's view of an arena spaces blocks further apart)."""
+    return qb * s_zb + head * (s_sh * D // GROUP) + (off // GROUP) * D
 
 
 @triton.jit
-def rot_mean(mean_ptr, s_sb, s_sh, bid, off, head, D: tl.constexpr, GROUP: tl.constexpr):
+def rot_mean(mean_ptr, s_zb, s_sh, bid, off, head, D: tl.constexpr, GROUP: tl.constexpr):
     """[N, D] float32 group means (natural channel order) of the rows of a centred rotated tile."""
-    mrow = mean_rows(tl.where(bid < 0, 0, bid).to(tl.int64), head, off, s_sb, s_sh, D, GROUP)
+    mrow = mean_rows(tl.where(bid < 0, 0, bid).to(tl.int64), head, off, s_zb, s_sh, D, GROUP)
     return tl.load(mean_ptr + mrow[:, None] + tl.arange(0, D)[None, :]).to(tl.float32)
 
 
@@ -256,6 +257,7 @@ def load_tile(
     data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
     s_db, s_dh, s_dt,  # data plane strides: block, head, token (channels contiguous)
     s_sb, s_sh, s_st,  # scale/zero strides: block, head, token (KIVI K: group)
+    s_zb,  # the zero plane's block stride (a centred K's means: its own layout)
     s_hb, s_hh, s_ht,  # hp pool strides
     bid, off, head, valid,  # [N] signed block ids, [N] offsets in block, scalar head, [N] mask
     N: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
@@ -272,7 +274,7 @@ def load_tile(
     row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
     if FMT >= ROT:  # rotated codebook: values in natural order, no factor per row
         srow = qb * s_sb + head * s_sh + off * s_st
-        mrow = mean_rows(qb, head, off, s_sb, s_sh, D, GROUP)
+        mrow = mean_rows(qb, head, off, s_zb, s_sh, D, GROUP)
         raw = rot_values(data_ptr, scale_ptr, zero_ptr, static_ptr, row, srow, mrow, D, FMT)
     elif PER == 1:
         raw = tl.load(data_ptr + row[:, None] + p[None, :]).to(DOT)
