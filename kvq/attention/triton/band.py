@@ -70,7 +70,8 @@ def _band_kernel(
     for t0 in range(0, sink_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, sink_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
                                       qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
-                                      s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb, s_hb, s_hh, s_ht, D,
+                                      s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
+                                      s_hb, s_hh, s_ht, D,
                                       PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 0)
     # the band: tiles its queries may read both ways (exact pairs, then the others: two passes),
     # then tiles past the last query's window start, which every query reads exact
@@ -82,16 +83,19 @@ def _band_kernel(
     for t0 in range(lo, mid, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
                                       qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
-                                      s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb, s_hb, s_hh, s_ht, D,
+                                      s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
+                                      s_hb, s_hh, s_ht, D,
                                       PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 2, True)
         m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
                                       qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
-                                      s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb, s_hb, s_hh, s_ht, D,
+                                      s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
+                                      s_hb, s_hh, s_ht, D,
                                       PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 3, True)
     for t0 in range(mid, kv_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
                                       qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
-                                      s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb, s_hb, s_hh, s_ht, D,
+                                      s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
+                                      s_hb, s_hh, s_ht, D,
                                       PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 0, True)
     if HAS_BULK:
         if n - SPLIT - SINK_T > 0:  # the sequence sent keys to the library (else its rows there are dummies)

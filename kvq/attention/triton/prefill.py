@@ -154,7 +154,8 @@ def _prefill_kernel(
             for t0 in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T,
                                               qk_scale, qpos, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh,
-                                              s_kdt, s_ksb, s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
+                                              s_kdt, s_ksb, s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh,
+                                              s_vst, s_vzb,
                                               s_hb, s_hh, s_ht, D, PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G,
                                               V_G, HAS_HP, DOT, 2 if run == 0 or run == 3 else
                                               3 if run == 1 or run == 4 else 1 if run == 2 else 0)
