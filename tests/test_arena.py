@@ -43,8 +43,9 @@ def test_tier_options_are_checked():
         make_plan(LLAMA8B, "int2_kivi", tiers="int4_kivi")
     with pytest.raises(ValueError, match="valid formats"):
         make_plan(LLAMA8B, "fp8_e4m3", tiers="int5")
-    with pytest.raises(ValueError, match="cannot be a tier yet"):
-        make_plan(LLAMA8B, "fp8_e4m3", tiers="rot3_kc")
+    assert make_plan(LLAMA8B, "fp8_e4m3", tiers="rot3_kc").num_tiers == 1  # centred rotated K: a tier too
+    with pytest.raises(ValueError, match="not fewer than"):
+        make_plan(LLAMA8B, "rot3_kc", tiers="rot4_kc")
     with pytest.raises(ValueError, match="need --kv-cache-tiers"):
         KVCacheConfig(tier_age=(1024,))
     with pytest.raises(ValueError, match="needs --kv-tier-age"):

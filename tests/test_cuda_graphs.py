@@ -80,7 +80,7 @@ TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_
 @pytest.mark.parametrize("fmt", ["bfloat16", "fp8_e4m3", "int4_kivi", "fp8_e4m3>int4_kivi@160"])
 def test_graph_replay_matches_eager_decode(fmt, tmp_path):
     """(The tiered cache: blocks 160 tokens behind their head age into int4_kivi; graphs replay steps whose
-    tables hold them, each tier by its own launch.)"""
+    tables hold them, each tier by its own launch, and the steps that demote them, from static lists.)"""
     from kvq.cache.plan import KVCacheConfig
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.engine.sampling_params import SamplingParams
@@ -98,7 +98,7 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
     for n in (3, 40, 150, 300, 17):  # 5 sequences: replays the graph of 8 with 3 padding rows
         ids = torch.randint(0, 4096, (n,), generator=g).tolist()
         eng.add_request(ids, SamplingParams(max_tokens=40, ignore_eos=True))
-    checked = sealed_in_graph = tiered_replays = 0
+    checked = sealed_in_graph = tiered_replays = demoted_in_graph = 0
     while eng.has_unfinished():
         sched = eng.scheduler.schedule()
         seqs = {s.seq_id: eng.scheduler.get(s.seq_id) for s in sched.scheduled}
@@ -115,6 +115,7 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
             assert (replayed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.8
             checked += 1
             sealed_in_graph += len(sched.ops)
+            demoted_in_graph += sum(type(op).__name__ == "DemoteOp" for op in sched.ops)
             tiered_replays += graphs.num_tiers > 0 and int(graphs.part_lens[1].sum()) > 0
         tokens = logits.argmax(-1).tolist() if logits is not None else []
         eng.scheduler.update(sched, dict(zip(sample_ids, tokens)))
@@ -124,6 +125,7 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
     if ">" in fmt:
         assert eng.block_manager.num_demotions[1] > 0 and tiered_replays >= 10, (eng.block_manager.num_demotions,
                                                                                  tiered_replays)
+        assert demoted_in_graph > 0  # the age policy's demotions, inside the replayed graphs
     eng.block_manager.check_integrity()
 
 

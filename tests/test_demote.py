@@ -144,3 +144,44 @@ def test_triton_demotion_matches_the_reference(base, tiers, moves, kv):
                 assert diff <= 1e-3 * ref.arena.numel(), diff
             else:
                 assert diff == 0, (src, dst, diff)
+
+
+def test_a_decode_graph_runs_the_steps_demotions_from_its_static_lists(kv):
+    """A decode graph launches each layer's demotions of every ordered pair of tiers from static lists
+    (kvq.engine.cuda_graphs), refilled before each replay and padded with destination -1: what it runs
+    writes the bytes the step's own demotion runs write.  It serves steps within the lists, not one that
+    moves a block twice (order) nor one with more demotions of a pair than a list holds."""
+    from kvq.cache.step import HostStep
+    from kvq.engine.cuda_graphs import DEMOTES_PER_PAIR, DecodeGraphs
+
+    base, tiers = "fp8_e4m3", "int4_kivi,int2_kivi"
+    pools = [filled(base, tiers, kv), filled(base, tiers, kv)]
+    for pool in pools:
+        seed(pool, 1)
+    graphs = DecodeGraphs(None, pools[0], None, torch.device("cpu"), max_batch=4, max_model_len=256,
+                          null_block=0, has_hp=False)
+    assert graphs.demote_pairs == [(0, 1), (0, 2), (1, 2)]
+    p = pools[0]
+    t2 = ids_from(p, 2, DEST + 1)  # (a slab holds one tier's blocks)
+    runs = ((1, 2, [(ids_from(p, 1, SEED)[0], t2[0])]),  # (deepest first, as the manager makes them)
+            (0, 1, [(0, ids_from(p, 1, DEST)[0]), (2, ids_from(p, 1, DEST)[1])]),
+            (0, 2, [(1, t2[1])]))
+    step = HostStep(slots=[0, 1], tables=[[0], [1]], seq_lens=[1, 1], num_new=[1, 1], demotes=runs)
+    assert graphs.serves(step)
+    graphs.stage([0, 0], [0, 0], step)
+    meta = graphs._meta(2)
+    assert [(s, d) for s, d, _ in meta.demotes] == graphs.demote_pairs
+    for layer in pools[0].layers:  # the graph's launches: every pair, padded lists
+        for s, d, lst in meta.demotes:
+            assert lst.shape == (DEMOTES_PER_PAIR, 2)
+            triton_demote.demote_pairs(layer, lst, s, d)
+    for layer in pools[1].layers:  # the eager step's
+        for s, d, pairs in runs:
+            reference.demote_pairs(layer, torch.tensor(pairs), s, d)
+    for a, b in zip(arena_bytes(pools[0]), arena_bytes(pools[1])):
+        assert torch.equal(a, b)
+    twice = HostStep(slots=[0], tables=[[0]], seq_lens=[1], num_new=[1],
+                     demotes=((0, 1, [(0, 7)]), (1, 2, [(7, 9)])))  # block 0 -> tier 1 block 7 -> tier 2
+    many = HostStep(slots=[0], tables=[[0]], seq_lens=[1], num_new=[1],
+                    demotes=((0, 1, [(i, 100 + i) for i in range(DEMOTES_PER_PAIR + 1)]),))
+    assert not graphs.serves(twice) and not graphs.serves(many)

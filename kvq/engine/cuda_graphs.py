@@ -25,8 +25,13 @@ What makes a step replayable:
 * a tiered cache (elastic precision): every graph decodes each tier by its own
   launch (kvq.cache.step.TierTables), from static tables of each part refilled
   before each replay (a row with no block of a tier has length 0 there), so a
-  step whose tables hold lower tiers' blocks replays too; a step that demotes
-  blocks runs eagerly.
+  step whose tables hold lower tiers' blocks replays too.  Its demotions run in
+  the graph as well: each layer launches the demotion of every ordered pair of
+  tiers from a static ``[DEMOTES_PER_PAIR, 2]`` list, padded with destination -1
+  (skipped).  A step with more demotions of one pair, or that moves a block twice
+  (the second move must read what the first wrote, an order the fixed launches
+  do not keep), runs eagerly; so does the time of a replayed demotion, which is
+  not counted apart (kvq.engine.demote_clock times eager steps only).
 
 Prefill and mixed steps run eagerly.
 """
@@ -42,6 +47,10 @@ import torch
 
 from kvq.cache.step import HostStep, StepMetadata, TierTables, split_tiers, table_array
 from kvq.engine.staging import Staging, layout, views
+
+#: Rows of a graph's static demotion list per ordered pair of tiers: the age policy moves about one
+#: block a sequence every block_size steps, pressure hundreds at once (those steps run eagerly).
+DEMOTES_PER_PAIR = 64
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -71,19 +80,23 @@ class DecodeGraphs:
         # a tiered cache: the base part's and each lower tier's tables and lengths too
         self.num_tiers = pool.plan.num_tiers if pool.layers and pool.layers[0].arena is not None else 0
         parts = 1 + (1 + self.num_tiers if self.num_tiers else 0)
+        # every ordered pair of tiers a demotion may move a block between (age moves straight to its tier)
+        self.demote_pairs = [(s, d) for s in range(self.num_tiers) for d in range(s + 1, self.num_tiers + 1)]
         # The inputs refilled before each replay are views of one device buffer, so a step's
         # inputs cross in one host->device copy of the buffer's prefix that the batch uses
         # (the tables go last, row-major with their parts side by side, so a batch of g uses their
         # first g rows).
         fields = [np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64),  # ids, positions, slots
                   np.zeros((n, 2), np.int64), np.zeros(n, np.int32),  # seals, lens
+                  *(np.zeros((DEMOTES_PER_PAIR, 2), np.int64) for _ in self.demote_pairs),  # demotions
                   *(np.zeros(n, np.int32) for _ in range(parts - 1)),  # base lens, lower tiers' lens
                   np.zeros((n, parts, self.width), np.int32)]  # tables: full, base, lower tiers'
         self._offsets, nbytes = layout(fields)
         self._fields = fields
         self._static = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.ids, self.positions, self.slots, seals, self.lens, *part_lens, tables = views(self._static, fields,
-                                                                                          self._offsets)
+        self.ids, self.positions, self.slots, seals, self.lens, *rest, tables = views(self._static, fields,
+                                                                                     self._offsets)
+        self.demotes, part_lens = rest[:len(self.demote_pairs)], rest[len(self.demote_pairs):]
         self.tables = tables[:, 0]
         self.part_tables = [tables[:, i] for i in range(1, parts)]  # base, tier 1, ...
         self.part_lens = part_lens
@@ -93,6 +106,8 @@ class DecodeGraphs:
         for i, x in enumerate(part_lens):
             x.fill_(0 if i else 1)  # lower tiers: no block
         seals.fill_(-1)
+        for d in self.demotes:
+            d.fill_(-1)
         self.seals = seals if can_seal else None
         self.staging = Staging(device, nbytes)
         self.cu = torch.arange(n + 1, **i32)
@@ -113,7 +128,7 @@ class DecodeGraphs:
                             block_tables=self.tables[:b], seq_lens=self.lens[:b], max_q_len=1,
                             max_seq_len=self.max_model_len, has_hp=self.has_hp, num_decodes=b,
                             prefill_cu=self.cu[:1], seals=None if self.seals is None else self.seals[:b],
-                            tiers=tiers)
+                            tiers=tiers, demotes=tuple((s, d, x) for (s, d), x in zip(self.demote_pairs, self.demotes)))
 
     def _forward(self, b: int) -> torch.Tensor:
         return self.model(self.ids[:b], self.positions[:b], self.pool, self._meta(b), self.kernels, self.rows[:b])
@@ -135,7 +150,23 @@ class DecodeGraphs:
         n = len(step.num_new)
         seals_fit = len(step.seals) <= n if self.seals is not None else not step.seals
         return (0 < n <= self.sizes[-1] and step.num_decodes == n and max(step.seq_lens) <= self.max_model_len
-                and seals_fit and not step.demotes)
+                and seals_fit and self.demotes_fit(step.demotes))
+
+    def demotes_fit(self, demotes) -> bool:
+        """Whether a step's demotion runs (kvq.cache.step.demote_runs) fit the graph's static lists: pairs
+        the graph launches, at most DEMOTES_PER_PAIR each, and no block moved twice (in the fixed order of
+        the launches a second move could read its source before the first wrote it)."""
+        if not demotes:
+            return True
+        count: dict[tuple[int, int], int] = {}
+        into: dict[int, set] = {}
+        out_of: dict[int, set] = {}
+        for s, d, pairs in demotes:
+            count[s, d] = count.get((s, d), 0) + len(pairs)
+            out_of.setdefault(s, set()).update(a for a, _ in pairs)
+            into.setdefault(d, set()).update(b for _, b in pairs)
+        return (all(k in self.demote_pairs and n <= DEMOTES_PER_PAIR for k, n in count.items())
+                and not any(into[t] & out_of.get(t, set()) for t in into))
 
     def stage(self, ids: list[int], positions: list[int], step: HostStep) -> int:
         """Fill the static inputs for a batch of ``len(ids)`` (one copy) -> the graph's batch size."""
@@ -146,8 +177,9 @@ class DecodeGraphs:
         parts = 1 + len(self.part_lens)
         end = self._offsets[-1] + g * parts * self.width * 4
         buf = self.staging.host(self._static.numel())
-        ids_h, pos_h, slots_h, seals_h, lens_h, *part_lens_h, tables_h = (
+        ids_h, pos_h, slots_h, seals_h, lens_h, *rest_h, tables_h = (
             t.numpy() for t in views(buf, self._fields, self._offsets))
+        demotes_h, part_lens_h = rest_h[:len(self.demote_pairs)], rest_h[len(self.demote_pairs):]
         ids_h[:b], pos_h[:b], slots_h[:b], lens_h[:b] = ids, positions, step.slots, step.seq_lens
         tables_h[:b, 0, :w] = rows
         # padding rows: a token at the null block that attends to it alone
@@ -158,6 +190,14 @@ class DecodeGraphs:
         seals_h[:g] = -1
         if step.seals:
             seals_h[:len(step.seals)] = step.seals
+        if demotes_h:
+            fill = [0] * len(demotes_h)
+            for x in demotes_h:
+                x[:] = -1
+            for s, d, pairs in step.demotes:
+                k = self.demote_pairs.index((s, d))
+                demotes_h[k][fill[k]:fill[k] + len(pairs)] = pairs
+                fill[k] += len(pairs)
         self.staging.send(buf, self._static, end)
         return g
 
