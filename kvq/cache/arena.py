@@ -155,6 +155,11 @@ class Arena:
     def num_unowned(self) -> int:
         return len(self._unowned)
 
+    @property
+    def num_idle(self) -> int:
+        """Slabs a tier holds with cached blocks only (any tier may take one, evicting them)."""
+        return sum(len(t._idle) for t in self.tiers)
+
     def slabs_of(self, tier: int) -> int:
         return sum(1 for o in self.owner if o == tier)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvq.cache.host_tier import host_pool_of
 from kvq.cache.window import POOLS, block_state
 
 
@@ -80,7 +81,7 @@ def check_block_manager(bm) -> None:
         if sid in bm._seqs:
             raise AssertionError(f"seq {sid!r} is both on the device and swapped")
         for ref in seq.table:
-            host_refs["hp" if ref.pool == "hp" else "q"][ref.block_id] += 1  # a lower tier in a host q block
+            host_refs[host_pool_of(ref.pool)][ref.block_id] += 1  # a lower tier in a host q block
     for pool, counts in host_refs.items():
         bm._host[pool].check_integrity()
         for bid, c in enumerate(counts):

@@ -136,7 +136,7 @@ class PrefixMixin:
             if pool != "hp":
                 a = self._alloc[pool]
                 slabs += -(-max(0, n - a.num_free_ids_busy) // a.per_slab)
-        return slabs <= self.arena.grantable(False) + sum(len(t._idle) for t in self.arena.tiers)
+        return slabs <= self.arena.grantable(False) + self.arena.num_idle
 
     def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, end=None,
                      use_host: bool = True) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from kvq.cache.block_allocator import NoFreeBlocksError
 from kvq.cache.block_types import BlockRef, SeqBlocks, SeqId, SwapOp
+from kvq.cache.host_tier import host_pool_of
 from kvq.cache.window import POOLS
 
 
@@ -19,12 +20,12 @@ class SwapMixin:
         """Blocks of each host pool the table takes (a lower tier's block takes a host q block)."""
         need = {"q": 0, "hp": 0}
         for ref in table:
-            need["hp" if ref.pool == "hp" else "q"] += 1
+            need[host_pool_of(ref.pool)] += 1
         return need
 
     def _host_of(self, pool: str):
         """The host allocator that holds blocks of device pool ``pool`` (every q pool's: the host q pool)."""
-        return self._host["hp" if pool == "hp" else "q"]
+        return self._host[host_pool_of(pool)]
 
     def can_swap_out(self, seq_id: SeqId) -> bool:
         """Whether the host tier has a block for every block of the sequence (its budget)."""

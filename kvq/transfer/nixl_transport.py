@@ -207,11 +207,16 @@ class BlockTransport(abc.ABC):
             bad = sorted(x for x in layers if not 0 <= x < len(self.pool.layers))
             if bad:
                 raise ValueError(f"layers: {bad[0]} out of range 0..{len(self.pool.layers) - 1}")
-        units = {kind: single_blocks(r) for kind, r in runs.items()}  # a region strided on either side
+        units: dict = {}  # a region strided on either side moves block by block (cut once per pool)
         rows = []
         for i, r in enumerate(self.descriptor.regions):
             if len(runs[r.pool]) and (layers is None or r.layer in layers):
-                ch = runs[r.pool] if r.contiguous and desc.regions[i].contiguous else units[r.pool]
+                if r.contiguous and desc.regions[i].contiguous:
+                    ch = runs[r.pool]
+                else:
+                    ch = units.get(r.pool)
+                    if ch is None:
+                        ch = units[r.pool] = single_blocks(runs[r.pool])
                 rows.append(np.column_stack([np.full(len(ch), i, np.int64), ch]))
         if not rows:
             if notif:
