@@ -199,7 +199,9 @@ def test_rotated_prefill_always_reads_through_the_page_scratch(first, monkeypatc
     from kvq.attention.triton import dequant, kernels, prefill
     from tests.paged_harness import make_harness, step
 
-    h = make_harness("turboquant_k3v4_nc", kernels, H=2, D=64, group=2, num_q=24, num_hp=12, sink=0, residual=0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    h = make_harness("turboquant_k3v4_nc", kernels, H=2, D=64, group=2, num_q=24, num_hp=12, sink=0, residual=0,
+                     device=dev)
     g = torch.Generator().manual_seed(9)
     step(h, {"a": 100, "b": 60}, g)
     q, meta, _ = step(h, {"a": 20, "b": 7}, g, torch.bfloat16)

@@ -126,6 +126,13 @@ def test_cuda_decode_support_rules():
     plan = make_plan(bare_model(1, 2, 96, num_attention_heads=8), "int8")
     pool = KVPool.create(plan, 2, 2, "cpu")
     assert "head_dim 96" in decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16)
+    # per-block scales are read 4 bytes at a time: 3 heads' floats (12 bytes) a block serve; a 16-byte plane
+    # whose blocks are 12 bytes apart does not
+    plan = make_plan(bare_model(1, 3, 64, num_attention_heads=9), "fp8_per_block")
+    pool = KVPool.create(plan, 2, 2, "cpu")
+    assert pool.layers[0].k["scale"].stride(0) * 4 == 12
+    assert decode8.unsupported_reason(pool.layers[0], 3, torch.bfloat16) is None
+    assert "not 16-byte aligned" in decode8.plane_reason("K scale", pool.layers[0].k["scale"])
     # splits: enough CTAs to fill the GPU a few times over, never a split under two chunks per warp
     assert decode8.choose_splits(2048, 1024, 132) == 1
     assert decode8.choose_splits(32, 131072, 132) == 50

@@ -155,11 +155,14 @@ def test_a_decode_graph_runs_the_steps_demotions_from_its_static_lists(kv):
     from kvq.engine.cuda_graphs import DEMOTES_PER_PAIR, DecodeGraphs
 
     base, tiers = "fp8_e4m3", "int4_kivi,int2_kivi"
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pools = [filled(base, tiers, kv), filled(base, tiers, kv)]
     for pool in pools:
         seed(pool, 1)
-    graphs = DecodeGraphs(None, pools[0], None, torch.device("cpu"), max_batch=4, max_model_len=256,
-                          null_block=0, has_hp=False)
+    launched = filled(base, tiers, kv, dev)  # the graph's side runs on the device: pools[0]'s bytes there
+    for a, b in zip(launched.layers, pools[0].layers):
+        a.arena.copy_(b.arena)
+    graphs = DecodeGraphs(None, launched, None, dev, max_batch=4, max_model_len=256, null_block=0, has_hp=False)
     assert graphs.demote_pairs == [(0, 1), (0, 2), (1, 2)]
     p = pools[0]
     t2 = ids_from(p, 2, DEST + 1)  # (a slab holds one tier's blocks)
@@ -171,15 +174,15 @@ def test_a_decode_graph_runs_the_steps_demotions_from_its_static_lists(kv):
     graphs.stage([0, 0], [0, 0], step)
     meta = graphs._meta(2)
     assert [(s, d) for s, d, _ in meta.demotes] == graphs.demote_pairs
-    for layer in pools[0].layers:  # the graph's launches: every pair, padded lists
+    for layer in launched.layers:  # the graph's launches: every pair, padded lists
         for s, d, lst in meta.demotes:
             assert lst.shape == (DEMOTES_PER_PAIR, 2)
             triton_demote.demote_pairs(layer, lst, s, d)
     for layer in pools[1].layers:  # the eager step's
         for s, d, pairs in runs:
             reference.demote_pairs(layer, torch.tensor(pairs), s, d)
-    for a, b in zip(arena_bytes(pools[0]), arena_bytes(pools[1])):
-        assert torch.equal(a, b)
+    for a, b in zip(arena_bytes(launched), arena_bytes(pools[1])):
+        assert torch.equal(a.cpu(), b)
     twice = HostStep(slots=[0], tables=[[0]], seq_lens=[1], num_new=[1],
                      demotes=((0, 1, [(0, 7)]), (1, 2, [(7, 9)])))  # block 0 -> tier 1 block 7 -> tier 2
     many = HostStep(slots=[0], tables=[[0]], seq_lens=[1], num_new=[1],

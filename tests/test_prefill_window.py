@@ -61,8 +61,11 @@ def _kernels(name):
 WINDOW_BACKENDS = ["torch", "triton", "split"] + (["split-flashinfer"] if GPU and not _fi_reason() else [])
 
 
-def _fake(fmt_role, layer, role, x):
-    """[n, H, D] exact values -> what each whole block holds once sealed, read back (float32)."""
+def _fake(fmt_role, layer, role, x, table=None):
+    """[n, H, D] exact values -> what each whole block holds once sealed, read back (float32): a block
+    the pool holds sealed (``table``'s id >= 0) as it holds it (the kernel's seal on a GPU may round a
+    code at a level's edge the other way than the reference quantizer on the CPU: that is the seal's
+    test, not the window's), a whole block still in hp as the reference quantizer seals it."""
     n, H, D = x.shape
     bs = layer.block_size
     out = x.float().clone()
@@ -71,14 +74,18 @@ def _fake(fmt_role, layer, role, x):
         blocks = x[:full * bs].reshape(full, bs, H, D).permute(0, 2, 1, 3)  # [NB, H, bs, D]
         deq = dequantize(fmt_role, quantize(fmt_role, blocks, layer.static_scale(role)), layer.static_scale(role))
         out[:full * bs] = deq.permute(0, 2, 1, 3).reshape(full * bs, H, D)
+    if table is not None and full:
+        held = reference.gather_kv(layer, role, table, full * bs).permute(1, 0, 2).cpu()  # [full * bs, H, D]
+        sealed = (table[:full] >= 0).cpu().repeat_interleave(bs)
+        out[:full * bs][sealed] = held[sealed]
     return out
 
 
-def _per_query(q, k_exact, v_exact, layer, pol, group, sm):
+def _per_query(q, k_exact, v_exact, layer, pol, group, sm, table=None):
     """Plain attention of the last ``t`` positions, each query with its own mix of exact and
     sealed keys (the definition the kernels must meet)."""
     t, n = q.shape[0], k_exact.shape[0]
-    kq, vq = _fake(layer.fmt.k, layer, "k", k_exact), _fake(layer.fmt.v, layer, "v", v_exact)
+    kq, vq = _fake(layer.fmt.k, layer, "k", k_exact, table), _fake(layer.fmt.v, layer, "v", v_exact, table)
     out = torch.empty(t, q.shape[1], q.shape[2])
     for r in range(t):
         p = n - t + r
@@ -152,7 +159,7 @@ def _check_windows(fmt, sink, res, backend, chunks, num_q: int = 96):
         cu = meta.cu_seqlens_q.tolist()
         for b, sid in enumerate(sids):
             want = _per_query(q[cu[b]:cu[b + 1]].cpu(), exact[sid][0].cpu(), exact[sid][1].cpu(), layer, pol,
-                              h.group, sm)
+                              h.group, sm, meta.block_tables[b])
             got = out[cu[b]:cu[b + 1]]
             err = ((got - want).norm() / want.norm()).item()
             assert err < (1e-5 if backend == "torch" else 4e-3), (fmt, sid, chunk, err)

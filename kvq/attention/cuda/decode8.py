@@ -119,17 +119,18 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
     return None
 
 
-def plane_reason(name: str, t: torch.Tensor) -> str | None:
+def plane_reason(name: str, t: torch.Tensor, align: int = 16) -> str | None:
     """None if the kernel reads plane ``t`` (``[blocks, ...]``: each block's elements contiguous, blocks
-    any multiple of 16 bytes apart: a contiguous pool, or a tier's view of a tiered cache's arena,
-    kvq.cache.arena), else why not."""
+    any multiple of ``align`` bytes apart: a contiguous pool, or a tier's view of a tiered cache's arena,
+    kvq.cache.arena), else why not.  The kernel copies planes in 16-byte pieces, except per-block scales
+    (one float a block and head, 4-byte copies: ``align`` 4)."""
     want = 1  # each block's elements contiguous: strides of the inner dims as a contiguous tensor's
     for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
         if size != 1 and stride != want:
             return f"its {name} plane's blocks are not contiguous (strides {tuple(t.stride())})"
         want *= size
-    if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-        return f"its {name} plane is not 16-byte aligned (block stride {t.stride(0) * t.element_size()} bytes)"
+    if t.data_ptr() % align or (t.stride(0) * t.element_size()) % align:
+        return f"its {name} plane is not {align}-byte aligned (block stride {t.stride(0) * t.element_size()} bytes)"
     return None
 
 
@@ -141,9 +142,10 @@ def block_stride(t: torch.Tensor) -> int:
 def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str | None:
     """None if this kernel serves decode over ``layer``, else why not."""
     why = layer_reason(layer.fmt.k, layer.fmt.v, layer.head_dim, layer.block_size, group)
-    for role, planes in (("K", layer.k), ("V", layer.v)):
+    for role, planes, fmt in (("K", layer.k, layer.fmt.k), ("V", layer.v, layer.fmt.v)):
         for name, t in planes.items():
-            why = why or plane_reason(f"{role} {name}", t)
+            align = 4 if name == "scale" and why is None and scale_mode(fmt) == 3 else 16
+            why = why or plane_reason(f"{role} {name}", t, align)
     if why is None and q_dtype not in (torch.bfloat16, torch.float16):
         why = f"queries must be bfloat16 or float16, not {q_dtype}"
     return why
