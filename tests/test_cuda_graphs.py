@@ -112,7 +112,9 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
             eager, _ = runner.execute(sched_again, seqs)
             runner.graphs = graphs
             torch.testing.assert_close(replayed, eager, rtol=2e-2, atol=2e-2)
-            assert (replayed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.8
+            top2 = eager.float().topk(2, dim=-1).values
+            assert (replayed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.8, (
+                (replayed.float() - eager.float()).abs().max().item(), (top2[:, 0] - top2[:, 1]).tolist())
             checked += 1
             sealed_in_graph += len(sched.ops)
             demoted_in_graph += sum(type(op).__name__ == "DemoteOp" for op in sched.ops)

@@ -177,13 +177,13 @@ def test_cuda_decode_merges_the_tiers(ladder, kv):
 
     if decode8.unavailable_reason():
         pytest.skip(decode8.unavailable_reason())
-    layout = LAYOUT if ladder == LADDER else ["q", "q1", "q", "q1", "q1", "q"]
+    layout = LAYOUT if ladder == LADDER else ["q", "q1", "q", "q1", "q1", "q", "q"]
     layer, table, _, _ = tiered_layer(*ladder, kv, layout, DEV)
     bs = layer.block_size
     W = len(table)
     rows = np.zeros((2, W), np.int32)
     rows[0], rows[1] = table, table
-    lens = [W * bs - 3, W * bs - bs - 5]
+    lens = [W * bs - 3, W * bs - bs - 5]  # (each row ends inside an hp or resident block: lower tiers' are whole)
     meta, _ = stage_step(HostStep(slots=[0, 1], tables=rows, seq_lens=lens, num_new=[1, 1]), bs, each_to(DEV))
     q = torch.randn(2, H * GROUP, D, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
     want = reference.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5).float()
@@ -238,6 +238,8 @@ def test_split_tiers_keeps_order_and_lengths():
     assert arrays[0].tolist() == [[-1, 4, 5, -3]] and arrays[1].tolist() == [95 - 32]
     assert arrays[2].tolist() == [[2]] and arrays[3].tolist() == [16]
     assert arrays[4].tolist() == [[0]] and arrays[5].tolist() == [16] and maxes == [63, 16, 16]
+    with pytest.raises(ValueError, match="whole"):  # a row that ends inside a lower tier's block
+        split_tiers(t, [3 * 16 - 1], 16)
     assert split_tiers(np.array([[-1, 4]], np.int32), [20], 16) is None
 
 

@@ -98,6 +98,9 @@ def split_tiers(table: np.ndarray, lens: Sequence[int], block_size: int
     present = sorted(int(t) for t in np.unique(tier) if t > 0)
     if not present:
         return None
+    ends = np.nonzero(lens % block_size)[0]  # rows whose last block is partial: it must be hp or resident
+    if ends.size and (tier[ends, lens[ends] // block_size] > 0).any():
+        raise ValueError("a lower tier's blocks are whole: a row ends inside one (only sealed blocks move down)")
     arrays, maxes = [], []
     lower = np.zeros(B, np.int64)
     for t in [0, *present]:
