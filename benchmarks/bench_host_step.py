@@ -97,6 +97,32 @@ def build(concurrency: int, prompt: int, steps: int, kv_cache_dtype: str, freeze
     return eng
 
 
+def _time_pressure(bm) -> list[dict]:
+    """Per pressure event of a tiered manager (make_room that moved blocks or rescanned): its ms, the
+    demotions it made and the ms of its scan of the running sequences' blocks (0: a kept scan)."""
+    events: list[dict] = []
+    if getattr(bm, "tiers", None) is None or not hasattr(bm, "_rescan"):
+        return events
+    make_room, rescan, scan = bm.make_room, bm._rescan, [0.0]
+
+    def timed_rescan():
+        t = time.perf_counter()
+        rescan()
+        scan[0] += time.perf_counter() - t
+
+    def timed_make_room(need, headroom=None):
+        scan[0] = 0.0
+        t = time.perf_counter()
+        ops = make_room(need, headroom)
+        if ops or scan[0]:
+            events.append({"ms": round((time.perf_counter() - t) * 1e3, 3), "demotions": len(ops),
+                           "scan_ms": round(scan[0] * 1e3, 3)})
+        return ops
+
+    bm.make_room, bm._rescan = timed_make_room, timed_rescan
+    return events
+
+
 def measure(eng, steps: int) -> dict:
     parts = {"schedule": (eng.scheduler, "schedule"), "runner": (eng.runner, "execute"),
              "sampler": (eng, "sampler"), "update": (eng.scheduler, "update"), "outputs": (eng, "_output"),
@@ -105,10 +131,12 @@ def measure(eng, steps: int) -> dict:
     for name, (obj, attr) in parts.items():
         timers[name] = _Timed(getattr(obj, attr))
         setattr(obj, attr, timers[name])
+    events = _time_pressure(eng.block_manager)
     for _ in range(3):
         eng.step()
     for t in timers.values():
         t.total = 0.0
+    events.clear()
     per_step = []
     outs = None
     with GcPauses() as pauses:
@@ -122,7 +150,7 @@ def measure(eng, steps: int) -> dict:
     return {"sequences": n, "steps": steps, "ms_per_step": {"mean": statistics.fmean(per_step),
                                                             "median": statistics.median(per_step), "p90": q[-1],
                                                             "min": min(per_step), "max": max(per_step)},
-            **pauses.record(),
+            **pauses.record(), "pressure_events": events,
             "breakdown_ms_per_step": {k: t.total * 1e3 / steps for k, t in timers.items()},
             "samples_ms": [round(x, 3) for x in per_step]}
 
@@ -176,6 +204,8 @@ def main(argv=None) -> int:
           f"{res['ms_per_step']['mean']:.2f}, max {res['ms_per_step']['max']:.1f}; GC {res['gc_pause_s']:.2f} s in "
           f"{res['gc_collections']} collections); "
           + ", ".join(f"{k} {v:.2f}" for k, v in b.items()))
+    for e in res["pressure_events"]:
+        print(f"  pressure event: {e['ms']:.1f} ms, {e['demotions']} demotions, scan {e['scan_ms']:.1f} ms")
     print(f"wrote {path}")
     return 0
 
