@@ -125,7 +125,8 @@ def _decode_kivi_kernel(
                 k = code * _per_group(ks, grow, N, D) + _per_group(kz, grow, N, D)
             else:  # per channel over the tile's group (N = 32: one group)
                 srow = qb * s_ksb + h * s_ksh + ((t0 % PAGE) // 32) * s_kst
-                k = code * tl.load(ks + srow + c).to(tl.float32)[None, :] + tl.load(kz + srow + c).to(tl.float32)[None, :]
+                sc, zr = tl.load(ks + srow + c).to(tl.float32), tl.load(kz + srow + c).to(tl.float32)
+                k = code * sc[None, :] + zr[None, :]
             s = tl.dot(q_code, tl.trans(k.to(CODE_DOT)))
         m_new, alpha, p, l_i = softmax_step(tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i)
         acc = acc * alpha[:, None]
