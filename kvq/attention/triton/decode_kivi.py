@@ -5,8 +5,8 @@ element by element, gathering a scale and a zero point for each of its values;
 on the H200 that ran KIVI at 8-9% of copy bandwidth (0.29x bf16 at 4x131072,
 docs/results/bench_decode_kivi_s20_h200.json).  A first version of this kernel
 gathered each code's byte on its own (1-byte loads, 3-D tiles, 194 registers) and
-ran no faster (1787 us at 4x131072, docs/results/bench_decode_s26_first_h200.json; this one 958 us,
-bench_decode_kivi_s26_h200.json, against bf16 527 us).  This one reads a
+ran no faster (1787 us at 4x131072, docs/results/bench_decode_s26_first_h200.json).
+This one (958 us there, bench_decode_kivi_s26_h200.json; bf16 527 us) reads a
 tile's packed rows as one contiguous byte tile [N, DP] (16-byte loads) and unpacks
 it by a broadcast shift into [N, BITS-planes, DP], which reshaped row-major is
 [N, D] in natural channel order (channel c is bit plane c // DP of byte c % DP).
