@@ -165,9 +165,10 @@ class TiersMixin:
         busy = set(self._loading) | set(self._remote_of)
         # :meth:`_demotable` inlined (the scan reads every block of every running sequence: 10^5 at 768
         # requests): the pools above the lowest tier, each with its allocator's reference counts
-        movable = {tier_pool(t): (t, self._alloc[tier_pool(t)]) for t in range(rule.num_tiers)}
-        counts = {name: a._refcount for name, (_, a) in movable.items()}
-        fresh = self._fresh
+        # (pool -> its tier, reference counts, blocks a slab, slab -> entries; the step's fresh blocks by id)
+        movable = {tier_pool(t): (t, self._alloc[tier_pool(t)]._refcount, self._alloc[tier_pool(t)].per_slab, out[t],
+                                  {r.block_id for r in self._fresh if r.pool == tier_pool(t)})
+                   for t in range(rule.num_tiers)}
         for sid, seq in self._seqs.items():
             if sid in busy:
                 continue
@@ -178,10 +179,16 @@ class TiersMixin:
             for i in range(rule.sink_blocks, end):
                 ref = table[i]
                 m = movable.get(ref.pool)
-                if m is None or counts[ref.pool][ref.block_id] != 1 or ref in fresh:
+                if m is None:
                     continue
-                t, alloc = m
-                out[t].setdefault(alloc.slab_of(ref.block_id), []).append((n - (i + 1) * bs, sid, i))
+                b = ref.block_id
+                t, counts, per_slab, slabs, fresh = m
+                if counts[b] != 1 or b in fresh:
+                    continue
+                entries = slabs.get(b // per_slab)
+                if entries is None:
+                    entries = slabs[b // per_slab] = []
+                entries.append((n - (i + 1) * bs, sid, i))
         ranked = []
         for t, d in enumerate(out):
             alloc = self._alloc[tier_pool(t)]
