@@ -462,14 +462,17 @@ def test_decode_any_split_count_merges_to_the_reference(fmt):
 
 @pytest.mark.parametrize("fmt,D", [("int4_kivi", 64), ("int2_kivi", 64), ("int2_kivi", 128), ("int4_per_token", 64),
                                    ("int2_per_token", 128)])
-def test_kivi_decode_kernel_folds_scales_into_the_other_operand(fmt, D):
-    """The KIVI decode kernel (kvq.attention.triton.decode_kivi: codes into the dots as integers, K's
-    scales and zero points folded into the query, V's into the probabilities) over outlier channels, hp
-    sink and window pages, a partial last tile and two splits: the reference's output."""
+@pytest.mark.parametrize("tile,hp_pages", [(None, 64), (64, 2), (128, 1)])
+def test_kivi_decode_kernel_matches_the_reference(fmt, D, tile, hp_pages, monkeypatch):
+    """The KIVI decode kernel (kvq.attention.triton.decode_kivi: a branch-free quantized pass, then the
+    hp pages) over outlier channels, hp sink, window and mid-table pages, a partial last tile and two
+    splits, with tiles of one page and of several, and the hp pass's table chunks of 64, 2 and 1 pages:
+    the reference's output."""
     from kvq.attention.triton import decode, decode_kivi
     from kvq.cache.plan import bare_model, make_plan
     from kvq.cache.pool import KVPool
 
+    monkeypatch.setattr(decode_kivi, "HP_PAGES", hp_pages)
     H, group = 2, 3
     plan = make_plan(bare_model(1, H, D, num_attention_heads=H * group), fmt, sink_tokens=32, residual_tokens=32)
     bs = plan.block_size
@@ -483,10 +486,12 @@ def test_kivi_decode_kernel_folds_scales_into_the_other_operand(fmt, D):
     layer.v_hp.copy_(torch.randn(layer.v_hp.shape, generator=g).to(layer.v_hp.dtype))
     order = torch.randperm(12, generator=g).to(torch.int32)
     hp = torch.tensor([-1], dtype=torch.int32)
-    tables = torch.stack([torch.cat([hp, order[:8], hp - 2]), torch.cat([order[8:], order[:6]])]).to(DEV)
+    tables = torch.stack([torch.cat([hp, order[:8], hp - 2]),
+                          torch.cat([order[8:], hp - 1, order[:5]])]).to(DEV)
     lens = torch.tensor([10 * bs - 7, 5 * bs + 5], dtype=torch.int32, device=DEV)
     q = torch.randn(2, H * group, D, generator=g).bfloat16().to(DEV)
     want = reference.paged_decode(q, layer, tables, lens, D ** -0.5).float()
     for splits in (None, 2):
-        got = decode.paged_decode(q, layer, tables, lens, D ** -0.5, max_seq_len=10 * bs, num_splits=splits).float()
+        got = decode.paged_decode(q, layer, tables, lens, D ** -0.5, max_seq_len=10 * bs, num_splits=splits,
+                                  block_n=tile).float()
         torch.testing.assert_close(got, want, rtol=0, atol=3e-2)

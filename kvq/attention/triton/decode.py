@@ -227,8 +227,8 @@ def launch_defaults(layer: LayerKV) -> tuple[int, int, bool]:
     always split to ~8 programs per SM; packed sub-byte 64/2 (KIVI: its own kernel, 32/2), split like 8-bit; rotated
     K 64/1 (chosen by shared memory, not yet swept on the H200)."""
     bits = min(layer.fmt.k.bits, layer.fmt.v.bits)
-    if decode_kivi.serves(layer):  # one 32-token group a tile (kvq.attention.triton.decode_kivi)
-        return decode_kivi.tile_tokens(layer), 2, True
+    if decode_kivi.serves(layer):  # KIVI groups a tile (kvq.attention.triton.decode_kivi)
+        return decode_kivi.tile_tokens(layer), decode_kivi.NUM_STAGES, True
     if layer.fmt.k.family == "rot":  # rotated K: its level gather pipelined in 2 stages doubles shared memory
         return 64, 1, True          # (Triton 3.6, head_dim 128: 131 KB, one block an SM; 1 stage: 68 KB)
     if bits == 16:
@@ -298,9 +298,9 @@ def launch_part(q: torch.Tensor, part: DecodePart, po: torch.Tensor, plse: torch
     lay = part.layer
     B, Hq, D = q.shape
     auto_n, auto_stages, _ = launch_defaults(lay)
-    if decode_kivi.serves(lay):  # KIVI's own kernel (32-token tiles, natural channel order)
+    if decode_kivi.serves(lay):  # KIVI's own kernel (whole groups a tile, natural channel order)
         decode_kivi.launch(q, lay, part.tables, part.lens, part.has_hp, po, plse, base, sm_scale * _LOG2E, splits,
-                           _dot_dtype(q.dtype), num_warps, num_stages or auto_stages, g_pad)
+                           _dot_dtype(q.dtype), num_warps, num_stages or auto_stages, g_pad, block_n)
         return
     args, meta = layer_args(lay)
     q_rot = q

@@ -11,16 +11,20 @@ tile's packed rows as one contiguous byte tile [N, DP] (16-byte loads) and unpac
 it by a broadcast shift into [N, BITS-planes, DP], which reshaped row-major is
 [N, D] in natural channel order (channel c is bit plane c // DP of byte c % DP).
 
-Each value is then dequantized in the tile, code * s + z (one FMA): K per channel with its
-group's scale s_c and zero z_c, K per token (int4_per_token, int2_per_token) and V with the
-scale s_nj and zero z_nj of token n over channel group j of 32.  (Folding K's scales into the
-query instead kept a scaled copy of the query in every warp: 168 registers against 128 on sm_90.)
+(Folding K's scales into the query instead kept a scaled copy of the query in every warp: 168
+registers against 128 on sm_90.)
 
-The dots' quantized operands are float16 whatever the model's dtype (11 significant
-bits where bfloat16 keeps 8: a peaked softmax magnifies the scores' rounding), as in
-the CUDA decode; high-precision pages (sinks, recent window) keep the model's dtype.
-A tile is one 32-token group (16 tokens for per-token K in 16-token pages), so one
-page and one block id: the whole tile is quantized or high precision.
+Each value is dequantized in float16 with one FMA (the scales and zero points are float16 as
+stored): K per channel with its group's scale and zero, K per token (int4_per_token,
+int2_per_token) and V with the scale and zero of token n over channel group j of 32.  The dots'
+quantized operands are float16 whatever the model's dtype (11 significant bits where bfloat16
+keeps 8: a peaked softmax magnifies the scores' rounding), as in the CUDA decode.
+
+The loop over quantized tiles has no branch, so Triton pipelines its loads (num_stages): a tile of
+:data:`TILE_BASES` groups reads one block id per row, rows of high-precision pages (sinks, recent
+window) are masked there, and a second pass reads those pages in the model's dtype, one page a tile,
+skipping every run of :data:`HP_PAGES` table entries that holds none.  (Session 26's kernel branched
+per tile on the page's kind, which kept its loads out of the pipeline.)
 
     q        [B, Hq, D]       bf16/fp16
     tables   [B, max_blocks]  int32, signed (kvq.cache.pool)
@@ -36,8 +40,14 @@ import triton.language as tl
 from kvq.attention.triton.splitk import finish, partial_rows, program_share, softmax_step
 from kvq.cache.pool import LayerKV
 
-#: Tokens a tile: one KIVI group (the kernel's scale rows are per group).
+#: Tokens a KIVI group (the kernel's per-channel scale rows are per group).
 GROUP_TOKENS = 32
+#: Base tiles (:func:`base_tokens`) a tile of the quantized pass reads.
+TILE_BASES = 1
+#: Pipeline stages of the quantized pass (Triton's num_stages).
+NUM_STAGES = 2
+#: Pages of the table the hp pass reads at once to skip those that hold no hp page.
+HP_PAGES = 64
 
 
 def serves(layer: LayerKV) -> bool:
@@ -48,13 +58,19 @@ def serves(layer: LayerKV) -> bool:
     return (k.family == "kivi" and v.family == "kivi" and k.scale in ("channel_group", "token_group")
             and v.scale == "token_group"
             and k.group_size == v.group_size == GROUP_TOKENS and k.bits == v.bits and k.bits in (2, 4)
-            and layer.block_size % tile_tokens(layer) == 0 and layer.head_dim % GROUP_TOKENS == 0
+            and layer.block_size % base_tokens(layer) == 0 and layer.head_dim % GROUP_TOKENS == 0
             and layer.head_dim & (layer.head_dim - 1) == 0 and layer.head_dim * k.bits // 8 >= 16)
 
 
-def tile_tokens(layer: LayerKV) -> int:
-    """Tokens a tile: a KIVI K group (32), or with K per token 16 where pages hold 16."""
+def base_tokens(layer: LayerKV) -> int:
+    """Tokens of an hp tile and the quantum of a quantized one: a KIVI K group (32), or with K per token 16
+    where pages hold 16."""
     return 16 if layer.fmt.k.scale == "token_group" and layer.block_size % 32 else GROUP_TOKENS
+
+
+def tile_tokens(layer: LayerKV) -> int:
+    """Tokens a tile of the quantized pass by default: :data:`TILE_BASES` times :func:`base_tokens`."""
+    return TILE_BASES * base_tokens(layer)
 
 
 @triton.jit
@@ -71,11 +87,11 @@ def _unpack(ptr, row, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _per_group(ptr, grow, N: tl.constexpr, D: tl.constexpr):
-    """[N, D] float32: the per-token, per-32-channel values at rows ``grow`` [N] (NG = D / 32 a row)
-    broadcast over their channel groups."""
+def _per_group(ptr, grow, live, N: tl.constexpr, D: tl.constexpr):
+    """[N, D] float16: the per-token, per-32-channel values at rows ``grow`` [N] (NG = D / 32 a row)
+    broadcast over their channel groups; 0 on rows not ``live``."""
     NG: tl.constexpr = D // 32
-    x = tl.load(ptr + grow[:, None] + tl.arange(0, NG)[None, :]).to(tl.float32)  # [N, NG]
+    x = tl.load(ptr + grow[:, None] + tl.arange(0, NG)[None, :], mask=live[:, None], other=0.0)  # [N, NG]
     return tl.reshape(tl.broadcast_to(x[:, :, None], (N, NG, 32)), (N, D))
 
 
@@ -93,8 +109,8 @@ def _decode_kivi_kernel(
     qk_scale,  # sm_scale * log2(e)
     split_base, split_total,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr,
-    HAS_HP: tl.constexpr, DOT: tl.constexpr, K_TOKEN: tl.constexpr, N: tl.constexpr,
-    CODE_DOT: tl.constexpr,
+    HAS_HP: tl.constexpr, DOT: tl.constexpr, K_TOKEN: tl.constexpr, N: tl.constexpr, HN: tl.constexpr,
+    HP_PAGES: tl.constexpr,
 ):
     b, h, sp, start, end = program_share(lens_ptr, num_splits, N)
 
@@ -103,45 +119,69 @@ def _decode_kivi_kernel(
     c = tl.arange(0, D)
     i = tl.arange(0, N)
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + (h * GROUP + g)[:, None] * s_qh + c[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.float32)
-    q_code = q.to(CODE_DOT)
+                mask=gmask[:, None], other=0.0)
+    q_code = q.to(tl.float16)
 
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
     table = table_ptr + b.to(tl.int64) * s_tb
+    # the quantized pass: no branch in the loop, so Triton pipelines its loads; hp rows are masked
     for t0 in range(start, end, N):
-        bid = tl.load(table + t0 // PAGE)
-        off = t0 % PAGE + i  # [N] rows of the page
-        valid = t0 + i < end
-        if HAS_HP and bid < 0:  # sinks / recent window: one high-precision page
-            hrow = (-bid - 1).to(tl.int64) * s_hb + h * s_hh + off.to(tl.int64) * s_ht
-            kh = tl.load(khp + hrow[:, None] + c[None, :]).to(DOT)
-            s = tl.dot(q.to(DOT), tl.trans(kh))
+        t = t0 + i
+        live = t < end
+        if N <= PAGE:  # one page a tile
+            bids = tl.zeros((N,), tl.int32) + tl.load(table + t0 // PAGE)
         else:
-            qb = bid.to(tl.int64)
-            code = _unpack(kd, qb * s_kdb + h * s_kdh + off.to(tl.int64) * s_kdt, N, D, BITS).to(tl.float32)
-            if K_TOKEN:  # scaled per token and 32 channels
-                grow = qb * s_ksb + h * s_ksh + off.to(tl.int64) * s_kst
-                k = code * _per_group(ks, grow, N, D) + _per_group(kz, grow, N, D)
-            else:  # per channel over the tile's group (N = 32: one group)
-                srow = qb * s_ksb + h * s_ksh + ((t0 % PAGE) // 32) * s_kst
-                sc, zr = tl.load(ks + srow + c).to(tl.float32), tl.load(kz + srow + c).to(tl.float32)
-                k = code * sc[None, :] + zr[None, :]
-            s = tl.dot(q_code, tl.trans(k.to(CODE_DOT)))
-        m_new, alpha, p, l_i = softmax_step(tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i)
-        acc = acc * alpha[:, None]
-        if HAS_HP and bid < 0:
-            hrow = (-bid - 1).to(tl.int64) * s_hb + h * s_hh + off.to(tl.int64) * s_ht
-            vh = tl.load(vhp + hrow[:, None] + c[None, :]).to(DOT)
-            acc += tl.dot(p.to(DOT), vh)
-        else:
-            qb = bid.to(tl.int64)
-            code = _unpack(vd, qb * s_vdb + h * s_vdh + off.to(tl.int64) * s_vdt, N, D, BITS)
-            grow = qb * s_vsb + h * s_vsh + off.to(tl.int64) * s_vst  # [N]: token rows of the scale planes
-            v = code.to(tl.float32) * _per_group(vs, grow, N, D) + _per_group(vz, grow, N, D)
-            acc += tl.dot(p.to(CODE_DOT), v.to(CODE_DOT))
+            bids = tl.load(table + t // PAGE, mask=live, other=0)  # [N]
+        if HAS_HP:
+            live = live & (bids >= 0)
+            bids = tl.maximum(bids, 0)
+        bq = bids.to(tl.int64)
+        off = (t % PAGE).to(tl.int64)
+        code = _unpack(kd, bq * s_kdb + h * s_kdh + off * s_kdt, N, D, BITS).to(tl.float16)
+        if K_TOKEN:  # scaled per token and 32 channels
+            grow = bq * s_ksb + h * s_ksh + off * s_kst
+            k = tl.fma(code, _per_group(ks, grow, live, N, D), _per_group(kz, grow, live, N, D))
+        else:  # per channel over each 32-token group of the tile: [N // 32, D] rows broadcast over their tokens
+            NGT: tl.constexpr = N // 32
+            tg = t0 + tl.arange(0, NGT) * 32
+            bg = tl.load(table + tg // PAGE, mask=tg < end, other=0)
+            if HAS_HP:
+                bg = tl.maximum(bg, 0)
+            srow = bg.to(tl.int64) * s_ksb + h * s_ksh + ((tg % PAGE) // 32) * s_kst
+            sc = tl.load(ks + srow[:, None] + c[None, :])
+            zr = tl.load(kz + srow[:, None] + c[None, :])
+            k = tl.fma(code, tl.reshape(tl.broadcast_to(sc[:, None, :], (NGT, 32, D)), (N, D)),
+                       tl.reshape(tl.broadcast_to(zr[:, None, :], (NGT, 32, D)), (N, D)))
+        s = tl.dot(q_code, tl.trans(k))
+        m_new, alpha, p, l_i = softmax_step(tl.where(live[None, :], s * qk_scale, float("-inf")), m_i, l_i)
+        code = _unpack(vd, bq * s_vdb + h * s_vdh + off * s_vdt, N, D, BITS).to(tl.float16)
+        grow = bq * s_vsb + h * s_vsh + off * s_vst  # [N]: token rows of the scale planes
+        v = tl.fma(code, _per_group(vs, grow, live, N, D), _per_group(vz, grow, live, N, D))
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         m_i = m_new
+    if HAS_HP:  # the high-precision pages (sinks, recent window): chunks of HP_PAGES pages, skipped whole
+        # where none is hp, else page by page
+        qd = q.to(DOT)
+        p0 = start // PAGE
+        for pc in range(p0, tl.cdiv(end, PAGE), HP_PAGES):
+            pj = pc + tl.arange(0, HP_PAGES)
+            cb = tl.load(table + pj, mask=pj * PAGE < end, other=0)
+            if tl.min(cb) < 0:
+                for t0 in range(tl.maximum(pc * PAGE, start), tl.minimum((pc + HP_PAGES) * PAGE, end), HN):
+                    bid = tl.load(table + t0 // PAGE)
+                    if bid < 0:
+                        ih = tl.arange(0, HN)
+                        hrow = (-bid - 1).to(tl.int64) * s_hb + h * s_hh + (t0 % PAGE + ih).to(tl.int64) * s_ht
+                        kh = tl.load(khp + hrow[:, None] + c[None, :]).to(DOT)
+                        s = tl.dot(qd, tl.trans(kh))
+                        valid = t0 + ih < end
+                        m_new, alpha, p, l_i = softmax_step(tl.where(valid[None, :], s * qk_scale, float("-inf")),
+                                                             m_i, l_i)
+                        vh = tl.load(vhp + hrow[:, None] + c[None, :]).to(DOT)
+                        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vh)
+                        m_i = m_new
 
     row = partial_rows(b, h, g, sp, split_base, split_total, GROUP)
     l_safe, lse = finish(l_i, m_i)
@@ -150,10 +190,13 @@ def _decode_kivi_kernel(
 
 
 def launch(q, layer: LayerKV, tables, lens, has_hp: bool, po, plse, base: int, qk_scale: float, splits: int,
-           dot, num_warps: int = 4, num_stages: int = 2, g_pad: int | None = None) -> None:
+           dot, num_warps: int = 4, num_stages: int = 2, g_pad: int | None = None, tile: int | None = None) -> None:
     """One split-K launch over a KIVI layer (:func:`serves`) into partial results at splits
-    ``base, ...`` of ``po`` / ``plse`` (natural channel order)."""
+    ``base, ...`` of ``po`` / ``plse`` (natural channel order); ``tile``: tokens a tile of the quantized
+    pass (default :func:`tile_tokens`; rounded up to a power-of-two multiple of :func:`base_tokens`)."""
     B, Hq, D = q.shape
+    hn = base_tokens(layer)
+    tile = hn * triton.next_power_of_2(-(-tile // hn)) if tile else tile_tokens(layer)
     H = layer.num_kv_heads
     group = Hq // H
     kp, vp = layer.k, layer.v
@@ -167,6 +210,6 @@ def launch(q, layer: LayerKV, tables, lens, has_hp: bool, po, plse, base: int, q
         tables, tables.stride(0), lens, po, plse, splits, qk_scale, base, po.shape[2],
         GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=layer.block_size,
         BITS=layer.fmt.k.bits, HAS_HP=bool(has_hp), DOT=dot, K_TOKEN=layer.fmt.k.scale == "token_group",
-        N=tile_tokens(layer), CODE_DOT=tl.float16,
+        N=tile, HN=hn, HP_PAGES=HP_PAGES,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -27,10 +27,13 @@ def program_share(lens_ptr, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def softmax_step(s, m_i, l_i):
     """One tile's scores ``s`` [G, N] (log2 domain, -inf where masked) into the running maximum and sum:
-    -> (new maximum, the factor that rescales what was accumulated, probabilities, new sum)."""
+    -> (new maximum, the factor that rescales what was accumulated, probabilities, new sum).  A tile
+    masked whole before anything was read (the KIVI decode's quantized pass over hp pages) leaves the
+    running values at their start (-inf, 0) rather than NaN."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
 
