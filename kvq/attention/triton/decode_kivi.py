@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton.splitk import finish, partial_rows, program_share, softmax_step
+from kvq.attention.triton.tiles import group_cols, group_rows, unpack_natural
 from kvq.cache.pool import LayerKV
 
 #: Tokens a KIVI group (the kernel's per-channel scale rows are per group).
@@ -71,28 +72,6 @@ def base_tokens(layer: LayerKV) -> int:
 def tile_tokens(layer: LayerKV) -> int:
     """Tokens a tile of the quantized pass by default: :data:`TILE_BASES` times :func:`base_tokens`."""
     return TILE_BASES * base_tokens(layer)
-
-
-@triton.jit
-def _unpack(ptr, row, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """Codes [N, D] (int32, natural channel order) of the N packed rows starting at element offsets
-    ``row`` [N]: one contiguous [N, DP] byte tile, each byte's bit planes spread by a broadcast shift
-    into [N, PER, DP], which row-major is channel p * DP + j = natural order."""
-    DP: tl.constexpr = D * BITS // 8
-    PER: tl.constexpr = 8 // BITS
-    x = tl.load(ptr + row[:, None] + tl.arange(0, DP)[None, :]).to(tl.int32)  # [N, DP]
-    sh = tl.arange(0, PER) * BITS
-    c3 = (x[:, None, :] >> sh[None, :, None]) & ((1 << BITS) - 1)  # [N, PER, DP]
-    return tl.reshape(c3, (N, D))
-
-
-@triton.jit
-def _per_group(ptr, grow, live, N: tl.constexpr, D: tl.constexpr):
-    """[N, D] float16: the per-token, per-32-channel values at rows ``grow`` [N] (NG = D / 32 a row)
-    broadcast over their channel groups; 0 on rows not ``live``."""
-    NG: tl.constexpr = D // 32
-    x = tl.load(ptr + grow[:, None] + tl.arange(0, NG)[None, :], mask=live[:, None], other=0.0)  # [N, NG]
-    return tl.reshape(tl.broadcast_to(x[:, :, None], (N, NG, 32)), (N, D))
 
 
 # the table width and split count change step to step, the table and length views' alignment too
@@ -139,10 +118,10 @@ def _decode_kivi_kernel(
             bids = tl.maximum(bids, 0)
         bq = bids.to(tl.int64)
         off = (t % PAGE).to(tl.int64)
-        code = _unpack(kd, bq * s_kdb + h * s_kdh + off * s_kdt, N, D, BITS).to(tl.float16)
+        code = unpack_natural(kd, bq * s_kdb + h * s_kdh + off * s_kdt, N, D, BITS).to(tl.float16)
         if K_TOKEN:  # scaled per token and 32 channels
             grow = bq * s_ksb + h * s_ksh + off * s_kst
-            k = tl.fma(code, _per_group(ks, grow, live, N, D), _per_group(kz, grow, live, N, D))
+            k = tl.fma(code, group_rows(ks, grow, live, N, D, 32), group_rows(kz, grow, live, N, D, 32))
         else:  # per channel over each 32-token group of the tile: [N // 32, D] rows broadcast over their tokens
             NGT: tl.constexpr = N // 32
             tg = t0 + tl.arange(0, NGT) * 32
@@ -150,15 +129,12 @@ def _decode_kivi_kernel(
             if HAS_HP:
                 bg = tl.maximum(bg, 0)
             srow = bg.to(tl.int64) * s_ksb + h * s_ksh + ((tg % PAGE) // 32) * s_kst
-            sc = tl.load(ks + srow[:, None] + c[None, :])
-            zr = tl.load(kz + srow[:, None] + c[None, :])
-            k = tl.fma(code, tl.reshape(tl.broadcast_to(sc[:, None, :], (NGT, 32, D)), (N, D)),
-                       tl.reshape(tl.broadcast_to(zr[:, None, :], (NGT, 32, D)), (N, D)))
+            k = tl.fma(code, group_cols(ks, srow, N, D, 32), group_cols(kz, srow, N, D, 32))
         s = tl.dot(q_code, tl.trans(k))
         m_new, alpha, p, l_i = softmax_step(tl.where(live[None, :], s * qk_scale, float("-inf")), m_i, l_i)
-        code = _unpack(vd, bq * s_vdb + h * s_vdh + off * s_vdt, N, D, BITS).to(tl.float16)
+        code = unpack_natural(vd, bq * s_vdb + h * s_vdh + off * s_vdt, N, D, BITS).to(tl.float16)
         grow = bq * s_vsb + h * s_vsh + off * s_vst  # [N]: token rows of the scale planes
-        v = tl.fma(code, _per_group(vs, grow, live, N, D), _per_group(vz, grow, live, N, D))
+        v = tl.fma(code, group_rows(vs, grow, live, N, D, 32), group_rows(vz, grow, live, N, D, 32))
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
         m_i = m_new
     if HAS_HP:  # the high-precision pages (sinks, recent window): chunks of HP_PAGES pages, skipped whole

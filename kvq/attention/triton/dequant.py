@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton.decode import layer_args
-from kvq.attention.triton.tiles import KIVI_K, ROT, load_tile, mean_rows, rot_values
+from kvq.attention.triton.tiles import (KIVI_K, ROT, group_cols, group_rows, load_tile, mean_rows, rot_values,
+                                       unpack_natural)
 from kvq.cache.pool import TIER_BASE
 
 #: Scratch bytes (K and V together) above which the prefill dequantizes in its loop instead.
@@ -30,26 +31,24 @@ SCRATCH_CAP_BYTES = 512 * 1024 * 1024
 
 
 @triton.jit
-def _packed_tile(data_ptr, scale_ptr, zero_ptr, qb, head, off,
-                 s_db, s_dh, s_dt, s_sb, s_sh, s_st,
-                 D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, G: tl.constexpr):
-    """[N, D] float32 of a KIVI-packed tile in natural channel order: each lane reads
-    the byte that holds its channel (planar packing: channel ``c`` is in byte
-    ``c % (D / PER)`` at bit ``(c // (D / PER)) * bits``), so no unpacked plane is
-    joined or re-laid out in registers."""
-    DP: tl.constexpr = D // PER
-    BITS: tl.constexpr = 8 // PER
-    c = tl.arange(0, D)
+def _packed_page(data_ptr, scale_ptr, zero_ptr, qb, head, off, s_db, s_dh, s_dt, s_sb, s_sh, s_st,
+                 PAGE: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, PER: tl.constexpr, G: tl.constexpr):
+    """[PAGE, D] float32 of a whole KIVI-packed page (``qb`` its block, ``off`` = 0 .. PAGE - 1) in
+    natural channel order: the page's packed rows as one byte tile, unpacked by a broadcast shift
+    (kvq.attention.triton.tiles.unpack_natural), each value dequantized by one FMA with its scale
+    and zero point, loaded a row per group and broadcast (not gathered per value)."""
     row = qb * s_db + head * s_dh + off.to(tl.int64) * s_dt
-    byte = tl.load(data_ptr + row[:, None] + (c % DP)[None, :]).to(tl.int32)
-    code = ((byte >> ((c // DP) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    code = unpack_natural(data_ptr, row, PAGE, D, 8 // PER).to(tl.float32)
     if FMT == KIVI_K:  # one scale/zero row per group of G tokens, per channel
-        srow = qb * s_sb + head * s_sh + (off // G) * s_st
-        sidx = srow[:, None] + c[None, :]
+        srow = qb * s_sb + head * s_sh + tl.arange(0, PAGE // G) * s_st
+        return tl.fma(code, group_cols(scale_ptr, srow, PAGE, D, G).to(tl.float32),
+                      group_cols(zero_ptr, srow, PAGE, D, G).to(tl.float32))
     else:  # KIVI_V: per token, per group of G channels
-        srow = qb * s_sb + head * s_sh + off * s_st
-        sidx = srow[:, None] + (c // G)[None, :]
-    return code * tl.load(scale_ptr + sidx).to(tl.float32) + tl.load(zero_ptr + sidx).to(tl.float32)
+        GV: tl.constexpr = G if G < D else D
+        grow = qb * s_sb + head * s_sh + off * s_st
+        live = off >= 0
+        return tl.fma(code, group_rows(scale_ptr, grow, live, PAGE, D, GV).to(tl.float32),
+                      group_rows(zero_ptr, grow, live, PAGE, D, GV).to(tl.float32))
 
 
 @triton.jit
@@ -74,9 +73,8 @@ def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
                             s_hb, s_hh, s_ht, qb, off, head, off >= 0, PAGE, D, FMT, PER, G, False, tl.float32)
         x = raw * sc[:, None]
     else:
-        qb = bid.to(tl.int64) + tl.zeros((PAGE,), tl.int64)
-        x = _packed_tile(data_ptr, scale_ptr, zero_ptr, qb, head, off, s_db, s_dh, s_dt, s_sb, s_sh, s_st,
-                         D, FMT, PER, G)
+        x = _packed_page(data_ptr, scale_ptr, zero_ptr, bid.to(tl.int64), head, off, s_db, s_dh, s_dt, s_sb, s_sh,
+                         s_st, PAGE, D, FMT, PER, G)
     return x
 
 

@@ -253,6 +253,38 @@ def _unpack(x, N: tl.constexpr, D: tl.constexpr, PER: tl.constexpr):
 
 
 @triton.jit
+def unpack_natural(ptr, row, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Codes [N, D] (int32, natural channel order) of the N planar-packed rows (2 or 4 bits) starting at
+    element offsets ``row`` [N]: one contiguous [N, DP] byte tile (wide loads), each byte's bit planes
+    spread by a broadcast shift into [N, PER, DP], which row-major is channel p * DP + j = natural order."""
+    DP: tl.constexpr = D * BITS // 8
+    PER: tl.constexpr = 8 // BITS
+    x = tl.load(ptr + row[:, None] + tl.arange(0, DP)[None, :]).to(tl.int32)  # [N, DP]
+    sh = tl.arange(0, PER) * BITS
+    c3 = (x[:, None, :] >> sh[None, :, None]) & ((1 << BITS) - 1)  # [N, PER, DP]
+    return tl.reshape(c3, (N, D))
+
+
+@triton.jit
+def group_rows(ptr, grow, live, N: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """[N, D] (the plane's dtype): per-token values of each group of G channels at element offsets
+    ``grow`` [N] (D / G of them a row; G a power of two up to D) broadcast over their channels; 0 on
+    rows not ``live``."""
+    NG: tl.constexpr = D // G
+    x = tl.load(ptr + grow[:, None] + tl.arange(0, NG)[None, :], mask=live[:, None], other=0.0)  # [N, NG]
+    return tl.reshape(tl.broadcast_to(x[:, :, None], (N, NG, G)), (N, D))
+
+
+@triton.jit
+def group_cols(ptr, srow, N: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """[N, D] (the plane's dtype): per-channel rows at element offsets ``srow`` [N // G], one for each
+    G tokens of the tile, broadcast over their tokens (KIVI's K scales and zero points)."""
+    NG: tl.constexpr = N // G
+    x = tl.load(ptr + srow[:, None] + tl.arange(0, D)[None, :])  # [NG, D]
+    return tl.reshape(tl.broadcast_to(x[:, None, :], (NG, G, D)), (N, D))
+
+
+@triton.jit
 def load_tile(
     data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
     s_db, s_dh, s_dt,  # data plane strides: block, head, token (channels contiguous)
