@@ -112,9 +112,12 @@ def test_graph_replay_matches_eager_decode(fmt, tmp_path):
             eager, _ = runner.execute(sched_again, seqs)
             runner.graphs = graphs
             torch.testing.assert_close(replayed, eager, rtol=2e-2, atol=2e-2)
+            # greedy tokens agree in every row whose top two logits are further apart than the replay can move
+            # them (dummy weights tie some rows: H100, session 27, margins 0.0078 and 0.0 flipped at a gap of 0.0156)
+            gap = (replayed.float() - eager.float()).abs().max().item()
             top2 = eager.float().topk(2, dim=-1).values
-            assert (replayed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.8, (
-                (replayed.float() - eager.float()).abs().max().item(), (top2[:, 0] - top2[:, 1]).tolist())
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * gap
+            assert torch.equal(replayed.argmax(-1)[clear], eager.argmax(-1)[clear]), (gap, top2.tolist())
             checked += 1
             sealed_in_graph += len(sched.ops)
             demoted_in_graph += sum(type(op).__name__ == "DemoteOp" for op in sched.ops)

@@ -37,8 +37,8 @@ class BackendChoice:
 #: What the Triton decode costs where the CUDA kernel would serve (H200, `make bench-kernels`,
 #: docs/results/bench_decode.json; decode time of kvq bf16 over the format's, 4x128K and 16x32K).
 CUDA_DECODE_GAIN = ("8-bit formats decode at 1.7-1.8x bf16's speed with the CUDA kernel and 0.84-1.24x with "
-                    "Triton; KIVI at 1.9-2.0x with CUDA and 0.55x with Triton (4x131072, "
-                    "docs/results/bench_decode_kivi_s26_h200.json)")
+                    "Triton; KIVI at 1.9-2.0x with CUDA and 1.04-1.06x with Triton (4x131072 on an H100, "
+                    "docs/results/probe_decode_kivi_s27_h100/)")
 
 
 def cuda_extra() -> str:

@@ -44,7 +44,7 @@ from kvq.cache.pool import LayerKV
 #: Tokens a KIVI group (the kernel's per-channel scale rows are per group).
 GROUP_TOKENS = 32
 #: Base tiles (:func:`base_tokens`) a tile of the quantized pass reads.
-TILE_BASES = 1
+TILE_BASES = 2
 #: Pipeline stages of the quantized pass (Triton's num_stages).
 NUM_STAGES = 2
 #: Pages of the table the hp pass reads at once to skip those that hold no hp page.
