@@ -133,14 +133,13 @@ def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
             prefill._launch(q, torch.empty_like(q), torch.tensor([0, 2, 3], dtype=torch.int32), dargs, dmeta,
                             tables, tables, lens, 0.1, 2, False, tl.float16, prefill.TILES["window"], bs, 2,
                             sink_tokens=16, residual=32)
-            # the library prefill's band (kvq.attention.triton.band), with and without a bulk to merge, and the
-            # exact bf16 page copy of a 16-bit layer with hp blocks
+            # the library prefill's band (kvq.attention.triton.band), with and without a bulk and an exact tail
+            # to merge, and the exact bf16 page copy of a 16-bit layer with hp blocks
             cu = torch.tensor([0, 2, 3], dtype=torch.int32)
             scratch = SimpleNamespace(cu=cu, lens=lens, k=kp, v=kp, tab_exact=tables, tab_q=tables)
-            for bulk in (True, False):
-                band_attention(q, torch.empty_like(q), scratch, bs, 2, 0.1, 2, 16, 32,
-                               torch.zeros(3, 2 * group, D, dtype=torch.float16) if bulk else None,
-                               torch.zeros(3, 2 * group) if bulk else None)
+            lib_out = (torch.zeros(3, 2 * group, D, dtype=torch.float16), torch.zeros(3, 2 * group))
+            for bulk, tail in itertools.product((lib_out, None), repeat=2):
+                band_attention(q, torch.empty_like(q), scratch, bs, 2, 0.1, 2, 16, 32, bulk, tail)
             largs, lmeta = layer_args(layer)
             dequant.dequantize_pages(largs, lmeta, tables, lens, 4, 2, bs, D, dtype=torch.bfloat16)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)

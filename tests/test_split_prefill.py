@@ -50,8 +50,9 @@ def split_kernels(lib_name):
     return with_prefill(kernels, SplitPrefill(lib(lib_name)).paged_attention)
 
 
-def _per_row(q, k, v, qo, lens, sm):
-    """Each request's rows one at a time: (out float32, lse base 2)."""
+def _per_row(q, k, v, qo, lens, sm, window_left=-1):
+    """Each request's rows one at a time: (out float32, lse base 2); ``window_left`` >= 0: only each
+    row's last ``window_left + 1`` keys."""
     T, Hq, D = q.shape
     group = Hq // k[0].shape[0]
     out, lse = torch.zeros(T, Hq, D), torch.full((T, Hq), float("-inf"))
@@ -62,16 +63,19 @@ def _per_row(q, k, v, qo, lens, sm):
             n_seen = i + L - t + 1
             if n_seen <= 0:
                 continue
-            s = torch.einsum("hd,hjd->hj", q[q0 + i].float(), kk[:, :n_seen]) * sm
-            out[q0 + i] = torch.einsum("hj,hjd->hd", s.softmax(-1), vv[:, :n_seen])
+            first = max(0, n_seen - 1 - window_left) if window_left >= 0 else 0
+            s = torch.einsum("hd,hjd->hj", q[q0 + i].float(), kk[:, first:n_seen]) * sm
+            out[q0 + i] = torch.einsum("hj,hjd->hd", s.softmax(-1), vv[:, first:n_seen])
             lse[q0 + i] = torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0))
     return out, lse
 
 
+@pytest.mark.parametrize("window_left", [-1, 0, 5, 40])
 @pytest.mark.parametrize("name", LIBS)
-def test_library_contract(name):
+def test_library_contract(name, window_left):
     """Requests with as many keys as rows, more (a past), fewer (an offset: early rows see none),
-    pages scattered, a last page partly used."""
+    pages scattered, a last page partly used; every causal key, or a sliding window of each row's
+    last ``window_left + 1`` keys (what a windowed prefill's exact tail asks)."""
     gen = torch.Generator().manual_seed(0)
     H, group, D, P = 2, 4, 128, 16
     dt = torch.bfloat16 if name == "flashinfer" else torch.float32
@@ -79,7 +83,7 @@ def test_library_contract(name):
     pages = torch.randn(40, H, P, D, generator=gen).to(dt)
     vpages = torch.randn(40, H, P, D, generator=gen).to(dt)
     table = torch.randperm(40, generator=gen).to(torch.int32).view(4, 10)
-    plan = paged_lib.make_plan(qo_lens, kv_lens, [1, 0, 2], table.to(DEV), P)
+    plan = paged_lib.make_plan(qo_lens, kv_lens, [1, 0, 2], table.to(DEV), P, window_left)
     q = torch.randn(sum(qo_lens), H * group, D, generator=gen).to(dt)
     sm = D ** -0.5
     lb = lib(name)
@@ -89,7 +93,7 @@ def test_library_contract(name):
           for r, (f, L) in enumerate(zip([1, 0, 2], kv_lens))]
     vs = [vpages[table[r, f:f + 10].long()].permute(1, 0, 2, 3).reshape(H, -1, D)[:, :L]
           for r, (f, L) in enumerate(zip([1, 0, 2], kv_lens))]
-    want_o, want_lse = _per_row(q, ks, vs, list(plan.qo_indptr), kv_lens, sm)
+    want_o, want_lse = _per_row(q, ks, vs, list(plan.qo_indptr), kv_lens, sm, window_left)
     tol = 2e-2 if name == "flashinfer" else 1e-5
     assert torch.allclose(o.float().cpu(), want_o, atol=tol, rtol=tol)
     seen = torch.isfinite(want_lse)

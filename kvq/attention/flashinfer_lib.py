@@ -109,7 +109,7 @@ class FlashInferLib:
         i32 = dict(dtype=torch.int32)
         w.plan(torch.tensor(plan.qo_indptr, **i32), torch.tensor(plan.kv_indptr, **i32), plan.page_indices,
                torch.tensor(plan.last_page_len, **i32), num_qo_heads, num_kv_heads, head_dim, plan.page_size,
-               causal=True, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
+               causal=True, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, window_left=plan.window_left,
                seq_lens=torch.tensor(plan.kv_lens, **i32))
         return w
 

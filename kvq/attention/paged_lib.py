@@ -13,7 +13,8 @@ log-sum-exp of each row so that kvq can merge it with attention over other keys
 
 Row i of request r (``t`` rows, ``L`` keys) sees keys ``j <= i + L - t`` (causal, aligned at
 the bottom right: the rows are the last ``t`` queries of a sequence whose keys end with them,
-or, with an offset, end before them).  A row that sees no key gives output 0 and
+or, with an offset, end before them); with a window (``window_left = w >= 0``) only the last
+``w + 1`` of them, ``j >= i + L - t - w`` (FlashInfer's sliding window).  A row that sees no key gives output 0 and
 log-sum-exp -inf.  The log-sum-exp is in base 2 of ``sm_scale * q.k`` (FlashInfer's):
 ``lse = log2(sum_j 2^(s_j * log2(e)))``, what the Triton kernels' running max and sum hold.
 """
@@ -38,6 +39,7 @@ class LibPlan:
     kv_lens: tuple[int, ...]  # [R] keys of each request (>= 1)
     page_indices: torch.Tensor  # [kv_indptr[-1]] int32, on the device
     page_size: int
+    window_left: int = -1  # -1: every causal key; w >= 0: the last w + 1 of them
 
     @property
     def last_page_len(self) -> tuple[int, ...]:
@@ -46,9 +48,10 @@ class LibPlan:
 
 
 def make_plan(qo_lens: Sequence[int], kv_lens: Sequence[int], first_block: Sequence[int], table: torch.Tensor,
-              page_size: int) -> LibPlan:
+              page_size: int, window_left: int = -1) -> LibPlan:
     """Requests reading ``kv_lens[r]`` keys from logical block ``first_block[r]`` of row ``r`` of
-    ``table`` ([R, W] int32, non-negative page ids, on the device).  A request with no key
+    ``table`` ([R, W] int32, non-negative page ids, on the device); ``window_left``: see the module
+    docstring.  A request with no key
     (``kv_lens[r] <= 0``) reads one token of page ``table[r, 0]`` instead, and its rows must be
     ignored by the caller: libraries differ on empty requests, so none is ever sent."""
     R = len(qo_lens)
@@ -69,7 +72,8 @@ def make_plan(qo_lens: Sequence[int], kv_lens: Sequence[int], first_block: Seque
     dev = table.device
     r_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
     c_t = torch.tensor(cols, dtype=torch.int64).to(dev, non_blocking=True)
-    return LibPlan(tuple(qo), tuple(indptr), tuple(lens), table[r_t, c_t].to(torch.int32).contiguous(), page_size)
+    return LibPlan(tuple(qo), tuple(indptr), tuple(lens), table[r_t, c_t].to(torch.int32).contiguous(), page_size,
+                   window_left)
 
 
 def torch_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, plan: LibPlan,
@@ -91,7 +95,9 @@ def torch_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         v = v_pages[pages].permute(1, 0, 2, 3).reshape(H, -1, D)[:, :L].float()
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # [Hq, L, D]
         s = torch.einsum("thd,hjd->htj", q[q0:q1].float(), k) * sm_scale  # [Hq, t, L]
-        seen = torch.arange(L, device=q.device)[None, :] <= torch.arange(t, device=q.device)[:, None] + (L - t)
+        last = torch.arange(t, device=q.device)[:, None] + (L - t)  # each row's last key
+        j = torch.arange(L, device=q.device)[None, :]
+        seen = (j <= last) & (j >= last - plan.window_left if plan.window_left >= 0 else True)
         s = s.masked_fill(~seen, float("-inf"))
         m = s.amax(dim=2, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

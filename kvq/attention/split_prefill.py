@@ -10,10 +10,12 @@ three ways by layer:
   (kvq.attention.triton.dequant: f16 for quantized pages, an exact bf16 copy for 16-bit ones),
   then one library call over it;
 * a quantized layer under the per-query window rule (kvq.cache.window.exact_from): each query's
-  keys split at ``p - (R + P)``; everything before (past the sinks) is read quantized by every
-  query, so one library call covers it, causal with that offset, over the scratch's quantized
-  pages; the sinks and the last ``R + P`` keys, where queries differ, go through
-  kvq.attention.triton.band, which merges the library's result by its log-sum-exp.
+  keys split at ``p - (R + P)`` and ``p - R``; everything before the first (past the sinks) is read
+  quantized by every query, so one library call covers it, causal with that offset, over the
+  scratch's quantized pages; the last ``R`` keys are read exact by every query, a second call
+  over the exact pages with a sliding window of ``R``; the sinks and the ``P`` keys between, where
+  queries differ, go through kvq.attention.triton.band, which merges both calls' results by
+  their log-sum-exps.
 
 Each library call is planned once per step (host work: page lists, the library's own plan) and
 reused by every layer; the per-step key is the step's host metadata object (``host``).
@@ -99,11 +101,22 @@ class SplitPrefill:
             lens = window.lens[g.b0:g.b1]
             qo = [window.cu[b + 1] - window.cu[b] for b in range(g.b0, g.b1)]
             bulk = [n - split - sink for n in lens]  # keys [sink, p - split] of the last query
-            o_bulk = lse = None
+            tail = [n - sink for n in lens]  # keys [sink, p] of the last query, of which the last R
+            qg = q[g.r0:g.r1].to(g.k.dtype)
+            parts = []
             if max(bulk) > 0:
                 handle = self._plan(host, ("window", gi), lambda: self.lib.prepare(
                     paged_lib.make_plan(qo, bulk, [pol.sink_blocks] * len(lens), g.tab_q, P), Hq, H, D,
                     g.k.dtype, sm_scale))
-                o_bulk, lse = self.lib.run(handle, q[g.r0:g.r1].to(g.k.dtype), g.k, g.v)
+                parts.append(self.lib.run(handle, qg, g.k, g.v))
+            else:
+                parts.append(None)
+            if pol.residual_tokens and max(tail) > 0:
+                handle = self._plan(host, ("tail", gi), lambda: self.lib.prepare(
+                    paged_lib.make_plan(qo, tail, [pol.sink_blocks] * len(lens), g.tab_exact, P,
+                                        window_left=pol.residual_tokens - 1), Hq, H, D, g.k.dtype, sm_scale))
+                parts.append(self.lib.run(handle, qg, g.k, g.v))
+            else:
+                parts.append(None)
             band_attention(q[g.r0:g.r1], out[g.r0:g.r1], g, P, H, sm_scale, max_q_len, sink, pol.residual_tokens,
-                           o_bulk, lse)
+                           *parts)

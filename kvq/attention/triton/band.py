@@ -1,4 +1,4 @@
-"""The near-diagonal band of a windowed prefill, merged with a library's bulk result.
+"""The near-diagonal band of a windowed prefill, merged with the library's bulk and exact tail.
 
 kvq.attention.split_prefill cuts each query's keys (position ``p``, sinks ``S`` tokens, recent
 window ``R`` tokens, page ``P``, ``SPLIT = R + P``) into
@@ -6,17 +6,22 @@ window ``R`` tokens, page ``P``, ``SPLIT = R + P``) into
     bulk   [S, p - SPLIT]                  every key there is read quantized by the window rule
                                            (kvq.cache.window.exact_from(p) > p - SPLIT): one causal
                                            library call over the quantized pages, offset by SPLIT
-    band   [0, S) and [max(S, p - SPLIT + 1), p]   the sinks (exact) and the last SPLIT keys, of
-                                           which each query reads exact those from exact_from(p)
+    tail   [max(S, p - R + 1), p]          every key there is read exact (exact_from(p) <= p - R):
+                                           one causal library call over the exact pages with a
+                                           sliding window of R keys
+    band   [0, S) and [max(S, p - SPLIT + 1), p - R]   the sinks (exact) and the P keys between,
+                                           of which each query reads exact those from exact_from(p)
 
 This kernel computes the band from the page scratch of kvq.attention.triton.prefill.window_scratch
-(both tables) and folds in the bulk's output and base-2 log-sum-exp (kvq.attention.paged_lib's
-contract): ``out = (acc + o_bulk * 2^lse_bulk) / (l + 2^lse_bulk)`` in the running max's units.
-A band holds at most S + SPLIT keys per query, so it costs a few key tiles per query tile.
+(both tables) and folds in the library calls' outputs and base-2 log-sum-exps
+(kvq.attention.paged_lib's contract): ``out = (acc + sum_c o_c * 2^lse_c) / (l + sum_c 2^lse_c)`` in the
+running max's units.  A band holds at most S + P keys per query (S + SPLIT without a tail call), so it
+costs a few key tiles per query tile.  (Before the tail call it read all SPLIT keys: the largest
+part of a KIVI prefill of 1K-4K-token chunks, H100 profile in docs/kernels.md.)
 
     q            [T, Hq, D]    the group's new tokens (model dtype)
     cu           [B + 1] int32 from 0;  lens [B] int32: cached tokens, the new ones included
-    o_bulk       [T, Hq, D]    the library's output for the same rows;  lse [T, Hq] float32 base 2
+    bulk, tail   ([T, Hq, D], [T, Hq] float32 base 2): each library call's output and log-sum-exp for the rows
 """
 
 from __future__ import annotations
@@ -30,6 +35,19 @@ from kvq.attention.triton.prefill import TILES, _dense_args, _prefill_tile
 from kvq.attention.triton.tiles import tile_channel
 
 
+@triton.jit
+def _merge(acc, m_i, l_i, o_ptr, s_t, s_h, lse_ptr, s_lt, s_lh, rows, hq, d, rmask):
+    """Fold a library call's rows (output and base-2 log-sum-exp; -inf: the row saw no key) into the
+    running sum: -> (acc, m, l)."""
+    lb = tl.load(lse_ptr + rows * s_lt + hq * s_lh, mask=rmask, other=float("-inf"))
+    ob = tl.load(o_ptr + rows[:, None] * s_t + hq * s_h + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    m_new = tl.maximum(m_i, lb)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m_i - m_use)
+    c = tl.exp2(lb - m_use)
+    return acc * a[:, None] + ob * c[:, None], m_new, l_i * a + c
+
+
 @triton.jit(do_not_specialize=["s_tb"], do_not_specialize_on_alignment=["cu_ptr", "table_ptr", "lens_ptr",
                                                                         "tableq_ptr"])
 def _band_kernel(
@@ -40,9 +58,10 @@ def _band_kernel(
     s_hb, s_hh, s_ht,
     table_ptr, s_tb, lens_ptr, qk_scale, tableq_ptr, SINK_T, RESID, SPLIT,
     ob_ptr, s_bt, s_bh, lse_ptr, s_lt, s_lh,
+    ot_ptr, s_tt, s_th, lset_ptr, s_mt, s_mh,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
-    K_G: tl.constexpr, V_G: tl.constexpr, DOT: tl.constexpr, HAS_BULK: tl.constexpr,
+    K_G: tl.constexpr, V_G: tl.constexpr, DOT: tl.constexpr, HAS_BULK: tl.constexpr, HAS_TAIL: tl.constexpr,
 ):
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -73,52 +92,52 @@ def _band_kernel(
                                       s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
                                       s_hb, s_hh, s_ht, D,
                                       PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 0)
-    # the band: tiles its queries may read both ways (exact pairs, then the others: two passes),
-    # then tiles past the last query's window start, which every query reads exact
+    # the band: keys [max(S, p - SPLIT + 1), p - R] of query p (with the library's exact tail, which reads
+    # the last R; without it up to p): tiles its queries may read both ways (exact pairs, then the others:
+    # two passes), then tiles past the last query's window start, which every query reads exact
+    RHI = RESID if HAS_TAIL else 0
+    qhi = qpos - RHI
+    hi = tl.maximum(kv_end - RHI, 0)
     q_first = n - q_len + mt * BLOCK_M
     q_last = kv_end - 1
-    lo = tl.minimum(tl.maximum(SINK_T, q_first - SPLIT + 1) // BLOCK_N * BLOCK_N, kv_end)
+    lo = tl.minimum(tl.maximum(SINK_T, q_first - SPLIT + 1) // BLOCK_N * BLOCK_N, hi)
     win_hi = tl.maximum(q_last - RESID, 0) // PAGE * PAGE
-    mid = tl.minimum(tl.maximum(lo, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), kv_end)
+    mid = tl.minimum(tl.maximum(lo, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), hi)
     for t0 in range(lo, mid, BLOCK_N):
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, hi, qhi, win, h, table, tableq, SINK_T, qk_scale,
                                       qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
                                       s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
                                       s_hb, s_hh, s_ht, D,
                                       PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 2, True)
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, hi, qhi, win, h, table, tableq, SINK_T, qk_scale,
                                       qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
                                       s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
                                       s_hb, s_hh, s_ht, D,
                                       PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 3, True)
-    for t0 in range(mid, kv_end, BLOCK_N):
-        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, kv_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
+    for t0 in range(mid, hi, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, hi, qhi, win, h, table, tableq, SINK_T, qk_scale,
                                       qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
                                       s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
                                       s_hb, s_hh, s_ht, D,
                                       PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 0, True)
     if HAS_BULK:
         if n - SPLIT - SINK_T > 0:  # the sequence sent keys to the library (else its rows there are dummies)
-            lb = tl.load(lse_ptr + rows * s_lt + hq * s_lh, mask=rmask, other=float("-inf"))
-            ob = tl.load(ob_ptr + rows[:, None] * s_bt + hq * s_bh + d[None, :], mask=rmask[:, None],
-                         other=0.0).to(tl.float32)
-            m_new = tl.maximum(m_i, lb)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a = tl.exp2(m_i - m_use)
-            c = tl.exp2(lb - m_use)
-            acc = acc * a[:, None] + ob * c[:, None]
-            l_i = l_i * a + c
+            acc, m_i, l_i = _merge(acc, m_i, l_i, ob_ptr, s_bt, s_bh, lse_ptr, s_lt, s_lh, rows, hq, d, rmask)
+    if HAS_TAIL:
+        if n - SINK_T > 0:
+            acc, m_i, l_i = _merge(acc, m_i, l_i, ot_ptr, s_tt, s_th, lset_ptr, s_mt, s_mh, rows, hq, d, rmask)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * s_ot + hq * s_oh + tile_channel(d, 1, D)[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def band_attention(q: torch.Tensor, out: torch.Tensor, scratch, page: int, num_kv_heads: int, sm_scale: float,
-                   max_q_len: int, sink_tokens: int, residual: int, o_bulk: torch.Tensor | None,
-                   lse_bulk: torch.Tensor | None, tile: dict | None = None) -> None:
-    """Write into ``out`` [T, Hq, D] the band of each query (module docstring) merged with the bulk
-    (``o_bulk``/``lse_bulk``; None when no sequence of the group sent keys to the library).
-    ``scratch``: a :class:`kvq.attention.triton.prefill.WindowScratch` of these rows."""
+                   max_q_len: int, sink_tokens: int, residual: int, bulk: tuple | None, tail: tuple | None = None,
+                   tile: dict | None = None) -> None:
+    """Write into ``out`` [T, Hq, D] the band of each query (module docstring) merged with the library's
+    bulk and exact tail (``(out, lse)`` each; None when the group sent no call: no sequence had keys
+    there, or no recent window).  ``scratch``: a :class:`kvq.attention.triton.prefill.WindowScratch` of
+    these rows."""
     T, Hq, D = q.shape
     if T == 0 or max_q_len == 0:
         return
@@ -126,17 +145,17 @@ def band_attention(q: torch.Tensor, out: torch.Tensor, scratch, page: int, num_k
     B = scratch.lens.shape[0]
     args, meta = _dense_args(scratch.k, scratch.v)
     dot = tl.float16 if not INTERPRET else _dot_dtype(q.dtype)
-    has_bulk = o_bulk is not None
-    ob = o_bulk if has_bulk else out
-    lse = lse_bulk if has_bulk else out
+    ob, lse = bulk if bulk is not None else (out, out)
+    ot, lset = tail if tail is not None else (out, out)
     grid = (B, Hq, triton.cdiv(max_q_len, tile["block_m"]))
     _band_kernel[grid](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), scratch.cu, *args,
         scratch.tab_exact, scratch.tab_exact.stride(0), scratch.lens, sm_scale * _LOG2E, scratch.tab_q,
         sink_tokens, residual, residual + page,
         ob, ob.stride(0), ob.stride(1), lse, lse.stride(0), lse.stride(1),
+        ot, ot.stride(0), ot.stride(1), lset, lset.stride(0), lset.stride(1),
         GROUP=Hq // num_kv_heads, D=D, PAGE=page, BLOCK_M=tile["block_m"], BLOCK_N=tile["block_n"],
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
-        K_G=meta["k_g"], V_G=meta["v_g"], DOT=dot, HAS_BULK=has_bulk,
+        K_G=meta["k_g"], V_G=meta["v_g"], DOT=dot, HAS_BULK=bulk is not None, HAS_TAIL=tail is not None,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
