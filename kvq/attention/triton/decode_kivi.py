@@ -21,7 +21,7 @@ quantized operands are float16 whatever the model's dtype (11 significant bits w
 keeps 8: a peaked softmax magnifies the scores' rounding), as in the CUDA decode.
 
 The loop over quantized tiles has no branch, so Triton pipelines its loads (num_stages): a tile of
-:data:`TILE_BASES` groups reads one block id per row, rows of high-precision pages (sinks, recent
+:data:`TILE_TOKENS` tokens reads one block id per row, rows of high-precision pages (sinks, recent
 window) are masked there, and a second pass reads those pages in the model's dtype, one page a tile,
 skipping every run of :data:`HP_PAGES` table entries that holds none.  (Session 26's kernel branched
 per tile on the page's kind, which kept its loads out of the pipeline.)
@@ -43,8 +43,8 @@ from kvq.cache.pool import LayerKV
 
 #: Tokens a KIVI group (the kernel's per-channel scale rows are per group).
 GROUP_TOKENS = 32
-#: Base tiles (:func:`base_tokens`) a tile of the quantized pass reads.
-TILE_BASES = 2
+#: Tokens a tile of the quantized pass reads (H100 sweep at 4x131072, session 27: 64 beats 32 and 128).
+TILE_TOKENS = 64
 #: Pipeline stages of the quantized pass (Triton's num_stages).
 NUM_STAGES = 2
 #: Pages of the table the hp pass reads at once to skip those that hold no hp page.
@@ -70,8 +70,8 @@ def base_tokens(layer: LayerKV) -> int:
 
 
 def tile_tokens(layer: LayerKV) -> int:
-    """Tokens a tile of the quantized pass by default: :data:`TILE_BASES` times :func:`base_tokens`."""
-    return TILE_BASES * base_tokens(layer)
+    """Tokens a tile of the quantized pass by default: :data:`TILE_TOKENS` (a multiple of :func:`base_tokens`)."""
+    return max(TILE_TOKENS, base_tokens(layer))
 
 
 # the table width and split count change step to step, the table and length views' alignment too
