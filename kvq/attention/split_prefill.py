@@ -88,7 +88,10 @@ class SplitPrefill:
                                                    P, D, dtype=dtype)
             handle = self._plan(host, ("scratch", gi, dtype), lambda: self.lib.prepare(
                 paged_lib.make_plan(qo[b0:b1], lens[b0:b1], [0] * (b1 - b0), ident, P), Hq, H, D, dtype, sm_scale))
-            o, _ = self.lib.run(handle, q[r0:r1].to(dtype), k, v)
+            qs = q[r0:r1].to(dtype)
+            # every row sees a key (its own), so the library writes all of an empty buffer (FlashInfer
+            # zero-fills the one it allocates: 21-41 us a call at 8 x 1024 / 4 x 4096, H100 profile)
+            o, _ = self.lib.run(handle, qs, k, v, out=torch.empty_like(qs))
             out[r0:r1] = o
         return out
 
