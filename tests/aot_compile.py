@@ -142,6 +142,8 @@ def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
                 band_attention(q, torch.empty_like(q), scratch, bs, 2, 0.1, 2, 16, 32, bulk, tail)
             largs, lmeta = layer_args(layer)
             dequant.dequantize_pages(largs, lmeta, tables, lens, 4, 2, bs, D, dtype=torch.bfloat16)
+            kv_new = torch.zeros(3 * bs, 2, D, dtype=torch.bfloat16)  # a windowed prefill's exact new pages
+            dequant.rows_to_pages(kv_new, kv_new, torch.zeros(2, dtype=torch.int64), kp[:2], kp[2:4])
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=False)
     # demotion between the tiers of elastic precision (kvq.attention.triton.demote): every ordered pair

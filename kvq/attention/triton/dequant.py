@@ -111,6 +111,34 @@ def _dequant_kernel(
         tl.store(out_v + dst, v.to(out_v.dtype.element_ty))
 
 
+@triton.jit
+def _rows_to_pages_kernel(k_ptr, v_ptr, s_kt, s_kh, s_vt, s_vh, starts_ptr, out_k, out_v, s_ob, s_oh, s_ot,
+                          PAGE: tl.constexpr, D: tl.constexpr):
+    """One program per (page, KV head): rows ``starts[e] .. + PAGE`` of K and V ``[T, H, D]`` into page
+    ``e`` of ``out_k`` / ``out_v`` ``[E, H, PAGE, D]`` (HND), cast to the pages' dtype."""
+    e = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = tl.load(starts_ptr + e) + tl.arange(0, PAGE).to(tl.int64)
+    c = tl.arange(0, D)
+    dst = e.to(tl.int64) * s_ob + h * s_oh + tl.arange(0, PAGE)[:, None] * s_ot + c[None, :]
+    k = tl.load(k_ptr + rows[:, None] * s_kt + h * s_kh + c[None, :])
+    tl.store(out_k + dst, k.to(out_k.dtype.element_ty))
+    v = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + c[None, :])
+    tl.store(out_v + dst, v.to(out_v.dtype.element_ty))
+
+
+def rows_to_pages(k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, out_k: torch.Tensor,
+                  out_v: torch.Tensor) -> None:
+    """Copy the ``page``-row runs of K and V ``[T, H, D]`` (channels contiguous) that start at rows
+    ``starts`` [E] int64 into the HND pages ``out_k`` / ``out_v`` ``[E, H, page, D]`` (views of one
+    scratch shape): one launch for both, where a gather and a transposing copy took two passes each."""
+    E, H, page, D = out_k.shape
+    if E:
+        assert k.stride(2) == v.stride(2) == 1 and out_k.stride() == out_v.stride() and out_k.stride(3) == 1
+        _rows_to_pages_kernel[(E, H)](k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), starts, out_k, out_v,
+                                      out_k.stride(0), out_k.stride(1), out_k.stride(2), PAGE=page, D=D)
+
+
 def scratch_bytes(batch: int, blocks: int, num_kv_heads: int, page: int, head_dim: int) -> int:
     """Bytes of the K + V scratch for ``batch`` sequences of ``blocks`` pages each."""
     return 2 * 2 * batch * blocks * num_kv_heads * page * head_dim

@@ -352,9 +352,7 @@ def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.fl
                                                        tiered=tiered)
         tab_exact, tab_q = ident, ident
         if E:  # the new K/V of the q blocks this step wrote: [E, page, H, D] -> [E, H, page, D]
-            at = ex[:, 2:3] + torch.arange(page, device=dev)
-            kp[nb:nb + E] = k_new[r0:r1][at].permute(0, 2, 1, 3)
-            vp[nb:nb + E] = v_new[r0:r1][at].permute(0, 2, 1, 3)
+            dequant.rows_to_pages(k_new[r0:r1], v_new[r0:r1], ex[:, 2].contiguous(), kp[nb:nb + E], vp[nb:nb + E])
             tab_exact = ident.clone()
             tab_exact[ex[:, 0], ex[:, 1]] = nb + torch.arange(E, dtype=torch.int32, device=dev)
         if S:  # hp blocks as the seal kernel will store them, read back
