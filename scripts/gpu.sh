@@ -12,6 +12,7 @@
 #   bash scripts/gpu.sh bench-kv-transfer  # bf16 sender -> receiver format: cast ms, NIXL GB/s vs a device copy
 #   bash scripts/gpu.sh disagg-check       # prefill + decode servers vs colocated: greedy texts equal per format
 #   bash scripts/gpu.sh probe           # quick decode timing probe
+#   bash scripts/gpu.sh probe-prefill   # quick prefill timing probe (--window --lib: the library split's band tiles)
 #   bash scripts/gpu.sh test-tp         # tensor-parallel equality tests on 2 GPUs (kind nvidia-h200-x2)
 #   bash scripts/gpu.sh env-check       # `kvq env` with CuPy (CUDA decode) and with it blocked (Triton + one WARNING)
 #   bash scripts/gpu.sh demo [--out D]  # `kvq eval` of the default model at its GPU default (what `make demo` runs),
@@ -52,7 +53,8 @@ case "$target" in
   bench-kv-transfer) python3 benchmarks/bench_kv_transfer.py "$@" ;;
   disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
+  probe-prefill) python3 scripts/probe_prefill.py "$@" ;;
   env-check) python3 scripts/cuda_extra_check.py "$@" ;;
   demo) t0=$(date +%s); python3 -m kvq.cli eval --model default "$@"; echo "kvq eval wall $(( $(date +%s) - t0 )) s" ;;
-  *) echo "unknown target $target (test, pytest, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, pytest, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe, probe-prefill)" >&2; exit 2 ;;
 esac

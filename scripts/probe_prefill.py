@@ -31,6 +31,9 @@ def main():
     ap.add_argument("--window", action="store_true", help="the engine's windowed prefill (formats: default "
                     "bfloat16,int4_kivi,int2_kivi,fp8_e4m3), --past tokens prefilled first, then --chunk")
     ap.add_argument("--profile", action="store_true", help="with --window: device time per kernel of one call")
+    ap.add_argument("--lib", action="store_true", help="with --window: the library split (FlashInfer's FA3 for the "
+                    "bulk and the exact tail; the Triton band, whose tile --tiles then sets) instead of the Triton "
+                    "prefill")
     ap.add_argument("--tiles", default=None, help="with --window: BLOCK_MxBLOCK_NxWARPSxSTAGES launches to time, "
                     "comma-separated, each used for every kind of read (default: kvq.attention.triton.prefill.TILES, "
                     "a tile per kind), e.g. 64x64x4x3,128x64x8x3")
@@ -97,6 +100,12 @@ def windowed(args):
     gen = torch.Generator().manual_seed(0)
     flops = 4 * B * H * group * D * (args.chunk * args.past + args.chunk * args.chunk / 2)
     default = {kind: dict(t) for kind, t in prefill.TILES.items()}
+    if args.lib:
+        from kvq.attention.backends import with_prefill
+        from kvq.attention.flashinfer_lib import FlashInferLib
+        from kvq.attention.split_prefill import SplitPrefill
+
+        kernels = with_prefill(kernels, SplitPrefill(FlashInferLib(dev)).paged_attention)
     keys = ("block_m", "block_n", "num_warps", "num_stages")
     tiles = [tuple(int(x) for x in c.split("x")) for c in args.tiles.split(",")] if args.tiles else [None]
     base = {}
