@@ -14,8 +14,8 @@ log-sum-exp of each row so that kvq can merge it with attention over other keys
 Row i of request r (``t`` rows, ``L`` keys) sees keys ``j <= i + L - t`` (causal, aligned at
 the bottom right: the rows are the last ``t`` queries of a sequence whose keys end with them,
 or, with an offset, end before them); with a window (``window_left = w >= 0``) only the last
-``w + 1`` of them, ``j >= i + L - t - w`` (FlashInfer's sliding window).  A row that sees no key gives output 0 and
-log-sum-exp -inf.  The log-sum-exp is in base 2 of ``sm_scale * q.k`` (FlashInfer's):
+``w + 1`` of them, ``j >= i + L - t - w`` (FlashInfer's sliding window).  A row that sees no key
+gives output 0 and log-sum-exp -inf.  The log-sum-exp is in base 2 of ``sm_scale * q.k`` (FlashInfer's):
 ``lse = log2(sum_j 2^(s_j * log2(e)))``, what the Triton kernels' running max and sum hold.
 """
 

@@ -106,20 +106,16 @@ class SplitPrefill:
             bulk = [n - split - sink for n in lens]  # keys [sink, p - split] of the last query
             tail = [n - sink for n in lens]  # keys [sink, p] of the last query, of which the last R
             qg = q[g.r0:g.r1].to(g.k.dtype)
-            parts = []
+            o_bulk = o_tail = None
             if max(bulk) > 0:
                 handle = self._plan(host, ("window", gi), lambda: self.lib.prepare(
                     paged_lib.make_plan(qo, bulk, [pol.sink_blocks] * len(lens), g.tab_q, P), Hq, H, D,
                     g.k.dtype, sm_scale))
-                parts.append(self.lib.run(handle, qg, g.k, g.v))
-            else:
-                parts.append(None)
+                o_bulk = self.lib.run(handle, qg, g.k, g.v)
             if pol.residual_tokens and max(tail) > 0:
                 handle = self._plan(host, ("tail", gi), lambda: self.lib.prepare(
                     paged_lib.make_plan(qo, tail, [pol.sink_blocks] * len(lens), g.tab_exact, P,
                                         window_left=pol.residual_tokens - 1), Hq, H, D, g.k.dtype, sm_scale))
-                parts.append(self.lib.run(handle, qg, g.k, g.v))
-            else:
-                parts.append(None)
+                o_tail = self.lib.run(handle, qg, g.k, g.v)
             band_attention(q[g.r0:g.r1], out[g.r0:g.r1], g, P, H, sm_scale, max_q_len, sink, pol.residual_tokens,
-                           *parts)
+                           o_bulk, o_tail)

@@ -224,7 +224,7 @@ def launch_defaults(layer: LayerKV) -> tuple[int, int, bool]:
     """(BLOCK_N, num_stages, split_always) by stored width, from the H200 sweeps
     recorded in docs/kernels.md: 16-bit pools 64/2 and split the context only when
     there are too few (sequence, head) pairs to fill the GPU; 8-bit pools 128/4 and
-    always split to ~8 programs per SM; packed sub-byte 64/2 (KIVI: its own kernel, 32/2), split like 8-bit; rotated
+    always split to ~8 programs per SM; packed sub-byte 64/2 (KIVI: its own kernel, 64/2), split like 8-bit; rotated
     K 64/1 (chosen by shared memory, not yet swept on the H200)."""
     bits = min(layer.fmt.k.bits, layer.fmt.v.bits)
     if decode_kivi.serves(layer):  # KIVI groups a tile (kvq.attention.triton.decode_kivi)

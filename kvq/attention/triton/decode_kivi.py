@@ -6,25 +6,24 @@ on the H200 that ran KIVI at 8-9% of copy bandwidth (0.29x bf16 at 4x131072,
 docs/results/bench_decode_kivi_s20_h200.json).  A first version of this kernel
 gathered each code's byte on its own (1-byte loads, 3-D tiles, 194 registers) and
 ran no faster (1787 us at 4x131072, docs/results/bench_decode_s26_first_h200.json).
-This one (958 us there, bench_decode_kivi_s26_h200.json; bf16 527 us) reads a
-tile's packed rows as one contiguous byte tile [N, DP] (16-byte loads) and unpacks
-it by a broadcast shift into [N, BITS-planes, DP], which reshaped row-major is
-[N, D] in natural channel order (channel c is bit plane c // DP of byte c % DP).
-
-(Folding K's scales into the query instead kept a scaled copy of the query in every warp: 168
-registers against 128 on sm_90.)
-
-Each value is dequantized in float16 with one FMA (the scales and zero points are float16 as
-stored): K per channel with its group's scale and zero, K per token (int4_per_token,
-int2_per_token) and V with the scale and zero of token n over channel group j of 32.  The dots'
-quantized operands are float16 whatever the model's dtype (11 significant bits where bfloat16
-keeps 8: a peaked softmax magnifies the scores' rounding), as in the CUDA decode.
+This one reads a tile's packed rows as one contiguous byte tile [N, DP] (16-byte loads) and
+unpacks it by a broadcast shift into [N, BITS-planes, DP], which reshaped row-major is [N, D] in
+natural channel order (channel c is bit plane c // DP of byte c % DP; kvq.attention.triton.tiles.
+unpack_natural).  Each value is dequantized in float16 with one FMA (the scales and zero points
+are float16 as stored): K per channel with its group's scale and zero, K per token
+(int4_per_token, int2_per_token) and V with the scale and zero of token n over channel group j of
+32.  (Folding K's scales into the query instead kept a scaled copy of the query in every warp: 168
+registers against 128 on sm_90.)  The dots' quantized operands are float16 whatever the model's
+dtype (11 significant bits where bfloat16 keeps 8: a peaked softmax magnifies the scores'
+rounding), as in the CUDA decode.
 
 The loop over quantized tiles has no branch, so Triton pipelines its loads (num_stages): a tile of
 :data:`TILE_TOKENS` tokens reads one block id per row, rows of high-precision pages (sinks, recent
 window) are masked there, and a second pass reads those pages in the model's dtype, one page a tile,
-skipping every run of :data:`HP_PAGES` table entries that holds none.  (Session 26's kernel branched
-per tile on the page's kind, which kept its loads out of the pipeline.)
+skipping every run of :data:`HP_PAGES` table entries that holds none.  Session 26's form (a branch
+per tile on the page's kind, which kept the loads out of the pipeline) ran at 958 us at 4x131072 on
+the H200 against bf16's 527 (bench_decode_kivi_s26_h200.json); this one 869 us against bf16's 903
+on an H100 in the same session (docs/results/probe_decode_kivi_s27_h100/).
 
     q        [B, Hq, D]       bf16/fp16
     tables   [B, max_blocks]  int32, signed (kvq.cache.pool)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kvq.attention.triton import dequant, store
 from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype, layer_args
+from kvq.attention.triton.splitk import softmax_step
 from kvq.attention.triton.tiles import DENSE, load_tile, tile_channel
 from kvq.cache.pool import LayerKV
 
@@ -80,11 +81,7 @@ def _prefill_tile(
         exact = (t[None, :] < SINK_T) | (t[None, :] >= win[:, None])
         keep = keep & (exact if MODE == 2 else ~exact)
     s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
     v, v_sc = load_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb, s_hb, s_hh, s_ht,
                         bid, off, h, valid, BLOCK_N, D, V_FMT, V_PER, V_G, HAS_HP, DOT)
     acc = acc * alpha[:, None] + tl.dot((p * v_sc[None, :]).to(DOT), v)

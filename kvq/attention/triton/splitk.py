@@ -28,8 +28,8 @@ def program_share(lens_ptr, num_splits, BLOCK_N: tl.constexpr):
 def softmax_step(s, m_i, l_i):
     """One tile's scores ``s`` [G, N] (log2 domain, -inf where masked) into the running maximum and sum:
     -> (new maximum, the factor that rescales what was accumulated, probabilities, new sum).  A tile
-    masked whole before anything was read (the KIVI decode's quantized pass over hp pages) leaves the
-    running values at their start (-inf, 0) rather than NaN."""
+    masked whole before anything was read (the KIVI decode's quantized pass over hp pages, a prefill
+    row's keys past it) leaves the running values at their start (-inf, 0) rather than NaN."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
