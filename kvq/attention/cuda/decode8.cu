@@ -72,6 +72,9 @@
 //   PV, m-tile (u * PER + m) * 2 + e, rows i / i + 8  <->  channels
 //      m * DP + 32u + 4i + 2e (+1): byte 2e (2e + 1) of word u of the lane's tokens,
 //      so every m-tile lies in one group of 32 channels (group m * NU + u, one plane).
+//   Narrow rows (int2 at head_dim 64: DP = 16 bytes, NARROW): PV m-tile m is bit plane m, rows
+//      i / i + 8 <->  channels m * DP + 2i (+1): bytes 2i, 2i + 1 of the lane's tokens; planes
+//      2g and 2g + 1 lie in channel group g, so P^T is scaled per plane, not per group.
 // High-precision chunks use the same maps (their P scaled by 2^-24 when V's codes are subnormal).
 
 #ifndef HAS_HP
@@ -126,7 +129,8 @@ constexpr int PER = 8 / KIVI_BITS;       // codes per byte
 constexpr int DP = D / PER;              // packed bytes per row
 constexpr int KB = DP / 4;               // bytes of a K row that one lane reads
 constexpr int KW = KB / 4;
-constexpr int NU = DP / 32;              // words of a V row that one lane reads
+constexpr bool NARROW = DP < 32;         // 16-byte rows (int2 at head_dim 64): one PV m-tile a plane
+constexpr int NU = NARROW ? 1 : DP / 32; // words of a V row that one lane reads (NARROW: a half word)
 constexpr int NG = D / 32;               // V channel groups
 constexpr int RSK = DP <= 64 ? DP : DP + 16;          // conflict-free K fragment reads
 constexpr int RSV = ((DP + 47) / 64) * 64 + 16;       // conflict-free V fragment reads
@@ -136,7 +140,8 @@ constexpr int KSC_OFF = VR_OFF + QR * RSV;            // K scale row, K zero row
 constexpr int VSC_OFF = KSC_OFF + 4 * D;              // V scales, V zeros (f16 [QR][NG] each)
 constexpr int VZ_OFF = VSC_OFF + 2 * NG * QR;
 constexpr int Q_STAGE = VZ_OFF + 2 * NG * QR;
-static_assert(DP >= 32, "KIVI: at least 32 packed bytes per row (int2 needs head_dim >= 128)");
+static_assert(DP == 16 || DP % 32 == 0, "KIVI: 16 or a multiple of 32 packed bytes per row");
+static_assert(!NARROW || KS == PER, "narrow rows: one PV m-tile a bit plane");
 constexpr bool K_SUB = KIVI_EXACT;                              // K codes as exact integers
 constexpr bool V_SUB = KIVI_EXACT || (HAS_HP && !MODEL_BF16);   // (f16 P of hp chunks cannot take 2^-24)
 constexpr float UNIT = 16777216.f;                              // 2^24: a subnormal code's unit, inverted
@@ -270,6 +275,7 @@ __device__ __forceinline__ u32 plane(u32 x, int m) {
 // Channel of row `row` (0..7; row + 8 is the next channel) of PV m-tile j.
 __device__ __forceinline__ int v_channel(int j, int row) {
 #if KIVI_BITS
+    if (NARROW) return j * DP + 2 * row;
     const int e = j & 1, m = (j >> 1) % PER, u = (j >> 1) / PER;
     return m * DP + 32 * u + 4 * row + 2 * e;
 #else
@@ -531,26 +537,24 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     // O^T += V^T . P^T over 16 token rows `vr` with their V scales `vsc` and zeros `vzr` ([16][NG] f16);
     // pb0/pb1: the plain P^T fragments (lane: query gi, tokens 2c, 2c+1 | 2c+8, 2c+9)
     auto kivi_pv = [&](const u8* vr, const u8* vsc, const u8* vzr, u32 pb0, u32 pb1) {
-        // per channel group g: P^T times the tokens' V scale of g and its plane's 2^-(BITS m), f16x2 products
         constexpr int NGW = (NG + 1) / 2;
         u32 s0[NGW], s1[NGW], s8[NGW], s9[NGW];  // the V scales of tokens 2c, 2c+1, 2c+8, 2c+9
         lds<NGW>(s0, vsc + (2 * c) * 2 * NG);
         lds<NGW>(s1, vsc + (2 * c + 1) * 2 * NG);
         lds<NGW>(s8, vsc + (2 * c + 8) * 2 * NG);
         lds<NGW>(s9, vsc + (2 * c + 9) * 2 * NG);
-        u32 pb[NG][2];
-#pragma unroll
-        for (int g = 0; g < NG; ++g) {
+        // P^T times the tokens' V scale of channel group g and bit plane m's 2^-(BITS m), f16x2 products
+        auto scaled = [&](int g, int m, u32* pb) {
             const u32 hs = (g & 1) ? 0x7632 : 0x5410;
             u32 sA = __byte_perm(s0[g / 2], s1[g / 2], hs), sB = __byte_perm(s8[g / 2], s9[g / 2], hs);
-            if (g / NU) {  // 2^-(BITS m), exact
-                const u32 cm = ((15u - KIVI_BITS * (g / NU)) << 10) * 0x00010001u;
+            if (m) {  // 2^-(BITS m), exact
+                const u32 cm = ((15u - KIVI_BITS * m) << 10) * 0x00010001u;
                 sA = hmul2(sA, cm);
                 sB = hmul2(sB, cm);
             }
-            pb[g][0] = hmul2(pb0, sA);
-            pb[g][1] = hmul2(pb1, sB);
-        }
+            pb[0] = hmul2(pb0, sA);
+            pb[1] = hmul2(pb1, sB);
+        };
         {  // zero points: A rows = groups (row gi: group gi's zeros of tokens 2c, 2c+1 | 2c+8, 2c+9)
             const u16* vz16 = reinterpret_cast<const u16*>(vzr);
             u32 za = 0u, zb = 0u;
@@ -560,28 +564,46 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             }
             mma_f16(zacc, za, 0u, zb, 0u, pb0, pb1);
         }
-        u32 v0[NU], v1[NU], v8[NU], v9[NU];
+        if constexpr (NARROW) {  // m-tile m = plane m: bytes 2gi, 2gi + 1 of tokens 2c, 2c+1 | 2c+8, 2c+9
+            auto two = [&](int r0, int r1) {
+                return u32(*reinterpret_cast<const u16*>(vr + r0 * RSV + 2 * gi)) |
+                       (u32(*reinterpret_cast<const u16*>(vr + r1 * RSV + 2 * gi)) << 16);
+            };
+            const u32 tA = two(2 * c, 2 * c + 1), tB = two(2 * c + 8, 2 * c + 9), oA = tA >> 8, oB = tB >> 8;
 #pragma unroll
-        for (int u = 0; u < NU; ++u) {
-            const int x = 4 * gi + 32 * u;
-            v0[u] = *reinterpret_cast<const u32*>(vr + (2 * c) * RSV + x);
-            v1[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 1) * RSV + x);
-            v8[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 8) * RSV + x);
-            v9[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 9) * RSV + x);
-        }
+            for (int m = 0; m < PER; ++m) {
+                u32 pb[2];
+                scaled(m * DP / 32, m, pb);
+                mma_f16(acc[m], plane<V_SUB>(tA, m), plane<V_SUB>(oA, m), plane<V_SUB>(tB, m), plane<V_SUB>(oB, m),
+                        pb[0], pb[1]);
+            }
+        } else {
+            u32 pb[NG][2];
 #pragma unroll
-        for (int u = 0; u < NU; ++u) {
+            for (int g = 0; g < NG; ++g) scaled(g, g / NU, pb[g]);
+            u32 v0[NU], v1[NU], v8[NU], v9[NU];
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                // bytes 2e, 2e+1 of the two tokens of each pair: [A.2e, A.2e+1, B.2e, B.2e+1]
-                const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
-                const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
-                const u32 oA = tA >> 8, oB = tB >> 8;
+            for (int u = 0; u < NU; ++u) {
+                const int x = 4 * gi + 32 * u;
+                v0[u] = *reinterpret_cast<const u32*>(vr + (2 * c) * RSV + x);
+                v1[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 1) * RSV + x);
+                v8[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 8) * RSV + x);
+                v9[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 9) * RSV + x);
+            }
 #pragma unroll
-                for (int m = 0; m < PER; ++m) {
-                    const int g = m * NU + u;  // channel group of this m-tile
-                    mma_f16(acc[(u * PER + m) * 2 + e], plane<V_SUB>(tA, m), plane<V_SUB>(oA, m),
-                            plane<V_SUB>(tB, m), plane<V_SUB>(oB, m), pb[g][0], pb[g][1]);
+            for (int u = 0; u < NU; ++u) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    // bytes 2e, 2e+1 of the two tokens of each pair: [A.2e, A.2e+1, B.2e, B.2e+1]
+                    const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
+                    const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
+                    const u32 oA = tA >> 8, oB = tB >> 8;
+#pragma unroll
+                    for (int m = 0; m < PER; ++m) {
+                        const int g = m * NU + u;  // channel group of this m-tile
+                        mma_f16(acc[(u * PER + m) * 2 + e], plane<V_SUB>(tA, m), plane<V_SUB>(oA, m),
+                                plane<V_SUB>(tB, m), plane<V_SUB>(oB, m), pb[g][0], pb[g][1]);
+                    }
                 }
             }
         }

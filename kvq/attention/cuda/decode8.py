@@ -3,7 +3,7 @@
 Serves K and V stored in 8 bits (FP8 e4m3 / e5m2 with static, per-token or
 per-block scales; INT8 with per-token scales) or as KIVI (int4_kivi /
 int2_kivi: K per channel over 32 tokens, V per token over 32 channels), head
-dims 64/128/256 (KIVI-2: 128/256), pages a multiple of 16 tokens (KIVI: 32),
+dims 64/128/256, pages a multiple of 16 tokens (KIVI: 32),
 up to 8 query heads per KV head, bf16 or f16 queries, and tables that mix in
 high-precision blocks (sinks, recent window) in the same pass.  Compilation
 goes through CuPy's NVRTC (CuPy is on the GPU machine;
@@ -109,8 +109,6 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
         return f"K is {k.name} and V {v.name}: both 8-bit, or both KIVI of one width"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} not in {HEAD_DIMS}"
-    if bits[0] == 2 and head_dim < 128:
-        return f"int2 KIVI at head_dim {head_dim} (needs 128 or 256)"
     page = 32 if bits[0] else 16
     if block_size % page:
         return f"page {block_size} is not a multiple of {page}"
