@@ -76,9 +76,9 @@ def test_a_tiered_plan_reports_each_tiers_decode_kernel():
     assert backends.describe_cuda(fp8_kivi, torch.bfloat16) == "CUDA decode on all 2 layers and tiers"
     bf16_fp8 = KVCacheConfig(dtype="bfloat16", tiers=("fp8_e4m3",)).plan(model)
     assert backends.decode_per_layer("cuda", bf16_fp8, torch.bfloat16) == ("triton+cuda",) * 2
-    # int2_kivi at head_dim 64 is the CUDA kernel's (16-byte rows); the per-token sub-byte formats are not
+    # int2_kivi at head_dim 64 is the CUDA kernel's (16-byte rows); the rotated codebook formats are not
     small = KVCacheConfig(dtype="fp8_e4m3", tiers=("int4_kivi", "int2_kivi")).plan(bare_model(2, 2, 64))
     assert backends.decode_per_layer("cuda", small, torch.bfloat16) == ("cuda",) * 2
-    per_token = KVCacheConfig(dtype="fp8_e4m3", tiers=("int4_kivi", "int2_per_token")).plan(bare_model(2, 2, 64))
-    assert backends.decode_per_layer("cuda", per_token, torch.bfloat16) == ("cuda+triton",) * 2
-    assert "tier 2 (int2_per_token)" in backends.describe_cuda(per_token, torch.bfloat16)
+    rotated = KVCacheConfig(dtype="fp8_e4m3", tiers=("int4_kivi", "turboquant_3bit_nc")).plan(bare_model(2, 2, 64))
+    assert backends.decode_per_layer("cuda", rotated, torch.bfloat16) == ("cuda+triton",) * 2
+    assert "tier 2 (turboquant_3bit_nc)" in backends.describe_cuda(rotated, torch.bfloat16)

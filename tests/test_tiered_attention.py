@@ -121,16 +121,14 @@ def test_triton_decode_merges_the_tiers(ladder, kv):
 
 def test_cuda_decode_reads_a_tiers_view_of_the_arena(kv):
     """The CUDA decode reads a tier's planes where they lie in the arena (blocks further apart than their
-    bytes): each 8-bit and KIVI tier qualifies; int2_kivi at head_dim 64 does not (Triton serves it)."""
+    bytes): each 8-bit and KIVI tier qualifies, int2_kivi at head_dim 64 included (16-byte rows)."""
     from kvq.attention.cuda import decode8
 
     layer, _, _, _ = tiered_layer(*LADDER, kv, LAYOUT)
-    for t, ok in ((0, True), (1, True), (2, False)):
+    for t in (0, 1, 2):
         lt = layer.tier(t)
         assert not lt.k["data"].is_contiguous() and not lt.v["data"].is_contiguous()  # views of the arena
-        why = decode8.unsupported_reason(lt, GROUP, torch.bfloat16)
-        assert (why is None) == ok, (t, why)
-    assert "head_dim 64" in decode8.unsupported_reason(layer.tier(2), GROUP, torch.bfloat16)
+        assert decode8.unsupported_reason(lt, GROUP, torch.bfloat16) is None, t
     bad = layer.tier(1)
     bad = replace(bad, k={**bad.k, "data": bad.k["data"].transpose(2, 3)})  # a block's rows out of order
     assert "not contiguous" in decode8.unsupported_reason(bad, GROUP, torch.bfloat16)
@@ -139,12 +137,12 @@ def test_cuda_decode_reads_a_tiers_view_of_the_arena(kv):
 def test_cuda_backend_runs_each_tier_by_its_kernel_into_one_merge(kv, monkeypatch):
     """The cuda backend's tiered decode (kvq.attention.cuda.kernels), its dispatch checked on the CPU: the
     tiers the CUDA kernel reads go to it with their own split offsets into one set of partials (here a
-    stand-in writes them through the Triton kernel), int2_kivi at head_dim 64 goes to Triton after them,
+    stand-in writes them through the Triton kernel), a rotated codebook tier goes to Triton after them,
     and the merge gives the reference's output."""
     from kvq.attention.cuda import decode8
     from kvq.attention.cuda import kernels as cuda_kernels
 
-    layer, table, _, _ = tiered_layer(*LADDER, kv, LAYOUT, DEV)
+    layer, table, _, _ = tiered_layer("fp8_e4m3", "int4_kivi,turboquant_3bit_nc", kv, LAYOUT, DEV)
     bs, W = layer.block_size, len(table)
     lens = [W * bs - 3, W * bs - bs - 5]
     meta, _ = stage_step(HostStep(slots=[0, 1], tables=np.array([table, table], np.int32), seq_lens=lens,

@@ -8,6 +8,8 @@
 //   GROUP        query heads per KV head, 1..8
 //   KIVI_BITS    0: 8-bit codes, with K_KIND / V_KIND and K_SCALE / V_SCALE below;
 //                4 or 2: KIVI (the K_/V_ macros are unused)
+//   K_TOKEN      with KIVI_BITS: 1 = K per token over 32 channels too, like V (int4_per_token,
+//                int2_per_token; pages of 16, no KIVI_STEP32), 0 = KIVI's K per channel
 //   K_KIND, V_KIND     0 = e4m3, 1 = e5m2, 2 = int8
 //   K_SCALE, V_SCALE   0 = static per head f32 [H], 1 = per token f32 [NB, H, PAGE],
 //                      2 = per token f16 [NB, H, PAGE], 3 = per block f32 [NB, H]
@@ -76,6 +78,14 @@
 //      i / i + 8 <->  channels m * DP + 2i (+1): bytes 2i, 2i + 1 of the lane's tokens; planes
 //      2g and 2g + 1 lie in channel group g, so P^T is scaled per plane, not per group.
 // High-precision chunks use the same maps (their P scaled by 2^-24 when V's codes are subnormal).
+//
+// K per token (K_TOKEN): each (token, 32-channel group) has its own scale and zero, so they cannot
+// move into the query.  The K codes are dequantized in the A fragments instead: a plane's codes
+// become exact f16 integers (one lop3 and one sub, the sub's magic number also dividing by the
+// plane's 2^(BITS m)), then code * s + z (one fma per register of two).  So that each register's
+// two channels share a group, k-step s = u * PER + m maps lane column c to the channels
+// m * DP + 16u + 4c .. + 3 (word u of the lane's 16-byte slice, bit plane m); rows are padded
+// to DP + 16 bytes so that those word reads are free of bank conflicts.
 
 #ifndef HAS_HP
 #define HAS_HP 0
@@ -91,6 +101,9 @@
 #endif
 #ifndef MODEL_BF16
 #define MODEL_BF16 1
+#endif
+#ifndef K_TOKEN
+#define K_TOKEN 0
 #endif
 #ifndef KIVI_EXACT
 #define KIVI_EXACT 0
@@ -132,7 +145,8 @@ constexpr int KW = KB / 4;
 constexpr bool NARROW = DP < 32;         // 16-byte rows (int2 at head_dim 64): one PV m-tile a plane
 constexpr int NU = NARROW ? 1 : DP / 32; // words of a V row that one lane reads (NARROW: a half word)
 constexpr int NG = D / 32;               // V channel groups
-constexpr int RSK = DP <= 64 ? DP : DP + 16;          // conflict-free K fragment reads
+constexpr int RSK = K_TOKEN ? (DP == 16 ? 16 : DP + 16)  // conflict-free K fragment reads
+                            : (DP <= 64 ? DP : DP + 16);
 constexpr int RSV = ((DP + 47) / 64) * 64 + 16;       // conflict-free V fragment reads
 constexpr int QR = KIVI_STEP32 ? 32 : 16;             // token rows of a quantized item
 constexpr int VR_OFF = QR * RSK;                      // V rows
@@ -142,10 +156,11 @@ constexpr int VZ_OFF = VSC_OFF + 2 * NG * QR;
 constexpr int Q_STAGE = VZ_OFF + 2 * NG * QR;
 static_assert(DP == 16 || DP % 32 == 0, "KIVI: 16 or a multiple of 32 packed bytes per row");
 static_assert(!NARROW || KS == PER, "narrow rows: one PV m-tile a bit plane");
+static_assert(!(K_TOKEN && KIVI_STEP32), "K per token: 16-token items (pages of 16)");
 constexpr bool K_SUB = KIVI_EXACT;                              // K codes as exact integers
 constexpr bool V_SUB = KIVI_EXACT || (HAS_HP && !MODEL_BF16);   // (f16 P of hp chunks cannot take 2^-24)
 constexpr float UNIT = 16777216.f;                              // 2^24: a subnormal code's unit, inverted
-constexpr int PAIR = 2;                  // a warp's chunks come in pairs: both halves of a 32-token group
+constexpr int PAIR = K_TOKEN ? 1 : 2;    // a warp's chunks come in pairs: both halves of a K group (per channel)
 constexpr int ZG = NG;                   // V zero-point sums per (warp, query) in the merge
 #else
 constexpr int PAIR = 1;
@@ -157,7 +172,7 @@ constexpr int KV_BYTES = (HAS_HP && 16 * RSH > Q_STAGE) ? 16 * RSH : Q_STAGE;  /
 constexpr int BLK_OFF = KV_BYTES;        // the chunk's signed block id
 constexpr int STAGE = KV_BYTES + 16;
 static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
-static_assert(PAGE % (KIVI_BITS ? 32 : 16) == 0, "pages hold whole 16-token chunks (KIVI: 32-token groups)");
+static_assert(PAGE % (KIVI_BITS && !K_TOKEN ? 32 : 16) == 0, "pages hold whole 16-token chunks (KIVI: 32-token groups)");
 static_assert(GROUP >= 1 && GROUP <= 8, "at most 8 query heads per KV head");
 static_assert(NSTAGES >= 2, "at least one chunk in flight while one is computed");
 static_assert(NWARPS * NSTAGES * STAGE >= NWARPS * 8 * (D + 2 + ZG) * 4, "the merge reuses the rings");
@@ -286,6 +301,7 @@ __device__ __forceinline__ int v_channel(int j, int row) {
 // First channel of the 4 that QK k-step s of lane column c covers.
 __device__ __forceinline__ int k_channel(int s, int c) {
 #if KIVI_BITS
+    if (K_TOKEN) return (s % PER) * DP + 16 * (s / PER) + 4 * c;
     return (s % PER) * DP + KB * c + 4 * (s / PER);
 #else
     return QB * c + 4 * s;
@@ -451,8 +467,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #if KIVI_BITS
                 copy_rows<DP, RSK, QR>(st, kd + bk * sb_kd + row0 * DP, lane);
                 copy_rows<DP, RSV, QR>(st + VR_OFF, vd + bk * sb_vd + row0 * DP, lane);
-                // K: the scale and zero rows of the 32-token group (at its first chunk); V: 16 tokens'
-                if ((k & 1) == 0) {
+                // K: the scale and zero rows of the 32-token group (at its first chunk), or per token
+                // (K_TOKEN: QR tokens' scales, then their zeros, f16 [QR][NG] each, like V's); V: QR tokens'
+                if (K_TOKEN) {
+#pragma unroll
+                    for (int p = lane; p < QR * NG / 4; p += 32) {
+                        const int half = p / (QR * NG / 8), col = (p % (QR * NG / 8)) * 16;
+                        cp16(st + KSC_OFF + half * 2 * NG * QR + col,
+                             (half ? kz + bk * sb_kz : ks + bk * sb_ks) + row0 * (2 * NG) + col);
+                    }
+                } else if ((k & 1) == 0) {
                     const i64 krow = ((i64)h * (PAGE / 32) + poff / 32) * (2 * D);
 #pragma unroll
                     for (int p = lane; p < D / 4; p += 32) {
@@ -532,6 +556,34 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             for (int m = 0; m < PER; ++m)
                 mma_f16(s, plane<K_SUB>(r0[w], m), plane<K_SUB>(r1[w], m), plane<K_SUB>(o0, m),
                         plane<K_SUB>(o1, m), qs[w * PER + m][0], qs[w * PER + m][1]);
+        }
+    };
+    // K per token (K_TOKEN): S^T of 16 token rows `kr`, their K codes dequantized in the fragments with the
+    // tokens' scales and zeros `ksc` (f16 [QR][NG], then the zeros at + 2 NG QR bytes); exact unit
+    auto token_scores = [&](const u8* kr, const u8* ksc, float* s) {
+        constexpr int NGW = (NG + 1) / 2;
+        u32 sa[NGW], sb[NGW], za[NGW], zb[NGW];  // tokens gi (a) and gi + 8 (b), every group
+        lds<NGW>(sa, ksc + gi * 2 * NG);
+        lds<NGW>(sb, ksc + (gi + 8) * 2 * NG);
+        lds<NGW>(za, ksc + 2 * NG * QR + gi * 2 * NG);
+        lds<NGW>(zb, ksc + 2 * NG * QR + (gi + 8) * 2 * NG);
+        auto bcast = [](const u32* w, int g) { return __byte_perm(w[g / 2], 0u, (g & 1) ? 0x3232 : 0x1010); };
+        constexpr u32 MASK = ((1u << KIVI_BITS) - 1u) * 0x00010001u;
+#pragma unroll
+        for (int u = 0; u < DP / 16; ++u) {
+            const u32 w0 = *reinterpret_cast<const u32*>(kr + gi * RSK + 16 * u + 4 * c);
+            const u32 w1 = *reinterpret_cast<const u32*>(kr + (gi + 8) * RSK + 16 * u + 4 * c);
+            const u32 o0 = w0 >> 8, o1 = w1 >> 8;
+#pragma unroll
+            for (int m = 0; m < PER; ++m) {
+                const int g = (m * DP + 16 * u) / 32;
+                // plane m's bits in an f16 of exponent 25 - BITS m: minus that power of two, the code itself
+                const u32 magic = ((25u - KIVI_BITS * m) << 10) * 0x00010001u;
+                auto deq = [&](u32 x, u32 sc, u32 z) { return hfma2(hsub2((x & (MASK << (KIVI_BITS * m))) | magic, magic), sc, z); };
+                const u32 s0 = bcast(sa, g), s1 = bcast(sb, g), z0 = bcast(za, g), z1 = bcast(zb, g);
+                mma_f16(s, deq(w0, s0, z0), deq(w1, s1, z1), deq(o0, s0, z0), deq(o1, s1, z1),
+                        qf[u * PER + m][0], qf[u * PER + m][1]);
+            }
         }
     };
     // O^T += V^T . P^T over 16 token rows `vr` with their V scales `vsc` and zeros `vzr` ([16][NG] f16);
@@ -681,11 +733,15 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #endif
         if (!hp) {
 #if KIVI_BITS
-            if ((k & 1) == 0) kivi_group(st);  // a group's first chunk: its scales into the queries
-            kivi_scores(st, s);
-            if (!K_SUB) fk0 = fk1 = qk_scale * UNIT;
-            zk0 = zq0;
-            zk1 = zq1;
+            if (K_TOKEN) {
+                token_scores(st, st + KSC_OFF, s);
+            } else {
+                if ((k & 1) == 0) kivi_group(st);  // a group's first chunk: its scales into the queries
+                kivi_scores(st, s);
+                if (!K_SUB) fk0 = fk1 = qk_scale * UNIT;
+                zk0 = zq0;
+                zk1 = zq1;
+            }
 #else
             u32 r0[KS], r1[KS];
             lds<KS>(r0, st + gi * RS + QB * c);

@@ -1,9 +1,10 @@
 """Launcher of the CUDA paged decode kernel for quantized caches (decode8.cu), compiled with NVRTC.
 
 Serves K and V stored in 8 bits (FP8 e4m3 / e5m2 with static, per-token or
-per-block scales; INT8 with per-token scales) or as KIVI (int4_kivi /
-int2_kivi: K per channel over 32 tokens, V per token over 32 channels), head
-dims 64/128/256, pages a multiple of 16 tokens (KIVI: 32),
+per-block scales; INT8 with per-token scales), as KIVI (int4_kivi /
+int2_kivi: K per channel over 32 tokens, V per token over 32 channels) or as the
+per-token sub-byte formats (int4_per_token / int2_per_token: K and V per token
+over 32 channels), head dims 64/128/256, pages a multiple of 16 tokens (KIVI: 32),
 up to 8 query heads per KV head, bf16 or f16 queries, and tables that mix in
 high-precision blocks (sinks, recent window) in the same pass.  Compilation
 goes through CuPy's NVRTC (CuPy is on the GPU machine;
@@ -73,11 +74,17 @@ KIVI_GROUP = 32
 
 
 def kivi_bits(t: TensorFormat) -> int:
-    """4 or 2 for the KIVI formats this kernel reads (``t``'s role decides the axis), else 0."""
-    want = "channel_group" if t.role == "k" else "token_group"
-    if t.family == "kivi" and t.scale == want and t.bits in (2, 4) and t.group_size == KIVI_GROUP:
+    """4 or 2 for the sub-byte formats this kernel reads (per token over 32 channels; K also KIVI's per
+    channel over 32 tokens), else 0."""
+    axes = ("channel_group", "token_group") if t.role == "k" else ("token_group",)
+    if t.family == "kivi" and t.scale in axes and t.bits in (2, 4) and t.group_size == KIVI_GROUP:
         return t.bits
     return 0
+
+
+def k_per_token(k: TensorFormat) -> bool:
+    """Whether a sub-byte K is stored per token (int4/int2_per_token: K_TOKEN in decode8.cu)."""
+    return kivi_bits(k) > 0 and k.scale == "token_group"
 
 
 def format_reason(t: TensorFormat) -> str | None:
@@ -86,8 +93,8 @@ def format_reason(t: TensorFormat) -> str | None:
         if t.group_size != KIVI_GROUP:
             return f"{t.name}: group size {t.group_size} (the kernel reads groups of {KIVI_GROUP})"
         if not kivi_bits(t):
-            return (f"{t.name}: {t.role.upper()} scaled per {t.scale} "
-                    "(the kernel reads KIVI's K per channel, V per token)")
+            return (f"{t.name}: {t.role.upper()} scaled per {t.scale} at {t.bits} bits "
+                    "(the kernel reads 4 or 2 bits: K per channel or per token, V per token)")
         return None
     if t.storage not in _KIND or t.bits != 8:
         return f"{t.name} is neither stored in 8 bits nor KIVI"
@@ -109,7 +116,7 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
         return f"K is {k.name} and V {v.name}: both 8-bit, or both KIVI of one width"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} not in {HEAD_DIMS}"
-    page = 32 if bits[0] else 16
+    page = 32 if bits[0] and not k_per_token(k) else 16
     if block_size % page:
         return f"page {block_size} is not a multiple of {page}"
     if group > MAX_GROUP:
@@ -149,12 +156,15 @@ def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str 
     return why
 
 
-def stage_bytes(head_dim: int, has_hp: bool, kivi: int = 0, kivi_step32: bool = False) -> int:
+def stage_bytes(head_dim: int, has_hp: bool, kivi: int = 0, kivi_step32: bool = False, k_token: bool = False) -> int:
     """Shared memory of one pipeline stage (mirrors STAGE in decode8.cu; ``kivi_step32``: a KIVI
-    item holds a whole 32-token group, the KIVI_STEP32 variant under measurement)."""
+    item holds a whole 32-token group; ``k_token``: K per token, K_TOKEN)."""
     if kivi:
         dp = head_dim * kivi // 8
-        rsk = dp if dp <= 64 else dp + 16
+        if k_token:
+            rsk = 16 if dp == 16 else dp + 16
+        else:
+            rsk = dp if dp <= 64 else dp + 16
         rsv = (dp + 47) // 64 * 64 + 16
         qr = 32 if kivi_step32 else 16
         q_stage = qr * rsk + qr * rsv + 4 * head_dim + 4 * (head_dim // 32) * qr
@@ -170,14 +180,14 @@ MAX_SMEM = 227 * 1024
 
 @functools.lru_cache(maxsize=None)
 def _kernel(d: int, page: int, group: int, kivi: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool,
-            bf16: bool, nwarps: int, nstages: int, min_blocks: int, step32: bool = False):
+            bf16: bool, nwarps: int, nstages: int, min_blocks: int, step32: bool = False, k_token: bool = False):
     import cupy
 
     opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DKIVI_BITS={kivi}",
             f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
             f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}",
-            f"-DKIVI_STEP32={int(step32)}")
-    smem = nwarps * nstages * stage_bytes(d, has_hp, kivi, step32)
+            f"-DKIVI_STEP32={int(step32)}", f"-DK_TOKEN={int(k_token)}")
+    smem = nwarps * nstages * stage_bytes(d, has_hp, kivi, step32, k_token)
     if smem > MAX_SMEM:
         raise ValueError(f"{nwarps} warps x {nstages} stages need {smem} bytes of shared memory (at most {MAX_SMEM})")
     kern = cupy.RawModule(code=_SOURCE.read_text(), options=opts, backend="nvrtc").get_function("kvq_decode8")
@@ -277,10 +287,11 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     if num_splits is None:
         num_splits = splits_for(q, layer, max_seq_len, nwarps, min_blocks)
     fk, fv = layer.fmt.k, layer.fmt.v
-    kivi = kivi_bits(fk)
+    kivi, k_token = kivi_bits(fk), k_per_token(fk)
+    step32 = bool(kivi and not k_token and (KIVI_STEP32 if kivi_step32 is None else kivi_step32))
     kern, smem = _kernel(D, layer.block_size, group, kivi, _KIND.get(fk.storage, 0), _KIND.get(fv.storage, 0),
                          scale_mode(fk), scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages,
-                         min_blocks, bool(kivi and (KIVI_STEP32 if kivi_step32 is None else kivi_step32)))
+                         min_blocks, step32, k_token)
     ks = layer.k_scale if scale_mode(fk) == 0 and not kivi else layer.k["scale"]
     vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
     kz = layer.k["zero"] if kivi else ks
