@@ -20,6 +20,7 @@ per call), and for kvq rows ``x_best_library`` (us over the fastest anchor's at 
 
     python benchmarks/bench_prefill.py                       # the issue's shapes and formats (H200)
     python benchmarks/bench_prefill.py --smoke               # tiny shapes, torch library (any device)
+    python benchmarks/bench_prefill.py --model-scratch       # also kvq rows with the scratch in bf16 (no casts)
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def flops(B: int, Hq: int, D: int, past: int, chunk: int) -> float:
     return 4.0 * B * Hq * D * (chunk * past + chunk * chunk / 2)
 
 
-def kvq_impls(device, smoke: bool) -> dict:
+def kvq_impls(device, smoke: bool, model_scratch: bool = False) -> dict:
     """impl name -> the kernels the engine would run (kvq.attention.backends.with_prefill)."""
     from kvq.attention.backends import with_prefill
     from kvq.attention.split_prefill import SplitPrefill
@@ -77,6 +78,9 @@ def kvq_impls(device, smoke: bool) -> dict:
         from kvq.attention.paged_lib import TorchLib
 
         impls["kvq-split-torch"] = with_prefill(kernels, SplitPrefill(TorchLib()).paged_attention)
+        if model_scratch:
+            impls["kvq-split-torch-model-scratch"] = with_prefill(
+                kernels, SplitPrefill(TorchLib(), model_dtype_scratch=True).paged_attention)
     else:
         from kvq.attention.flashinfer_lib import FlashInferLib, unavailable_reason
 
@@ -84,6 +88,9 @@ def kvq_impls(device, smoke: bool) -> dict:
         if why is None:
             lib = FlashInferLib(device)
             impls[f"kvq-flashinfer-{lib.backend}"] = with_prefill(kernels, SplitPrefill(lib).paged_attention)
+            if model_scratch:  # quantized pages dequantized into the queries' dtype (no q/output casts)
+                impls[f"kvq-flashinfer-{lib.backend}-model-scratch"] = with_prefill(
+                    kernels, SplitPrefill(lib, model_dtype_scratch=True).paged_attention)
         else:
             log(f"kvq-flashinfer: {why}")
     return impls
@@ -188,6 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=FORMATS)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument("--model-scratch", action="store_true",
+                    help="also rows of the library split with quantized pages dequantized into the queries' dtype "
+                         "(impl ...-model-scratch; kvq.attention.split_prefill.MODEL_DTYPE_SCRATCH)")
     ap.add_argument("--smoke", action="store_true", help="tiny heads and shapes, the torch library (any device)")
     ap.add_argument("--profile", action="store_true", help="add each kvq row's costliest kernels (us a call, "
                     "torch.profiler) as 'kernels_us'")
@@ -211,7 +221,7 @@ def main(argv=None) -> int:
            "heads": {"query": H * group, "kv": H, "head_dim": D}}
     res = Results(out, {"env": env, "rows": [], "errors": []})
     timer = Timer(device, 256 << 20 if device.type == "cuda" else 1 << 20)
-    impls = kvq_impls(device, args.smoke)
+    impls = kvq_impls(device, args.smoke, args.model_scratch)
     gen = torch.Generator().manual_seed(0)
     sm = D ** -0.5
     iters = 2 if args.smoke else args.iters

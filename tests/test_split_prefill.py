@@ -199,6 +199,33 @@ def test_split_prefill_reads_the_cache_as_stored(fmt, win, name):
 
 
 @pytest.mark.parametrize("name", LIBS)
+@pytest.mark.parametrize("fmt,win", [("fp8_e4m3", {}), ("int4_kivi", dict(sink=4, residual=40))],
+                         ids=["fp8_e4m3", "int4_kivi-window"])
+def test_model_dtype_scratch_reads_queries_in_place(fmt, win, name, monkeypatch):
+    """``model_dtype_scratch``: quantized pages dequantized into the queries' bf16, the library reading
+    the queries and writing the output without a cast (no f16 tensor appears), the same bound on the
+    error against the dense definition as the f16 scratch's rows above."""
+    from kvq.attention.triton import kernels
+
+    gen = torch.Generator().manual_seed(4)
+    split = SplitPrefill(lib(name), model_dtype_scratch=True)
+    h = make_harness(fmt, with_prefill(kernels, split.paged_attention), device=DEV, **win)
+    seen = []
+    real_run = split.lib.run
+    monkeypatch.setattr(split.lib, "run", lambda handle, q, k, v, out=None: (
+        seen.append((q.dtype, k.dtype, out.dtype if out is not None else None)), real_run(handle, q, k, v, out=out))[1])
+    for new in ({"a": 37, "b": 70}, {"a": 45, "c": 20}):
+        q, meta, out = step(h, new, gen, torch.bfloat16)
+        cu = meta.cu_seqlens_q.tolist()
+        for b, sid in enumerate(new):
+            exp = dense_attention(q[cu[b]:cu[b + 1]].cpu(), expected_kv(h, sid, "k"), expected_kv(h, sid, "v"),
+                                  h.group)
+            err = ((out[cu[b]:cu[b + 1]].float().cpu() - exp).norm() / exp.norm()).item()
+            assert err < 1e-2, (fmt, sid, err)
+    assert seen and all(d in (torch.bfloat16, None) for call in seen for d in call), seen
+
+
+@pytest.mark.parametrize("name", LIBS)
 def test_a_16_bit_layer_with_hp_blocks_goes_through_an_exact_copy(name):
     """A bf16 layer of a plan with windows holds hp blocks beside its pool's (kvq reads both through
     one signed table): its pages are copied into a bf16 scratch, exactly, and read there."""

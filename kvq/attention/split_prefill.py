@@ -7,8 +7,8 @@ three ways by layer:
   the pool's pages (HND, kvq's signed table read as it is: every entry is a page id);
 * a quantized layer read as stored (no per-query window), or a 16-bit layer that holds hp
   blocks (sinks, recent window of a mixed plan): the step's pages go once into a dense scratch
-  (kvq.attention.triton.dequant: f16 for quantized pages, an exact bf16 copy for 16-bit ones),
-  then one library call over it;
+  (kvq.attention.triton.dequant: f16 for quantized pages, an exact bf16 copy for 16-bit ones;
+  :func:`scratch_dtype`), then one library call over it;
 * a quantized layer under the per-query window rule (kvq.cache.window.exact_from): each query's
   keys split at ``p - (R + P)`` and ``p - R``; everything before the first (past the sinks) is read
   quantized by every query, so one library call covers it, causal with that offset, over the
@@ -32,12 +32,30 @@ from kvq.attention.triton.decode import layer_args
 from kvq.attention.triton.prefill import scratch_groups, window_scratch
 
 
+#: Dequantize quantized pages into the queries' dtype (bf16 for a bf16 model) instead of f16, so that
+#: neither the queries nor the output are cast (at 8 x 1024 on the H100 the two casts took 98-195 us of
+#: a call, session 27's profile).  Off until measured: on the CPU's window tests (torch library, float32
+#: arithmetic) it doubles the error against the definition (worst 0.0036 -> 0.0084 relative: the
+#: dequantized values and the library's partial outputs rounded to 8 significant bits instead of 11),
+#: which is bf16 attention's own precision; its time and its `kvq eval` record decide.
+MODEL_DTYPE_SCRATCH = False
+
+
+def scratch_dtype(q_dtype: torch.dtype, model_dtype: bool = MODEL_DTYPE_SCRATCH) -> torch.dtype:
+    """The dtype quantized pages are dequantized to for the library (``model_dtype``:
+    :data:`MODEL_DTYPE_SCRATCH`)."""
+    if model_dtype and q_dtype in (torch.bfloat16, torch.float16):
+        return q_dtype
+    return torch.float16
+
+
 class SplitPrefill:
     """``paged_attention`` with the kernels' signature, over ``lib`` (kvq.attention.paged_lib.TorchLib,
     kvq.attention.flashinfer_lib.FlashInferLib)."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, model_dtype_scratch: bool = MODEL_DTYPE_SCRATCH):
         self.lib = lib
+        self.model_dtype_scratch = model_dtype_scratch
         self._step = None  # the host metadata object the cached plans belong to
         self._plans: dict = {}
 
@@ -80,7 +98,7 @@ class SplitPrefill:
                 paged_lib.make_plan(qo, lens, [0] * len(lens), block_tables, P), Hq, H, D, q.dtype, sm_scale))
             self.lib.run(handle, q, layer.k["data"], layer.v["data"], out=out)
             return out
-        dtype = torch.float16 if layer.fmt.is_quantized else layer.k_hp.dtype
+        dtype = scratch_dtype(q.dtype, self.model_dtype_scratch) if layer.fmt.is_quantized else layer.k_hp.dtype
         args, meta = layer_args(layer)
         for gi, (b0, b1, width) in enumerate(scratch_groups(lens, H, P, D)):
             r0, r1 = cu[b0], cu[b1]
@@ -88,11 +106,13 @@ class SplitPrefill:
                                                    P, D, dtype=dtype)
             handle = self._plan(host, ("scratch", gi, dtype), lambda: self.lib.prepare(
                 paged_lib.make_plan(qo[b0:b1], lens[b0:b1], [0] * (b1 - b0), ident, P), Hq, H, D, dtype, sm_scale))
-            qs = q[r0:r1].to(dtype)
-            # every row sees a key (its own), so the library writes all of an empty buffer (FlashInfer
-            # zero-fills the one it allocates: 21-41 us a call at 8 x 1024 / 4 x 4096, H100 profile)
-            o, _ = self.lib.run(handle, qs, k, v, out=torch.empty_like(qs))
-            out[r0:r1] = o
+            # every row sees a key (its own), so the library writes all of the buffer it is given (FlashInfer
+            # zero-fills one it allocates: 21-41 us a call at 8 x 1024 / 4 x 4096, H100 profile)
+            if dtype == q.dtype:  # straight from the queries into the output
+                self.lib.run(handle, q[r0:r1], k, v, out=out[r0:r1])
+            else:
+                qs = q[r0:r1].to(dtype)
+                out[r0:r1] = self.lib.run(handle, qs, k, v, out=torch.empty_like(qs))[0]
         return out
 
     def _windowed(self, q, out, layer, cu_t, tables, lens_t, sm_scale, max_q_len, window, k_new, v_new, host):
@@ -100,12 +120,13 @@ class SplitPrefill:
         pol = window.policy
         split = pol.residual_tokens + P
         sink = window.sink_tokens
-        for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, window, k_new, v_new)):
+        dtype = scratch_dtype(q.dtype, self.model_dtype_scratch)
+        for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, window, k_new, v_new, dtype=dtype)):
             lens = window.lens[g.b0:g.b1]
             qo = [window.cu[b + 1] - window.cu[b] for b in range(g.b0, g.b1)]
             bulk = [n - split - sink for n in lens]  # keys [sink, p - split] of the last query
             tail = [n - sink for n in lens]  # keys [sink, p] of the last query, of which the last R
-            qg = q[g.r0:g.r1].to(g.k.dtype)
+            qg = q[g.r0:g.r1] if dtype == q.dtype else q[g.r0:g.r1].to(dtype)
             o_bulk = o_tail = None
             if max(bulk) > 0:
                 handle = self._plan(host, ("window", gi), lambda: self.lib.prepare(
