@@ -19,6 +19,7 @@ GPU = torch.cuda.is_available()
 EIGHT_BIT = ["fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "fp8_per_block", "int8", "int8_per_token_head"]
 KIVI = ["int4_kivi", "int2_kivi"]
 PER_TOKEN = ["int4_per_token", "int2_per_token"]  # K per token too (K_TOKEN): pages of 16
+ROTATED = ["turboquant_4bit_nc"]  # levels from a table, the rotated query, the output rotated back (ROT)
 
 
 def _fill(fmt, H, D, group, bs, nq, nhp, dtype, static, gen):
@@ -66,7 +67,7 @@ CONFIGS = [dict(H=8, D=128, group=4, bs=16), dict(H=4, D=128, group=8, bs=32), d
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "H{H}D{D}g{group}bs{bs}".format(**c))
-@pytest.mark.parametrize("fmt", EIGHT_BIT + KIVI + PER_TOKEN)
+@pytest.mark.parametrize("fmt", EIGHT_BIT + KIVI + PER_TOKEN + ROTATED)
 def test_cuda_decode_matches_reference(fmt, cfg):
     from kvq.attention.cuda import decode8
 
@@ -111,7 +112,11 @@ def test_cuda_decode_support_rules():
     assert decode8.layer_reason(pool.layers[0].fmt.k, pool.layers[0].fmt.v, 128, 16, 4) is None
     plan = make_plan(bare_model(1, 2, 128, num_attention_heads=8), "turboquant_4bit_nc")
     pool = KVPool.create(plan, 2, 2, "cpu")
-    assert "neither stored in 8 bits nor KIVI" in decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16)
+    assert decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16) is None
+    for fmt, why in (("turboquant_3bit_nc", "3 bits"), ("rot4_kc", "centred_norm"), ("turboquant_k8v4", "or neither")):
+        plan = make_plan(bare_model(1, 2, 128, num_attention_heads=8), fmt)
+        pool = KVPool.create(plan, 2, 2, "cpu")
+        assert why in decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16), fmt
     plan = make_plan(bare_model(1, 2, 64, num_attention_heads=8), "int2_kivi")  # 16-byte rows (NARROW)
     pool = KVPool.create(plan, 2, 2, "cpu")
     assert decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16) is None

@@ -10,6 +10,8 @@
 //                4 or 2: KIVI (the K_/V_ macros are unused)
 //   K_TOKEN      with KIVI_BITS: 1 = K per token over 32 channels too, like V (int4_per_token,
 //                int2_per_token; pages of 16, no KIVI_STEP32), 0 = KIVI's K per channel
+//   ROT          with KIVI_BITS (the planar packing's width): 1 = rotated codebook K and V
+//                (turboquant_4bit_nc): codes index a table of levels, one norm per token
 //   K_KIND, V_KIND     0 = e4m3, 1 = e5m2, 2 = int8
 //   K_SCALE, V_SCALE   0 = static per head f32 [H], 1 = per token f32 [NB, H, PAGE],
 //                      2 = per token f16 [NB, H, PAGE], 3 = per block f32 [NB, H]
@@ -86,6 +88,16 @@
 // two channels share a group, k-step s = u * PER + m maps lane column c to the channels
 // m * DP + 16u + 4c .. + 3 (word u of the lane's 16-byte slice, bit plane m); rows are padded
 // to DP + 16 bytes so that those word reads are free of bank conflicts.
+//
+// Rotated codebook (ROT): K and V were rotated (R = H diag(signs), H the orthonormal Hadamard
+// transform) and each coordinate stored as the index of its level, with one f16 norm per token:
+// k = R^T (norm * levels[code]).  Scores are taken in the rotated domain with the rotated query
+// (qr = R q, float32, computed by the launcher); codes become their levels through a table in
+// shared memory (two codes a register, KIVI's planar maps); the K norm multiplies S rows and the
+// V norm P rows, as per-token scales do.  The quantized chunks' output sums in the rotated domain
+// (acc), the hp chunks' (exact K and V, scored with the plain query) in the model's (acch): at the
+// end each warp rotates its rows back in shared memory (in-place Hadamard butterflies, then the
+// signs) and adds acch, before the warps merge.
 
 #ifndef HAS_HP
 #define HAS_HP 0
@@ -104,6 +116,9 @@
 #endif
 #ifndef K_TOKEN
 #define K_TOKEN 0
+#endif
+#ifndef ROT
+#define ROT 0
 #endif
 #ifndef KIVI_EXACT
 #define KIVI_EXACT 0
@@ -139,6 +154,7 @@ constexpr int RS = D + 16;               // shared row stride, 8-bit rows
 constexpr int RSH = 2 * D + 16;          // shared row stride, high-precision rows
 #if KIVI_BITS
 constexpr int PER = 8 / KIVI_BITS;       // codes per byte
+constexpr int NLEV = 1 << KIVI_BITS;     // ROT: levels of the codebook
 constexpr int DP = D / PER;              // packed bytes per row
 constexpr int KB = DP / 4;               // bytes of a K row that one lane reads
 constexpr int KW = KB / 4;
@@ -160,9 +176,11 @@ static_assert(!(K_TOKEN && KIVI_STEP32), "K per token: 16-token items (pages of 
 constexpr bool K_SUB = KIVI_EXACT;                              // K codes as exact integers
 constexpr bool V_SUB = KIVI_EXACT || (HAS_HP && !MODEL_BF16);   // (f16 P of hp chunks cannot take 2^-24)
 constexpr float UNIT = 16777216.f;                              // 2^24: a subnormal code's unit, inverted
-constexpr int PAIR = K_TOKEN ? 1 : 2;    // a warp's chunks come in pairs: both halves of a K group (per channel)
-constexpr int ZG = NG;                   // V zero-point sums per (warp, query) in the merge
+constexpr int PAIR = K_TOKEN || ROT ? 1 : 2;  // a warp's chunks come in pairs: both halves of a K group (per channel)
+constexpr int ZG = ROT ? 0 : NG;         // V zero-point sums per (warp, query) in the merge
+static_assert(!ROT || (!K_TOKEN && !KIVI_STEP32 && !NARROW), "rotated codebook: 16-token items, KIVI's maps");
 #else
+static_assert(!ROT, "ROT needs KIVI_BITS (the codes' planar width)");
 constexpr int PAIR = 1;
 constexpr int ZG = 0;
 constexpr int SC_OFF = 32 * RS;          // K scales (64 bytes), V scales (64 bytes)
@@ -172,7 +190,7 @@ constexpr int KV_BYTES = (HAS_HP && 16 * RSH > Q_STAGE) ? 16 * RSH : Q_STAGE;  /
 constexpr int BLK_OFF = KV_BYTES;        // the chunk's signed block id
 constexpr int STAGE = KV_BYTES + 16;
 static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
-static_assert(PAGE % (KIVI_BITS && !K_TOKEN ? 32 : 16) == 0, "pages hold whole 16-token chunks (KIVI: 32-token groups)");
+static_assert(PAGE % (KIVI_BITS && !K_TOKEN && !ROT ? 32 : 16) == 0, "pages hold whole 16-token chunks (KIVI: 32-token groups)");
 static_assert(GROUP >= 1 && GROUP <= 8, "at most 8 query heads per KV head");
 static_assert(NSTAGES >= 2, "at least one chunk in flight while one is computed");
 static_assert(NWARPS * NSTAGES * STAGE >= NWARPS * 8 * (D + 2 + ZG) * 4, "the merge reuses the rings");
@@ -386,7 +404,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     float* __restrict__ po, float* __restrict__ plse,         // [B, Hq, ST, D], [B, Hq, ST] (ST > 1)
     u16* __restrict__ out, i64 s_ob, i64 s_oh,                // [B, Hq, D] (ST == 1)
     float qk_scale, int H,
-    int split_base, int ST) {  // this launch's splits are [split_base, + gridDim.x) of ST partials a row
+    int split_base, int ST,    // this launch's splits are [split_base, + gridDim.x) of ST partials a row
+    // ROT: the rotated queries (float32 [B, Hq, D] contiguous), K's and V's levels (f16 [2^BITS]),
+    // the rotation's signs (float32 [D]); unused otherwise
+    const float* __restrict__ qr, const u16* __restrict__ klut, const u16* __restrict__ vlut,
+    const float* __restrict__ rsign) {
     extern __shared__ __align__(16) u8 smem[];
     const int sp = blockIdx.x, h = blockIdx.y, b = blockIdx.z, S = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gi = lane >> 2, c = lane & 3;
@@ -414,11 +436,18 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     const float vs_static = V_SCALE == 0 ? reinterpret_cast<const float*>(vs)[h] : 1.f;
 #endif
 
+#if ROT
+    // the levels, K's then V's (f16), after the rings
+    u16* lut = reinterpret_cast<u16*>(smem + NWARPS * NSTAGES * STAGE);
+    if (threadIdx.x < 2 * NLEV) lut[threadIdx.x] = threadIdx.x < NLEV ? klut[threadIdx.x] : vlut[threadIdx.x - NLEV];
+    __syncthreads();
+#endif
+
     // ---- the query group as B fragments (k_channel's map): qf in f16 for the quantized
     // chunks, qh in the model dtype for the high-precision ones
     u32 qf[KS][2];
-#if HAS_HP && MODEL_BF16
-    u32 qh[KS][2];
+#if HAS_HP && (MODEL_BF16 || ROT)
+    u32 qh[KS][2];  // (ROT: the plain query; qf holds the rotated one)
 #elif HAS_HP
     u32(&qh)[KS][2] = qf;  // f16 model: the hp chunks use the same fragments
 #endif
@@ -429,7 +458,19 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const uint2 v = *reinterpret_cast<const uint2*>(row + 2 * k_channel(s, c));
             u32 p0, p1;
             pair_words(gi < GROUP ? v.x : 0u, gi < GROUP ? v.y : 0u, p0, p1);
-#if MODEL_BF16
+#if ROT
+            {  // the rotated query, channels (x, x+2) and (x+1, x+3) as KIVI's map pairs them
+                const int x = k_channel(s, c);
+                const float* r = qr + ((i64)b * (H * GROUP) + h * GROUP + (gi < GROUP ? gi : 0)) * D + x;
+                const float4 w = gi < GROUP ? *reinterpret_cast<const float4*>(r) : make_float4(0.f, 0.f, 0.f, 0.f);
+                qf[s][0] = pack_f16(w.x, w.z);
+                qf[s][1] = pack_f16(w.y, w.w);
+            }
+#if HAS_HP
+            qh[s][0] = p0;
+            qh[s][1] = p1;
+#endif
+#elif MODEL_BF16
             qf[s][0] = pack_f16(__uint_as_float(p0 << 16), __uint_as_float(p0 & 0xffff0000u));
             qf[s][1] = pack_f16(__uint_as_float(p1 << 16), __uint_as_float(p1 & 0xffff0000u));
 #if HAS_HP
@@ -469,7 +510,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 copy_rows<DP, RSV, QR>(st + VR_OFF, vd + bk * sb_vd + row0 * DP, lane);
                 // K: the scale and zero rows of the 32-token group (at its first chunk), or per token
                 // (K_TOKEN: QR tokens' scales, then their zeros, f16 [QR][NG] each, like V's); V: QR tokens'
-                if (K_TOKEN) {
+                if (ROT) {  // 16 tokens' K norms at KSC_OFF, then their V norms (f16, 32 bytes each)
+                    if (lane < 4)
+                        cp16(st + KSC_OFF + 16 * lane, (lane < 2 ? ks + bk * sb_ks : vs + bk * sb_vs) + row0 * 2 + 16 * (lane & 1));
+                } else if (K_TOKEN) {
 #pragma unroll
                     for (int p = lane; p < QR * NG / 4; p += 32) {
                         const int half = p / (QR * NG / 8), col = (p % (QR * NG / 8)) * 16;
@@ -485,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                     }
                 }
 #pragma unroll
-                for (int p = lane; p < QR * NG / 4; p += 32) {  // 16-byte pieces of the scale rows, then the zeros'
+                for (int p = lane; p < (ROT ? 0 : QR * NG / 4); p += 32) {  // 16-byte pieces of the scale rows, then the zeros'
                     const int half = p / (QR * NG / 8), col = (p % (QR * NG / 8)) * 16;
                     cp16(st + VSC_OFF + half * 2 * NG * QR + col,
                          (half ? vz + bk * sb_vz : vs + bk * sb_vs) + row0 * (2 * NG) + col);
@@ -514,6 +558,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     float acc[KS][4];
 #pragma unroll
     for (int j = 0; j < KS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#if ROT && HAS_HP
+    float acch[KS][4];  // the hp chunks' share, in the model's domain (acc sums the rotated one)
+#pragma unroll
+    for (int j = 0; j < KS; ++j) acch[j][0] = acch[j][1] = acch[j][2] = acch[j][3] = 0.f;
+#endif
 #if KIVI_BITS
     u32 qs[KS][2];                              // the group's K scales (and planes' 2^-(BITS m)) in the queries
     float zq0 = 0.f, zq1 = 0.f;                 // the group's K zero-point term, queries 2c, 2c+1
@@ -586,6 +635,53 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             }
         }
     };
+#if ROT
+    // the levels of plane m's codes in bytes 0 and 2 of x (table t), f16x2
+    auto lut2 = [&](const u16* t, u32 x, int m) {
+        const u32 lo = (x >> (KIVI_BITS * m)) & (NLEV - 1), hi = (x >> (16 + KIVI_BITS * m)) & (NLEV - 1);
+        return u32(t[lo]) | (u32(t[hi]) << 16);
+    };
+    // S^T of 16 token rows `kr` in the rotated domain: levels (KIVI's K map) against the rotated query
+    auto rot_scores = [&](const u8* kr, float* s) {
+        u32 r0[KW], r1[KW];
+        lds<KW>(r0, kr + gi * RSK + KB * c);
+        lds<KW>(r1, kr + (gi + 8) * RSK + KB * c);
+#pragma unroll
+        for (int w = 0; w < KW; ++w) {
+            const u32 o0 = r0[w] >> 8, o1 = r1[w] >> 8;
+#pragma unroll
+            for (int m = 0; m < PER; ++m)
+                mma_f16(s, lut2(lut, r0[w], m), lut2(lut, r1[w], m), lut2(lut, o0, m), lut2(lut, o1, m),
+                        qf[w * PER + m][0], qf[w * PER + m][1]);
+        }
+    };
+    // O^T (rotated) += V^T . P^T over 16 token rows `vr`: levels (KIVI's V map), P already times the V norms
+    auto rot_pv = [&](const u8* vr, u32 pb0, u32 pb1) {
+        const u16* vl = lut + NLEV;
+        u32 v0[NU], v1[NU], v8[NU], v9[NU];
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+            const int x = 4 * gi + 32 * u;
+            v0[u] = *reinterpret_cast<const u32*>(vr + (2 * c) * RSV + x);
+            v1[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 1) * RSV + x);
+            v8[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 8) * RSV + x);
+            v9[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 9) * RSV + x);
+        }
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
+                const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
+                const u32 oA = tA >> 8, oB = tB >> 8;
+#pragma unroll
+                for (int m = 0; m < PER; ++m)
+                    mma_f16(acc[(u * PER + m) * 2 + e], lut2(vl, tA, m), lut2(vl, oA, m), lut2(vl, tB, m),
+                            lut2(vl, oB, m), pb0, pb1);
+            }
+        }
+    };
+#endif
     // O^T += V^T . P^T over 16 token rows `vr` with their V scales `vsc` and zeros `vzr` ([16][NG] f16);
     // pb0/pb1: the plain P^T fragments (lane: query gi, tokens 2c, 2c+1 | 2c+8, 2c+9)
     auto kivi_pv = [&](const u8* vr, const u8* vsc, const u8* vzr, u32 pb0, u32 pb1) {
@@ -733,7 +829,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #endif
         if (!hp) {
 #if KIVI_BITS
-            if (K_TOKEN) {
+            if (ROT) {  // scores against the rotated query; the K and V norms as per-token scales
+#if ROT
+                rot_scores(st, s);
+#endif
+                const u16* nrm = reinterpret_cast<const u16*>(st + KSC_OFF);
+                fk0 = qk_scale * half_to_float(nrm[gi]);
+                fk1 = qk_scale * half_to_float(nrm[gi + 8]);
+                fv0 = half_to_float(nrm[16 + gi]);
+                fv1 = half_to_float(nrm[24 + gi]);
+            } else if (K_TOKEN) {
                 token_scores(st, st + KSC_OFF, s);
             } else {
                 if ((k & 1) == 0) kivi_group(st);  // a group's first chunk: its scales into the queries
@@ -807,13 +912,24 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             zacc[0] *= al0;
             zacc[1] *= al1;
 #endif
+#if ROT && HAS_HP
+#pragma unroll
+            for (int j = 0; j < KS; ++j) {
+                acch[j][0] *= al0;
+                acch[j][1] *= al1;
+                acch[j][2] *= al0;
+                acch[j][3] *= al1;
+            }
+#endif
         }
 
         // O^T += V^T . P^T, P^T from the S^T fragment (8-bit: V's scales folded into P)
         if (!hp) {
             const u32 pb0 = trans8x8(pack_f16(p0 * fv0, p1 * fv0));
             const u32 pb1 = trans8x8(pack_f16(p2 * fv1, p3 * fv1));
-#if KIVI_BITS
+#if ROT
+            rot_pv(st + VR_OFF, pb0, pb1);
+#elif KIVI_BITS
             kivi_pv(st + VR_OFF, st + VSC_OFF, st + VZ_OFF, pb0, pb1);
 #else
             u32 v0[VB / 4], v1[VB / 4], v8[VB / 4], v9[VB / 4];
@@ -835,7 +951,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #if HAS_HP
 #if MODEL_BF16 && KIVI_BITS
             // in the unit of the quantized chunks' sums (2^-24 with subnormal V codes; exact in bf16)
-            constexpr float PU = V_SUB ? 1.f : 1.f / UNIT;
+            constexpr float PU = V_SUB || ROT ? 1.f : 1.f / UNIT;
             const u32 pb0 = trans8x8(pack_bf16(p0 * PU, p1 * PU)), pb1 = trans8x8(pack_bf16(p2 * PU, p3 * PU));
 #elif MODEL_BF16
             const u32 pb0 = trans8x8(pack_bf16(p0, p1)), pb1 = trans8x8(pack_bf16(p2, p3));
@@ -850,7 +966,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 const u32 w1 = *reinterpret_cast<const u32*>(vr + (2 * c + 1) * RSH + x);
                 const u32 w8 = *reinterpret_cast<const u32*>(vr + (2 * c + 8) * RSH + x);
                 const u32 w9 = *reinterpret_cast<const u32*>(vr + (2 * c + 9) * RSH + x);
-                mma_hp(acc[j], __byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
+#if ROT
+                float* a = acch[j];  // (the model's domain)
+#else
+                float* a = acc[j];
+#endif
+                mma_hp(a, __byte_perm(w0, w1, 0x5410), __byte_perm(w0, w1, 0x7632),
                        __byte_perm(w8, w9, 0x5410), __byte_perm(w8, w9, 0x7632), pb0, pb1);
             }
 #endif
@@ -876,8 +997,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         if (qq < GROUP) {
             float* dst = os + (warp * 8 + qq) * D;
 #if KIVI_BITS
-            constexpr float VU = V_SUB ? 1.f : UNIT;
-            if (gi < NG) zs[(warp * 8 + qq) * NG + gi] = zacc[e];
+            constexpr float VU = V_SUB || ROT ? 1.f : UNIT;
+            if (!ROT && gi < NG) zs[(warp * 8 + qq) * NG + gi] = zacc[e];
 #else
             constexpr float VU = 1.f;
 #endif
@@ -893,6 +1014,41 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             }
         }
     }
+#if ROT
+    // back from the rotated domain: this warp's query rows (the first GROUP of its 8) get H (in-place
+    // butterflies), then the signs and 1/sqrt(D) (R^T = diag(signs) H), then the hp chunks' share
+    __syncwarp();
+    {
+        float* rows = os + warp * 8 * D;
+        for (int hh = 1; hh < D; hh <<= 1) {
+            for (int p = lane; p < GROUP * D / 2; p += 32) {
+                const int r = p / (D / 2), k = p % (D / 2);
+                float* x = rows + r * D + (k / hh) * 2 * hh + (k % hh);
+                const float a = x[0], bb = x[hh];
+                x[0] = a + bb;
+                x[hh] = a - bb;
+            }
+            __syncwarp();
+        }
+        const float inv = rsqrtf(float(D));
+        for (int p = lane; p < GROUP * D; p += 32) rows[p] *= rsign[p % D] * inv;
+        __syncwarp();
+#if HAS_HP
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int qq = 2 * c + e;
+            if (qq < GROUP) {
+#pragma unroll
+                for (int j = 0; j < KS; ++j) {
+                    const int ch = v_channel(j, gi);
+                    rows[qq * D + ch] += acch[j][e];
+                    rows[qq * D + ch + 1] += acch[j][2 + e];
+                }
+            }
+        }
+#endif
+    }
+#endif
     __syncthreads();
     const int Hq = H * GROUP;
     for (int e = threadIdx.x; e < GROUP * D; e += NWARPS * 32) {
@@ -906,7 +1062,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             for (int w = 0; w < NWARPS; ++w) {
                 const float f = ex2(ms[w * 8 + qq] - M);
                 L += ls[w * 8 + qq] * f;
-#if KIVI_BITS
+#if KIVI_BITS && !ROT
                 O += (os[(w * 8 + qq) * D + ch] + zs[(w * 8 + qq) * NG + ch / 32]) * f;
 #else
                 O += os[(w * 8 + qq) * D + ch] * f;

@@ -4,7 +4,9 @@ Serves K and V stored in 8 bits (FP8 e4m3 / e5m2 with static, per-token or
 per-block scales; INT8 with per-token scales), as KIVI (int4_kivi /
 int2_kivi: K per channel over 32 tokens, V per token over 32 channels) or as the
 per-token sub-byte formats (int4_per_token / int2_per_token: K and V per token
-over 32 channels), head dims 64/128/256, pages a multiple of 16 tokens (KIVI: 32),
+over 32 channels) or as a rotated 4-bit codebook with a norm per token (turboquant_4bit_nc:
+levels from a table, scores against the rotated query, the output rotated back in the
+kernel), head dims 64/128/256, pages a multiple of 16 tokens (KIVI: 32),
 up to 8 query heads per KV head, bf16 or f16 queries, and tables that mix in
 high-precision blocks (sinks, recent window) in the same pass.  Compilation
 goes through CuPy's NVRTC (CuPy is on the GPU machine;
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kvq.cache.pool import LayerKV
+from kvq.formats import codebook
 from kvq.formats.spec import TensorFormat
 
 _SOURCE = Path(__file__).with_name("decode8.cu")
@@ -60,8 +63,8 @@ def unavailable_reason() -> str | None:
 
 
 def scale_mode(t: TensorFormat) -> int:
-    """The kernel's code for a tensor format's scales (see decode8.cu); 0 for KIVI (unused)."""
-    if t.scale in ("static", "none") or t.family == "kivi":
+    """The kernel's code for a tensor format's scales (see decode8.cu); 0 for KIVI and rotated (unused)."""
+    if t.scale in ("static", "none") or t.family in ("kivi", "rot"):
         return 0
     if t.scale == "token_head":
         return 1 if t.scale_dtype == "float32" else 2
@@ -82,6 +85,15 @@ def kivi_bits(t: TensorFormat) -> int:
     return 0
 
 
+#: Rotated codebooks the kernel reads: this many bits, one norm per token (no centring)
+ROT_BITS = 4
+
+
+def rot_bits(t: TensorFormat) -> int:
+    """``ROT_BITS`` for a rotated codebook tensor this kernel reads, else 0."""
+    return t.bits if t.family == "rot" and t.scale == "token_norm" and t.bits == ROT_BITS else 0
+
+
 def k_per_token(k: TensorFormat) -> bool:
     """Whether a sub-byte K is stored per token (int4/int2_per_token: K_TOKEN in decode8.cu)."""
     return kivi_bits(k) > 0 and k.scale == "token_group"
@@ -89,6 +101,11 @@ def k_per_token(k: TensorFormat) -> bool:
 
 def format_reason(t: TensorFormat) -> str | None:
     """None if this kernel reads tensors of format ``t``, else why not."""
+    if t.family == "rot":
+        if not rot_bits(t):
+            return (f"{t.name}: {t.role.upper()} a rotated codebook of {t.bits} bits scaled per {t.scale} "
+                    f"(the kernel reads {ROT_BITS} bits with a norm per token, no centring)")
+        return None
     if t.family == "kivi":
         if t.group_size != KIVI_GROUP:
             return f"{t.name}: group size {t.group_size} (the kernel reads groups of {KIVI_GROUP})"
@@ -111,12 +128,17 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
         why = format_reason(t)
         if why:
             return why
+    rot = rot_bits(k), rot_bits(v)
+    if bool(rot[0]) != bool(rot[1]):
+        return f"K is {k.name} and V {v.name}: both rotated codebooks, or neither"
+    if rot[0] and k.rotation_seed != v.rotation_seed:
+        return f"K and V rotated with different seeds ({k.rotation_seed}, {v.rotation_seed})"
     bits = kivi_bits(k), kivi_bits(v)
     if bits[0] != bits[1]:
         return f"K is {k.name} and V {v.name}: both 8-bit, or both KIVI of one width"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} not in {HEAD_DIMS}"
-    page = 32 if bits[0] and not k_per_token(k) else 16
+    page = 32 if bits[0] and not k_per_token(k) else 16  # (rotated: 16)
     if block_size % page:
         return f"page {block_size} is not a multiple of {page}"
     if group > MAX_GROUP:
@@ -180,19 +202,28 @@ MAX_SMEM = 227 * 1024
 
 @functools.lru_cache(maxsize=None)
 def _kernel(d: int, page: int, group: int, kivi: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool,
-            bf16: bool, nwarps: int, nstages: int, min_blocks: int, step32: bool = False, k_token: bool = False):
+            bf16: bool, nwarps: int, nstages: int, min_blocks: int, step32: bool = False, k_token: bool = False,
+            rot: bool = False):
     import cupy
 
     opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DKIVI_BITS={kivi}",
             f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
             f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}",
-            f"-DKIVI_STEP32={int(step32)}", f"-DK_TOKEN={int(k_token)}")
-    smem = nwarps * nstages * stage_bytes(d, has_hp, kivi, step32, k_token)
+            f"-DKIVI_STEP32={int(step32)}", f"-DK_TOKEN={int(k_token)}", f"-DROT={int(rot)}")
+    # (rotated: K's and V's levels after the rings, f16)
+    smem = nwarps * nstages * stage_bytes(d, has_hp, kivi, step32, k_token) + (4 << kivi if rot else 0)
     if smem > MAX_SMEM:
         raise ValueError(f"{nwarps} warps x {nstages} stages need {smem} bytes of shared memory (at most {MAX_SMEM})")
     kern = cupy.RawModule(code=_SOURCE.read_text(), options=opts, backend="nvrtc").get_function("kvq_decode8")
     kern.max_dynamic_shared_size_bytes = smem
     return kern, smem
+
+
+@functools.lru_cache(maxsize=16)
+def _rot_tables(k_bits: int, v_bits: int, head_dim: int, seed: int, device: str):
+    """K's and V's codebook levels (f16 [2^bits]) and the rotation's signs (float32 [head_dim])."""
+    lev = [codebook.tables(b, head_dim, device)[0].to(torch.float16).contiguous() for b in (k_bits, v_bits)]
+    return lev[0], lev[1], codebook.signs(seed, head_dim, device).contiguous()
 
 
 @functools.lru_cache(maxsize=8)
@@ -287,15 +318,21 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     if num_splits is None:
         num_splits = splits_for(q, layer, max_seq_len, nwarps, min_blocks)
     fk, fv = layer.fmt.k, layer.fmt.v
-    kivi, k_token = kivi_bits(fk), k_per_token(fk)
-    step32 = bool(kivi and not k_token and (KIVI_STEP32 if kivi_step32 is None else kivi_step32))
+    rot = bool(rot_bits(fk))
+    kivi, k_token = rot_bits(fk) or kivi_bits(fk), k_per_token(fk)
+    step32 = bool(kivi and not k_token and not rot and (KIVI_STEP32 if kivi_step32 is None else kivi_step32))
     kern, smem = _kernel(D, layer.block_size, group, kivi, _KIND.get(fk.storage, 0), _KIND.get(fv.storage, 0),
                          scale_mode(fk), scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages,
-                         min_blocks, step32, k_token)
-    ks = layer.k_scale if scale_mode(fk) == 0 and not kivi else layer.k["scale"]
+                         min_blocks, step32, k_token, rot)
+    ks = layer.k_scale if scale_mode(fk) == 0 and not kivi else layer.k["scale"]  # (rotated: the norms)
     vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
-    kz = layer.k["zero"] if kivi else ks
-    vz = layer.v["zero"] if kivi else vs
+    kz = layer.k["zero"] if kivi and not rot else ks
+    vz = layer.v["zero"] if kivi and not rot else vs
+    if rot:  # the rotated query (float32), K's and V's levels (f16), V's signs for the rotation back
+        qr = codebook.rotate(q.float(), fk.rotation_seed).contiguous()
+        klut, vlut, rsign = _rot_tables(fk.bits, fv.bits, D, fv.rotation_seed, str(q.device))
+    else:
+        qr = klut = vlut = rsign = q
     out = torch.empty_like(q) if partials is None else q  # (with partials: unused by the kernel)
     base, total = 0, num_splits
     if partials is not None:
@@ -319,6 +356,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
             _ptr(block_tables), np.int64(block_tables.stride(0)), _ptr(seq_lens),
             _ptr(po), _ptr(plse), _ptr(out), np.int64(out.stride(0)), np.int64(out.stride(1)),
             np.float32(sm_scale * _LOG2E), np.int32(H), np.int32(base), np.int32(total),
+            _ptr(qr), _ptr(klut), _ptr(vlut), _ptr(rsign),
         ), shared_mem=smem)
     if partials is not None:
         return None
