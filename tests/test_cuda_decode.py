@@ -19,7 +19,8 @@ GPU = torch.cuda.is_available()
 EIGHT_BIT = ["fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "fp8_per_block", "int8", "int8_per_token_head"]
 KIVI = ["int4_kivi", "int2_kivi"]
 PER_TOKEN = ["int4_per_token", "int2_per_token"]  # K per token too (K_TOKEN): pages of 16
-ROTATED = ["turboquant_4bit_nc"]  # levels from a table, the rotated query, the output rotated back (ROT)
+# levels from a table, the rotated query, the output rotated back (ROT); K centred over 32 tokens (KC)
+ROTATED = ["turboquant_4bit_nc", "turboquant_3bit_nc", "rot4_kc", "rot3_kc"]
 
 
 def _fill(fmt, H, D, group, bs, nq, nhp, dtype, static, gen):
@@ -76,8 +77,10 @@ def test_cuda_decode_matches_reference(fmt, cfg):
         pytest.skip(why)
     gen = torch.Generator().manual_seed(11)
     H, D, group, bs = cfg["H"], cfg["D"], cfg["group"], cfg["bs"]
-    if fmt in KIVI:
+    if fmt in KIVI or fmt.endswith("_kc"):
         bs = max(bs, 32)
+    if fmt in ("turboquant_3bit_nc", "rot3_kc") and D < 128:
+        pytest.skip("3-bit rotated codes need head_dim >= 128 in this kernel")
     for dtype in (torch.bfloat16, torch.float16):
         layer = _fill(fmt, H, D, group, bs, nq=512, nhp=16, dtype=dtype, static=True, gen=gen)
         sm = D ** -0.5
@@ -113,10 +116,12 @@ def test_cuda_decode_support_rules():
     plan = make_plan(bare_model(1, 2, 128, num_attention_heads=8), "turboquant_4bit_nc")
     pool = KVPool.create(plan, 2, 2, "cpu")
     assert decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16) is None
-    for fmt, why in (("turboquant_3bit_nc", "3 bits"), ("rot4_kc", "centred_norm"), ("turboquant_k8v4", "or neither")):
-        plan = make_plan(bare_model(1, 2, 128, num_attention_heads=8), fmt)
+    for fmt, D, why in (("rot3_kc", 128, None), ("rot4_kc", 64, None), ("rot3_kc", 64, "head_dim 64"),
+                        ("turboquant_k8v4", 128, "or neither"), ("turboquant_k3v4_nc", 128, "one width")):
+        plan = make_plan(bare_model(1, 2, D, num_attention_heads=8), fmt)
         pool = KVPool.create(plan, 2, 2, "cpu")
-        assert why in decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16), fmt
+        got = decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16)
+        assert (got is None) if why is None else (why in got), (fmt, D, got)
     plan = make_plan(bare_model(1, 2, 64, num_attention_heads=8), "int2_kivi")  # 16-byte rows (NARROW)
     pool = KVPool.create(plan, 2, 2, "cpu")
     assert decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16) is None

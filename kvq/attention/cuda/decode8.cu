@@ -10,8 +10,11 @@
 //                4 or 2: KIVI (the K_/V_ macros are unused)
 //   K_TOKEN      with KIVI_BITS: 1 = K per token over 32 channels too, like V (int4_per_token,
 //                int2_per_token; pages of 16, no KIVI_STEP32), 0 = KIVI's K per channel
-//   ROT          with KIVI_BITS (the planar packing's width): 1 = rotated codebook K and V
-//                (turboquant_4bit_nc): codes index a table of levels, one norm per token
+//   ROT          with KIVI_BITS (4, or 3: a 2-bit plane then a 1-bit plane, head_dim >= 128): 1 =
+//                rotated codebook K and V (turboquant_4bit_nc, turboquant_3bit_nc): codes index a
+//                table of levels, one norm per token
+//   KC           with ROT: K centred per channel over 32 tokens before its rotation (rot3_kc,
+//                rot4_kc): a mean row per group, pages of 32
 //   K_KIND, V_KIND     0 = e4m3, 1 = e5m2, 2 = int8
 //   K_SCALE, V_SCALE   0 = static per head f32 [H], 1 = per token f32 [NB, H, PAGE],
 //                      2 = per token f16 [NB, H, PAGE], 3 = per block f32 [NB, H]
@@ -97,7 +100,12 @@
 // V norm P rows, as per-token scales do.  The quantized chunks' output sums in the rotated domain
 // (acc), the hp chunks' (exact K and V, scored with the plain query) in the model's (acch): at the
 // end each warp rotates its rows back in shared memory (in-place Hadamard butterflies, then the
-// signs) and adds acch, before the warps merge.
+// signs) and adds acch, before the warps merge.  3-bit codes: the main plane holds the low 2 bits
+// (KIVI's 2-bit maps), a 1-bit plane of D/8 bytes after it the high bit: channel ch's bit is bit
+// ch / DH of byte ch % DH (DH = D/8), so a fragment word of the main plane at byte x pairs with the
+// high plane's word at byte x % DH, bit 2m + x / DH for plane m.  Centred K (KC): the group's mean
+// row (f16 [D]) enters one MMA against the plain query at the group's first chunk, a constant per
+// query added to the group's scores, as KIVI's zero points are.
 
 #ifndef HAS_HP
 #define HAS_HP 0
@@ -119,6 +127,9 @@
 #endif
 #ifndef ROT
 #define ROT 0
+#endif
+#ifndef KC
+#define KC 0
 #endif
 #ifndef KIVI_EXACT
 #define KIVI_EXACT 0
@@ -153,17 +164,20 @@ constexpr int VB = D / 8;                // bytes of an 8-bit V row that one lan
 constexpr int RS = D + 16;               // shared row stride, 8-bit rows
 constexpr int RSH = 2 * D + 16;          // shared row stride, high-precision rows
 #if KIVI_BITS
-constexpr int PER = 8 / KIVI_BITS;       // codes per byte
+constexpr int PBITS = KIVI_BITS == 3 ? 2 : KIVI_BITS;  // a code's bits in the main plane (3: 2 + a high-bit plane)
+constexpr int PER = 8 / PBITS;           // codes per byte
 constexpr int NLEV = 1 << KIVI_BITS;     // ROT: levels of the codebook
-constexpr int DP = D / PER;              // packed bytes per row
+constexpr int DP = D / PER;              // packed bytes per row (of the main plane)
+constexpr int DH = KIVI_BITS == 3 ? D / 8 : 0;  // bytes of the high-bit plane a row (3-bit codes)
+constexpr int ROWB = DP + DH;            // bytes a row
 constexpr int KB = DP / 4;               // bytes of a K row that one lane reads
 constexpr int KW = KB / 4;
 constexpr bool NARROW = DP < 32;         // 16-byte rows (int2 at head_dim 64): one PV m-tile a plane
 constexpr int NU = NARROW ? 1 : DP / 32; // words of a V row that one lane reads (NARROW: a half word)
 constexpr int NG = D / 32;               // V channel groups
 constexpr int RSK = K_TOKEN ? (DP == 16 ? 16 : DP + 16)  // conflict-free K fragment reads
-                            : (DP <= 64 ? DP : DP + 16);
-constexpr int RSV = ((DP + 47) / 64) * 64 + 16;       // conflict-free V fragment reads
+                            : (ROWB <= 64 ? ROWB : ROWB + 16);
+constexpr int RSV = ((ROWB + 47) / 64) * 64 + 16;     // conflict-free V fragment reads
 constexpr int QR = KIVI_STEP32 ? 32 : 16;             // token rows of a quantized item
 constexpr int VR_OFF = QR * RSK;                      // V rows
 constexpr int KSC_OFF = VR_OFF + QR * RSV;            // K scale row, K zero row of the chunk's group (f16 [D] each)
@@ -176,9 +190,11 @@ static_assert(!(K_TOKEN && KIVI_STEP32), "K per token: 16-token items (pages of 
 constexpr bool K_SUB = KIVI_EXACT;                              // K codes as exact integers
 constexpr bool V_SUB = KIVI_EXACT || (HAS_HP && !MODEL_BF16);   // (f16 P of hp chunks cannot take 2^-24)
 constexpr float UNIT = 16777216.f;                              // 2^24: a subnormal code's unit, inverted
-constexpr int PAIR = K_TOKEN || ROT ? 1 : 2;  // a warp's chunks come in pairs: both halves of a K group (per channel)
+constexpr int PAIR = K_TOKEN || (ROT && !KC) ? 1 : 2;  // a warp's chunks come in pairs: both halves of a K group (per channel)
 constexpr int ZG = ROT ? 0 : NG;         // V zero-point sums per (warp, query) in the merge
 static_assert(!ROT || (!K_TOKEN && !KIVI_STEP32 && !NARROW), "rotated codebook: 16-token items, KIVI's maps");
+static_assert(KIVI_BITS != 3 || (ROT && ROWB % 16 == 0), "3-bit codes: rotated, head_dim >= 128");
+static_assert(!KC || ROT, "KC: a rotated codebook's centred K");
 #else
 static_assert(!ROT, "ROT needs KIVI_BITS (the codes' planar width)");
 constexpr int PAIR = 1;
@@ -190,7 +206,7 @@ constexpr int KV_BYTES = (HAS_HP && 16 * RSH > Q_STAGE) ? 16 * RSH : Q_STAGE;  /
 constexpr int BLK_OFF = KV_BYTES;        // the chunk's signed block id
 constexpr int STAGE = KV_BYTES + 16;
 static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
-static_assert(PAGE % (KIVI_BITS && !K_TOKEN && !ROT ? 32 : 16) == 0, "pages hold whole 16-token chunks (KIVI: 32-token groups)");
+static_assert(PAGE % (KIVI_BITS && !K_TOKEN && (!ROT || KC) ? 32 : 16) == 0, "pages hold whole 16-token chunks (KIVI: 32-token groups)");
 static_assert(GROUP >= 1 && GROUP <= 8, "at most 8 query heads per KV head");
 static_assert(NSTAGES >= 2, "at least one chunk in flight while one is computed");
 static_assert(NWARPS * NSTAGES * STAGE >= NWARPS * 8 * (D + 2 + ZG) * 4, "the merge reuses the rings");
@@ -446,7 +462,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     // ---- the query group as B fragments (k_channel's map): qf in f16 for the quantized
     // chunks, qh in the model dtype for the high-precision ones
     u32 qf[KS][2];
-#if HAS_HP && (MODEL_BF16 || ROT)
+#if (HAS_HP && (MODEL_BF16 || ROT)) || KC
     u32 qh[KS][2];  // (ROT: the plain query; qf holds the rotated one)
 #elif HAS_HP
     u32(&qh)[KS][2] = qf;  // f16 model: the hp chunks use the same fragments
@@ -466,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 qf[s][0] = pack_f16(w.x, w.z);
                 qf[s][1] = pack_f16(w.y, w.w);
             }
-#if HAS_HP
+#if HAS_HP || KC
             qh[s][0] = p0;
             qh[s][1] = p1;
 #endif
@@ -506,13 +522,18 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 const i64 bk = blk;
                 const i64 row0 = (i64)h * PAGE + poff;  // the chunk's first row in its block
 #if KIVI_BITS
-                copy_rows<DP, RSK, QR>(st, kd + bk * sb_kd + row0 * DP, lane);
-                copy_rows<DP, RSV, QR>(st + VR_OFF, vd + bk * sb_vd + row0 * DP, lane);
+                copy_rows<ROWB, RSK, QR>(st, kd + bk * sb_kd + row0 * ROWB, lane);
+                copy_rows<ROWB, RSV, QR>(st + VR_OFF, vd + bk * sb_vd + row0 * ROWB, lane);
                 // K: the scale and zero rows of the 32-token group (at its first chunk), or per token
                 // (K_TOKEN: QR tokens' scales, then their zeros, f16 [QR][NG] each, like V's); V: QR tokens'
                 if (ROT) {  // 16 tokens' K norms at KSC_OFF, then their V norms (f16, 32 bytes each)
                     if (lane < 4)
                         cp16(st + KSC_OFF + 16 * lane, (lane < 2 ? ks + bk * sb_ks : vs + bk * sb_vs) + row0 * 2 + 16 * (lane & 1));
+                    if (KC && (k & 1) == 0) {  // the group's K mean row (f16 [D]) at KSC_OFF + 64
+                        const i64 mrow = ((i64)h * (PAGE / 32) + poff / 32) * (2 * D);
+#pragma unroll
+                        for (int p = lane; p < D / 8; p += 32) cp16(st + KSC_OFF + 64 + 16 * p, kz + bk * sb_kz + mrow + 16 * p);
+                    }
                 } else if (K_TOKEN) {
 #pragma unroll
                     for (int p = lane; p < QR * NG / 4; p += 32) {
@@ -636,11 +657,18 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         }
     };
 #if ROT
-    // the levels of plane m's codes in bytes 0 and 2 of x (table t), f16x2
-    auto lut2 = [&](const u16* t, u32 x, int m) {
-        const u32 lo = (x >> (KIVI_BITS * m)) & (NLEV - 1), hi = (x >> (16 + KIVI_BITS * m)) & (NLEV - 1);
+    // the levels of plane m's codes in bytes 0 and 2 of x (table t), f16x2; 3-bit codes: their high
+    // bits at bit 2m + hb of bytes 0 and 2 of y (the high plane's word)
+    auto lut2 = [&](const u16* t, u32 x, u32 y, int m, int hb) {
+        constexpr u32 PM = (1u << PBITS) - 1u;
+        u32 lo = (x >> (PBITS * m)) & PM, hi = (x >> (16 + PBITS * m)) & PM;
+        if (KIVI_BITS == 3) {
+            lo |= ((y >> (2 * m + hb)) & 1u) << 2;
+            hi |= ((y >> (16 + 2 * m + hb)) & 1u) << 2;
+        }
         return u32(t[lo]) | (u32(t[hi]) << 16);
     };
+    constexpr int DHW = DH ? DH : 4;  // (4-bit codes: no high plane; its reads below are dummies)
     // S^T of 16 token rows `kr` in the rotated domain: levels (KIVI's K map) against the rotated query
     auto rot_scores = [&](const u8* kr, float* s) {
         u32 r0[KW], r1[KW];
@@ -648,36 +676,65 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         lds<KW>(r1, kr + (gi + 8) * RSK + KB * c);
 #pragma unroll
         for (int w = 0; w < KW; ++w) {
-            const u32 o0 = r0[w] >> 8, o1 = r1[w] >> 8;
+            const int x = KB * c + 4 * w, hb = x / DHW;  // the high plane's word of these channels, its bit
+            const u32 y0 = DH ? *reinterpret_cast<const u32*>(kr + gi * RSK + DP + x % DHW) : 0u;
+            const u32 y1 = DH ? *reinterpret_cast<const u32*>(kr + (gi + 8) * RSK + DP + x % DHW) : 0u;
+            const u32 o0 = r0[w] >> 8, o1 = r1[w] >> 8, p0 = y0 >> 8, p1 = y1 >> 8;
 #pragma unroll
             for (int m = 0; m < PER; ++m)
-                mma_f16(s, lut2(lut, r0[w], m), lut2(lut, r1[w], m), lut2(lut, o0, m), lut2(lut, o1, m),
-                        qf[w * PER + m][0], qf[w * PER + m][1]);
+                mma_f16(s, lut2(lut, r0[w], y0, m, hb), lut2(lut, r1[w], y1, m, hb), lut2(lut, o0, p0, m, hb),
+                        lut2(lut, o1, p1, m, hb), qf[w * PER + m][0], qf[w * PER + m][1]);
         }
     };
+#if KC
+    // the group's mean row against the plain query, times the scores' scale: a constant per query
+    auto rot_group = [&](const u8* st) {
+        float zt[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+            u32 zw[2], z0, z1;
+            lds<2>(zw, st + KSC_OFF + 64 + 2 * k_channel(j, c));
+            pair_words(zw[0], zw[1], z0, z1);
+#if MODEL_BF16  // the mean in the plain query's bf16 (the rounding of a bf16 model's own K)
+            z0 = pack_bf16(half_to_float(u16(z0)), half_to_float(u16(z0 >> 16)));
+            z1 = pack_bf16(half_to_float(u16(z1)), half_to_float(u16(z1 >> 16)));
+#endif
+            mma_hp(zt, z0, z0, z1, z1, qh[j][0], qh[j][1]);  // every row the mean row
+        }
+        zq0 = zt[0] * qk_scale;
+        zq1 = zt[1] * qk_scale;
+    };
+#endif
     // O^T (rotated) += V^T . P^T over 16 token rows `vr`: levels (KIVI's V map), P already times the V norms
     auto rot_pv = [&](const u8* vr, u32 pb0, u32 pb1) {
         const u16* vl = lut + NLEV;
-        u32 v0[NU], v1[NU], v8[NU], v9[NU];
+        u32 v0[NU], v1[NU], v8[NU], v9[NU], h0[NU], h1[NU], h8[NU], h9[NU];
+        auto word = [&](int row, int x) { return *reinterpret_cast<const u32*>(vr + row * RSV + x); };
 #pragma unroll
         for (int u = 0; u < NU; ++u) {
-            const int x = 4 * gi + 32 * u;
-            v0[u] = *reinterpret_cast<const u32*>(vr + (2 * c) * RSV + x);
-            v1[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 1) * RSV + x);
-            v8[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 8) * RSV + x);
-            v9[u] = *reinterpret_cast<const u32*>(vr + (2 * c + 9) * RSV + x);
+            const int x = 4 * gi + 32 * u, xh = DP + x % DHW;
+            v0[u] = word(2 * c, x);
+            v1[u] = word(2 * c + 1, x);
+            v8[u] = word(2 * c + 8, x);
+            v9[u] = word(2 * c + 9, x);
+            h0[u] = DH ? word(2 * c, xh) : 0u;
+            h1[u] = DH ? word(2 * c + 1, xh) : 0u;
+            h8[u] = DH ? word(2 * c + 8, xh) : 0u;
+            h9[u] = DH ? word(2 * c + 9, xh) : 0u;
         }
 #pragma unroll
         for (int u = 0; u < NU; ++u) {
+            const int hb = (4 * gi + 32 * u) / DHW;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
                 const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
-                const u32 oA = tA >> 8, oB = tB >> 8;
+                const u32 yA = __byte_perm(h0[u], h1[u], sel), yB = __byte_perm(h8[u], h9[u], sel);
+                const u32 oA = tA >> 8, oB = tB >> 8, pA = yA >> 8, pB = yB >> 8;
 #pragma unroll
                 for (int m = 0; m < PER; ++m)
-                    mma_f16(acc[(u * PER + m) * 2 + e], lut2(vl, tA, m), lut2(vl, oA, m), lut2(vl, tB, m),
-                            lut2(vl, oB, m), pb0, pb1);
+                    mma_f16(acc[(u * PER + m) * 2 + e], lut2(vl, tA, yA, m, hb), lut2(vl, oA, pA, m, hb),
+                            lut2(vl, tB, yB, m, hb), lut2(vl, oB, pB, m, hb), pb0, pb1);
             }
         }
     };
@@ -831,7 +888,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #if KIVI_BITS
             if (ROT) {  // scores against the rotated query; the K and V norms as per-token scales
 #if ROT
+#if KC
+                if ((k & 1) == 0) rot_group(st);  // a group's first chunk: its mean's term
+#endif
                 rot_scores(st, s);
+                zk0 = zq0;
+                zk1 = zq1;
 #endif
                 const u16* nrm = reinterpret_cast<const u16*>(st + KSC_OFF);
                 fk0 = qk_scale * half_to_float(nrm[gi]);

@@ -4,9 +4,10 @@ Serves K and V stored in 8 bits (FP8 e4m3 / e5m2 with static, per-token or
 per-block scales; INT8 with per-token scales), as KIVI (int4_kivi /
 int2_kivi: K per channel over 32 tokens, V per token over 32 channels) or as the
 per-token sub-byte formats (int4_per_token / int2_per_token: K and V per token
-over 32 channels) or as a rotated 4-bit codebook with a norm per token (turboquant_4bit_nc:
+over 32 channels) or as a rotated 4- or 3-bit codebook with a norm per token, K optionally
+centred per channel over 32 tokens (turboquant_4bit_nc, turboquant_3bit_nc, rot4_kc, rot3_kc:
 levels from a table, scores against the rotated query, the output rotated back in the
-kernel), head dims 64/128/256, pages a multiple of 16 tokens (KIVI: 32),
+kernel; 3-bit at head_dim 128 and 256), head dims 64/128/256, pages a multiple of 16 tokens (KIVI: 32),
 up to 8 query heads per KV head, bf16 or f16 queries, and tables that mix in
 high-precision blocks (sinks, recent window) in the same pass.  Compilation
 goes through CuPy's NVRTC (CuPy is on the GPU machine;
@@ -85,13 +86,20 @@ def kivi_bits(t: TensorFormat) -> int:
     return 0
 
 
-#: Rotated codebooks the kernel reads: this many bits, one norm per token (no centring)
-ROT_BITS = 4
+#: Rotated codebooks the kernel reads: these widths, one norm per token (K: also centred over 32 tokens)
+ROT_BITS = (4, 3)
 
 
 def rot_bits(t: TensorFormat) -> int:
-    """``ROT_BITS`` for a rotated codebook tensor this kernel reads, else 0."""
-    return t.bits if t.family == "rot" and t.scale == "token_norm" and t.bits == ROT_BITS else 0
+    """The code width of a rotated codebook tensor this kernel reads, else 0."""
+    scales = ("token_norm", "centred_norm") if t.role == "k" else ("token_norm",)
+    ok = t.family == "rot" and t.bits in ROT_BITS and t.scale in scales
+    return t.bits if ok and (t.scale != "centred_norm" or t.group_size == KIVI_GROUP) else 0
+
+
+def centred(k: TensorFormat) -> bool:
+    """Whether a rotated K is centred per channel over 32 tokens (KC in decode8.cu)."""
+    return rot_bits(k) > 0 and k.scale == "centred_norm"
 
 
 def k_per_token(k: TensorFormat) -> bool:
@@ -104,7 +112,8 @@ def format_reason(t: TensorFormat) -> str | None:
     if t.family == "rot":
         if not rot_bits(t):
             return (f"{t.name}: {t.role.upper()} a rotated codebook of {t.bits} bits scaled per {t.scale} "
-                    f"(the kernel reads {ROT_BITS} bits with a norm per token, no centring)")
+                    f"(the kernel reads {' or '.join(map(str, ROT_BITS))} bits with a norm per token, "
+                    f"K also centred over {KIVI_GROUP} tokens)")
         return None
     if t.family == "kivi":
         if t.group_size != KIVI_GROUP:
@@ -133,12 +142,16 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
         return f"K is {k.name} and V {v.name}: both rotated codebooks, or neither"
     if rot[0] and k.rotation_seed != v.rotation_seed:
         return f"K and V rotated with different seeds ({k.rotation_seed}, {v.rotation_seed})"
+    if rot[0] != rot[1]:
+        return f"K is {k.name} and V {v.name}: rotated codebooks of one width ({rot[0]} and {rot[1]} bits)"
+    if rot[0] == 3 and head_dim < 128:
+        return f"3-bit rotated codes at head_dim {head_dim} (rows of {head_dim * 3 // 8} bytes; needs 128 or 256)"
     bits = kivi_bits(k), kivi_bits(v)
     if bits[0] != bits[1]:
         return f"K is {k.name} and V {v.name}: both 8-bit, or both KIVI of one width"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} not in {HEAD_DIMS}"
-    page = 32 if bits[0] and not k_per_token(k) else 16  # (rotated: 16)
+    page = 32 if (bits[0] and not k_per_token(k)) or centred(k) else 16
     if block_size % page:
         return f"page {block_size} is not a multiple of {page}"
     if group > MAX_GROUP:
@@ -203,13 +216,13 @@ MAX_SMEM = 227 * 1024
 @functools.lru_cache(maxsize=None)
 def _kernel(d: int, page: int, group: int, kivi: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool,
             bf16: bool, nwarps: int, nstages: int, min_blocks: int, step32: bool = False, k_token: bool = False,
-            rot: bool = False):
+            rot: bool = False, kc: bool = False):
     import cupy
 
     opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DKIVI_BITS={kivi}",
             f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
             f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}",
-            f"-DKIVI_STEP32={int(step32)}", f"-DK_TOKEN={int(k_token)}", f"-DROT={int(rot)}")
+            f"-DKIVI_STEP32={int(step32)}", f"-DK_TOKEN={int(k_token)}", f"-DROT={int(rot)}", f"-DKC={int(kc)}")
     # (rotated: K's and V's levels after the rings, f16)
     smem = nwarps * nstages * stage_bytes(d, has_hp, kivi, step32, k_token) + (4 << kivi if rot else 0)
     if smem > MAX_SMEM:
@@ -323,10 +336,10 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     step32 = bool(kivi and not k_token and not rot and (KIVI_STEP32 if kivi_step32 is None else kivi_step32))
     kern, smem = _kernel(D, layer.block_size, group, kivi, _KIND.get(fk.storage, 0), _KIND.get(fv.storage, 0),
                          scale_mode(fk), scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages,
-                         min_blocks, step32, k_token, rot)
+                         min_blocks, step32, k_token, rot, centred(fk))
     ks = layer.k_scale if scale_mode(fk) == 0 and not kivi else layer.k["scale"]  # (rotated: the norms)
     vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
-    kz = layer.k["zero"] if kivi and not rot else ks
+    kz = layer.k["zero"] if (kivi and not rot) or centred(fk) else ks  # (centred K: the means)
     vz = layer.v["zero"] if kivi and not rot else vs
     if rot:  # the rotated query (float32), K's and V's levels (f16), V's signs for the rotation back
         qr = codebook.rotate(q.float(), fk.rotation_seed).contiguous()
