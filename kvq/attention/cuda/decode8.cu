@@ -13,6 +13,7 @@
 //   ROT          with KIVI_BITS (4, or 3: a 2-bit plane then a 1-bit plane, head_dim >= 128): 1 =
 //                rotated codebook K and V (turboquant_4bit_nc, turboquant_3bit_nc): codes index a
 //                table of levels, one norm per token
+//   V_BITS       with ROT: V's code width when it differs from K's (turboquant_k3v4_nc: 3 and 4)
 //   KC           with ROT: K centred per channel over 32 tokens before its rotation (rot3_kc,
 //                rot4_kc): a mean row per group, pages of 32
 //   K_KIND, V_KIND     0 = e4m3, 1 = e5m2, 2 = int8
@@ -131,6 +132,9 @@
 #ifndef KC
 #define KC 0
 #endif
+#ifndef V_BITS
+#define V_BITS KIVI_BITS
+#endif
 #ifndef KIVI_EXACT
 #define KIVI_EXACT 0
 #endif
@@ -171,13 +175,19 @@ constexpr int DP = D / PER;              // packed bytes per row (of the main pl
 constexpr int DH = KIVI_BITS == 3 ? D / 8 : 0;  // bytes of the high-bit plane a row (3-bit codes)
 constexpr int ROWB = DP + DH;            // bytes a row
 constexpr int KB = DP / 4;               // bytes of a K row that one lane reads
+// V's rows (its own width with ROT and V_BITS; KIVI's V has K's)
+constexpr int VPER = 8 / (V_BITS == 3 ? 2 : V_BITS);
+constexpr int VDP = D / VPER;
+constexpr int VDH = V_BITS == 3 ? D / 8 : 0;
+constexpr int VROWB = VDP + VDH;
+constexpr int VNLEV = 1 << V_BITS;
 constexpr int KW = KB / 4;
-constexpr bool NARROW = DP < 32;         // 16-byte rows (int2 at head_dim 64): one PV m-tile a plane
-constexpr int NU = NARROW ? 1 : DP / 32; // words of a V row that one lane reads (NARROW: a half word)
+constexpr bool NARROW = VDP < 32;        // 16-byte rows (int2 at head_dim 64): one PV m-tile a plane
+constexpr int NU = NARROW ? 1 : VDP / 32; // words of a V row that one lane reads (NARROW: a half word)
 constexpr int NG = D / 32;               // V channel groups
 constexpr int RSK = K_TOKEN ? (DP == 16 ? 16 : DP + 16)  // conflict-free K fragment reads
                             : (ROWB <= 64 ? ROWB : ROWB + 16);
-constexpr int RSV = ((ROWB + 47) / 64) * 64 + 16;     // conflict-free V fragment reads
+constexpr int RSV = ((VROWB + 47) / 64) * 64 + 16;    // conflict-free V fragment reads
 constexpr int QR = KIVI_STEP32 ? 32 : 16;             // token rows of a quantized item
 constexpr int VR_OFF = QR * RSK;                      // V rows
 constexpr int KSC_OFF = VR_OFF + QR * RSV;            // K scale row, K zero row of the chunk's group (f16 [D] each)
@@ -185,7 +195,9 @@ constexpr int VSC_OFF = KSC_OFF + 4 * D;              // V scales, V zeros (f16 
 constexpr int VZ_OFF = VSC_OFF + 2 * NG * QR;
 constexpr int Q_STAGE = VZ_OFF + 2 * NG * QR;
 static_assert(DP == 16 || DP % 32 == 0, "KIVI: 16 or a multiple of 32 packed bytes per row");
-static_assert(!NARROW || KS == PER, "narrow rows: one PV m-tile a bit plane");
+static_assert(VDP == 16 || VDP % 32 == 0, "KIVI: 16 or a multiple of 32 packed bytes per row");
+static_assert(!NARROW || KS == VPER, "narrow rows: one PV m-tile a bit plane");
+static_assert(V_BITS == KIVI_BITS || ROT, "K and V of different widths: rotated codebooks only");
 static_assert(!(K_TOKEN && KIVI_STEP32), "K per token: 16-token items (pages of 16)");
 constexpr bool K_SUB = KIVI_EXACT;                              // K codes as exact integers
 constexpr bool V_SUB = KIVI_EXACT || (HAS_HP && !MODEL_BF16);   // (f16 P of hp chunks cannot take 2^-24)
@@ -193,7 +205,8 @@ constexpr float UNIT = 16777216.f;                              // 2^24: a subno
 constexpr int PAIR = K_TOKEN || (ROT && !KC) ? 1 : 2;  // a warp's chunks come in pairs: both halves of a K group (per channel)
 constexpr int ZG = ROT ? 0 : NG;         // V zero-point sums per (warp, query) in the merge
 static_assert(!ROT || (!K_TOKEN && !KIVI_STEP32 && !NARROW), "rotated codebook: 16-token items, KIVI's maps");
-static_assert(KIVI_BITS != 3 || (ROT && ROWB % 16 == 0), "3-bit codes: rotated, head_dim >= 128");
+static_assert((KIVI_BITS != 3 && V_BITS != 3) || (ROT && ROWB % 16 == 0 && VROWB % 16 == 0),
+              "3-bit codes: rotated, head_dim >= 128");
 static_assert(!KC || ROT, "KC: a rotated codebook's centred K");
 #else
 static_assert(!ROT, "ROT needs KIVI_BITS (the codes' planar width)");
@@ -321,12 +334,28 @@ __device__ __forceinline__ u32 plane(u32 x, int m) {
 }
 #endif
 
+#if ROT
+// The levels (table t) of bit plane m's codes in bytes 0 and 2 of x, f16x2; 3-bit codes (B = 3): x holds
+// their low 2 bits, and their high bits sit at bit 2m + hb of bytes 0 and 2 of y (the high plane's word).
+template <int B>
+__device__ __forceinline__ u32 levels2(const u16* t, u32 x, u32 y, int m, int hb) {
+    constexpr int PB = B == 3 ? 2 : B;
+    constexpr u32 PM = (1u << PB) - 1u;
+    u32 lo = (x >> (PB * m)) & PM, hi = (x >> (16 + PB * m)) & PM;
+    if (B == 3) {
+        lo |= ((y >> (2 * m + hb)) & 1u) << 2;
+        hi |= ((y >> (16 + 2 * m + hb)) & 1u) << 2;
+    }
+    return u32(t[lo]) | (u32(t[hi]) << 16);
+}
+#endif
+
 // Channel of row `row` (0..7; row + 8 is the next channel) of PV m-tile j.
 __device__ __forceinline__ int v_channel(int j, int row) {
 #if KIVI_BITS
-    if (NARROW) return j * DP + 2 * row;
-    const int e = j & 1, m = (j >> 1) % PER, u = (j >> 1) / PER;
-    return m * DP + 32 * u + 4 * row + 2 * e;
+    if (NARROW) return j * VDP + 2 * row;
+    const int e = j & 1, m = (j >> 1) % VPER, u = (j >> 1) / VPER;
+    return m * VDP + 32 * u + 4 * row + 2 * e;
 #else
     return VB * row + 2 * j;
 #endif
@@ -455,7 +484,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #if ROT
     // the levels, K's then V's (f16), after the rings
     u16* lut = reinterpret_cast<u16*>(smem + NWARPS * NSTAGES * STAGE);
-    if (threadIdx.x < 2 * NLEV) lut[threadIdx.x] = threadIdx.x < NLEV ? klut[threadIdx.x] : vlut[threadIdx.x - NLEV];
+    if (threadIdx.x < NLEV + VNLEV) lut[threadIdx.x] = threadIdx.x < NLEV ? klut[threadIdx.x] : vlut[threadIdx.x - NLEV];
     __syncthreads();
 #endif
 
@@ -523,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 const i64 row0 = (i64)h * PAGE + poff;  // the chunk's first row in its block
 #if KIVI_BITS
                 copy_rows<ROWB, RSK, QR>(st, kd + bk * sb_kd + row0 * ROWB, lane);
-                copy_rows<ROWB, RSV, QR>(st + VR_OFF, vd + bk * sb_vd + row0 * ROWB, lane);
+                copy_rows<VROWB, RSV, QR>(st + VR_OFF, vd + bk * sb_vd + row0 * VROWB, lane);
                 // K: the scale and zero rows of the 32-token group (at its first chunk), or per token
                 // (K_TOKEN: QR tokens' scales, then their zeros, f16 [QR][NG] each, like V's); V: QR tokens'
                 if (ROT) {  // 16 tokens' K norms at KSC_OFF, then their V norms (f16, 32 bytes each)
@@ -657,18 +686,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         }
     };
 #if ROT
-    // the levels of plane m's codes in bytes 0 and 2 of x (table t), f16x2; 3-bit codes: their high
-    // bits at bit 2m + hb of bytes 0 and 2 of y (the high plane's word)
-    auto lut2 = [&](const u16* t, u32 x, u32 y, int m, int hb) {
-        constexpr u32 PM = (1u << PBITS) - 1u;
-        u32 lo = (x >> (PBITS * m)) & PM, hi = (x >> (16 + PBITS * m)) & PM;
-        if (KIVI_BITS == 3) {
-            lo |= ((y >> (2 * m + hb)) & 1u) << 2;
-            hi |= ((y >> (16 + 2 * m + hb)) & 1u) << 2;
-        }
-        return u32(t[lo]) | (u32(t[hi]) << 16);
-    };
-    constexpr int DHW = DH ? DH : 4;  // (4-bit codes: no high plane; its reads below are dummies)
+    constexpr int DHW = DH ? DH : 4, VDHW = VDH ? VDH : 4;  // (4-bit codes: no high plane; its reads are dummies)
     // S^T of 16 token rows `kr` in the rotated domain: levels (KIVI's K map) against the rotated query
     auto rot_scores = [&](const u8* kr, float* s) {
         u32 r0[KW], r1[KW];
@@ -682,8 +700,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const u32 o0 = r0[w] >> 8, o1 = r1[w] >> 8, p0 = y0 >> 8, p1 = y1 >> 8;
 #pragma unroll
             for (int m = 0; m < PER; ++m)
-                mma_f16(s, lut2(lut, r0[w], y0, m, hb), lut2(lut, r1[w], y1, m, hb), lut2(lut, o0, p0, m, hb),
-                        lut2(lut, o1, p1, m, hb), qf[w * PER + m][0], qf[w * PER + m][1]);
+                mma_f16(s, levels2<KIVI_BITS>(lut, r0[w], y0, m, hb), levels2<KIVI_BITS>(lut, r1[w], y1, m, hb),
+                        levels2<KIVI_BITS>(lut, o0, p0, m, hb), levels2<KIVI_BITS>(lut, o1, p1, m, hb),
+                        qf[w * PER + m][0], qf[w * PER + m][1]);
         }
     };
 #if KC
@@ -712,19 +731,19 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         auto word = [&](int row, int x) { return *reinterpret_cast<const u32*>(vr + row * RSV + x); };
 #pragma unroll
         for (int u = 0; u < NU; ++u) {
-            const int x = 4 * gi + 32 * u, xh = DP + x % DHW;
+            const int x = 4 * gi + 32 * u, xh = VDP + x % VDHW;
             v0[u] = word(2 * c, x);
             v1[u] = word(2 * c + 1, x);
             v8[u] = word(2 * c + 8, x);
             v9[u] = word(2 * c + 9, x);
-            h0[u] = DH ? word(2 * c, xh) : 0u;
-            h1[u] = DH ? word(2 * c + 1, xh) : 0u;
-            h8[u] = DH ? word(2 * c + 8, xh) : 0u;
-            h9[u] = DH ? word(2 * c + 9, xh) : 0u;
+            h0[u] = VDH ? word(2 * c, xh) : 0u;
+            h1[u] = VDH ? word(2 * c + 1, xh) : 0u;
+            h8[u] = VDH ? word(2 * c + 8, xh) : 0u;
+            h9[u] = VDH ? word(2 * c + 9, xh) : 0u;
         }
 #pragma unroll
         for (int u = 0; u < NU; ++u) {
-            const int hb = (4 * gi + 32 * u) / DHW;
+            const int hb = (4 * gi + 32 * u) / VDHW;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
@@ -732,9 +751,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 const u32 yA = __byte_perm(h0[u], h1[u], sel), yB = __byte_perm(h8[u], h9[u], sel);
                 const u32 oA = tA >> 8, oB = tB >> 8, pA = yA >> 8, pB = yB >> 8;
 #pragma unroll
-                for (int m = 0; m < PER; ++m)
-                    mma_f16(acc[(u * PER + m) * 2 + e], lut2(vl, tA, yA, m, hb), lut2(vl, oA, pA, m, hb),
-                            lut2(vl, tB, yB, m, hb), lut2(vl, oB, pB, m, hb), pb0, pb1);
+                for (int m = 0; m < VPER; ++m)
+                    mma_f16(acc[(u * VPER + m) * 2 + e], levels2<V_BITS>(vl, tA, yA, m, hb),
+                            levels2<V_BITS>(vl, oA, pA, m, hb), levels2<V_BITS>(vl, tB, yB, m, hb),
+                            levels2<V_BITS>(vl, oB, pB, m, hb), pb0, pb1);
             }
         }
     };

@@ -142,9 +142,7 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
         return f"K is {k.name} and V {v.name}: both rotated codebooks, or neither"
     if rot[0] and k.rotation_seed != v.rotation_seed:
         return f"K and V rotated with different seeds ({k.rotation_seed}, {v.rotation_seed})"
-    if rot[0] != rot[1]:
-        return f"K is {k.name} and V {v.name}: rotated codebooks of one width ({rot[0]} and {rot[1]} bits)"
-    if rot[0] == 3 and head_dim < 128:
+    if 3 in rot and head_dim < 128:
         return f"3-bit rotated codes at head_dim {head_dim} (rows of {head_dim * 3 // 8} bytes; needs 128 or 256)"
     bits = kivi_bits(k), kivi_bits(v)
     if bits[0] != bits[1]:
@@ -191,16 +189,18 @@ def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str 
     return why
 
 
-def stage_bytes(head_dim: int, has_hp: bool, kivi: int = 0, kivi_step32: bool = False, k_token: bool = False) -> int:
-    """Shared memory of one pipeline stage (mirrors STAGE in decode8.cu; ``kivi_step32``: a KIVI
-    item holds a whole 32-token group; ``k_token``: K per token, K_TOKEN)."""
+def stage_bytes(head_dim: int, has_hp: bool, kivi: int = 0, kivi_step32: bool = False, k_token: bool = False,
+                v_bits: int | None = None) -> int:
+    """Shared memory of one pipeline stage (mirrors STAGE in decode8.cu; ``kivi``: K's code width, ``v_bits``
+    V's where it differs (rotated codebooks); ``kivi_step32``: a KIVI item holds a whole 32-token group;
+    ``k_token``: K per token, K_TOKEN)."""
     if kivi:
-        dp = head_dim * kivi // 8
+        dp = head_dim * kivi // 8  # bytes a row (3-bit codes: both planes)
         if k_token:
             rsk = 16 if dp == 16 else dp + 16
         else:
             rsk = dp if dp <= 64 else dp + 16
-        rsv = (dp + 47) // 64 * 64 + 16
+        rsv = (head_dim * (v_bits or kivi) // 8 + 47) // 64 * 64 + 16
         qr = 32 if kivi_step32 else 16
         q_stage = qr * rsk + qr * rsv + 4 * head_dim + 4 * (head_dim // 32) * qr
     else:
@@ -216,15 +216,17 @@ MAX_SMEM = 227 * 1024
 @functools.lru_cache(maxsize=None)
 def _kernel(d: int, page: int, group: int, kivi: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool,
             bf16: bool, nwarps: int, nstages: int, min_blocks: int, step32: bool = False, k_token: bool = False,
-            rot: bool = False, kc: bool = False):
+            rot: bool = False, kc: bool = False, v_bits: int = 0):
     import cupy
 
     opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DKIVI_BITS={kivi}",
             f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
             f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}",
-            f"-DKIVI_STEP32={int(step32)}", f"-DK_TOKEN={int(k_token)}", f"-DROT={int(rot)}", f"-DKC={int(kc)}")
+            f"-DKIVI_STEP32={int(step32)}", f"-DK_TOKEN={int(k_token)}", f"-DROT={int(rot)}", f"-DKC={int(kc)}",
+            f"-DV_BITS={v_bits or kivi}")
     # (rotated: K's and V's levels after the rings, f16)
-    smem = nwarps * nstages * stage_bytes(d, has_hp, kivi, step32, k_token) + (4 << kivi if rot else 0)
+    smem = (nwarps * nstages * stage_bytes(d, has_hp, kivi, step32, k_token, v_bits or None)
+            + (2 * ((1 << kivi) + (1 << (v_bits or kivi))) if rot else 0))
     if smem > MAX_SMEM:
         raise ValueError(f"{nwarps} warps x {nstages} stages need {smem} bytes of shared memory (at most {MAX_SMEM})")
     kern = cupy.RawModule(code=_SOURCE.read_text(), options=opts, backend="nvrtc").get_function("kvq_decode8")
@@ -336,7 +338,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     step32 = bool(kivi and not k_token and not rot and (KIVI_STEP32 if kivi_step32 is None else kivi_step32))
     kern, smem = _kernel(D, layer.block_size, group, kivi, _KIND.get(fk.storage, 0), _KIND.get(fv.storage, 0),
                          scale_mode(fk), scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages,
-                         min_blocks, step32, k_token, rot, centred(fk))
+                         min_blocks, step32, k_token, rot, centred(fk), rot_bits(fv))
     ks = layer.k_scale if scale_mode(fk) == 0 and not kivi else layer.k["scale"]  # (rotated: the norms)
     vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
     kz = layer.k["zero"] if (kivi and not rot) or centred(fk) else ks  # (centred K: the means)
