@@ -47,11 +47,13 @@ def compile_cubin(lib, source: str, name: str, options: list[str]) -> tuple[bool
 
 def decode8_variants():
     """The macro sets decode8.py compiles (kvq.attention.cuda.decode8._kernel), over the shapes kvq serves."""
-    # (K's bits, V's, K per token, rotated, K centred): 8-bit; KIVI 4 and 2; the per-token 4 and 2 (K_TOKEN,
-    # pages of 16); the rotated 4- and 3-bit codebooks (ROT, pages of 16), K centred (KC, pages of 32), K 3 / V 4
-    for d, (kivi, v_bits, k_token, rot, kc) in itertools.product((64, 128, 256), (
-            (0, 0, 0, 0, 0), (4, 4, 0, 0, 0), (2, 2, 0, 0, 0), (4, 4, 1, 0, 0), (2, 2, 1, 0, 0), (4, 4, 0, 1, 0),
-            (3, 3, 0, 1, 0), (4, 4, 0, 1, 1), (3, 3, 0, 1, 1), (3, 4, 0, 1, 0))):
+    # (K's bits, V's, K per token, rotated, K centred, FP8 K): 8-bit; KIVI 4 and 2; the per-token 4 and 2
+    # (K_TOKEN, pages of 16); the rotated 4- and 3-bit codebooks (ROT, pages of 16), K centred (KC, pages of
+    # 32), K 3 / V 4, FP8 K beside a rotated 4-bit V (K8)
+    for d, (kivi, v_bits, k_token, rot, kc, k8) in itertools.product((64, 128, 256), (
+            (0, 0, 0, 0, 0, 0), (4, 4, 0, 0, 0, 0), (2, 2, 0, 0, 0, 0), (4, 4, 1, 0, 0, 0), (2, 2, 1, 0, 0, 0),
+            (4, 4, 0, 1, 0, 0), (3, 3, 0, 1, 0, 0), (4, 4, 0, 1, 1, 0), (3, 3, 0, 1, 1, 0), (3, 4, 0, 1, 0, 0),
+            (4, 4, 0, 1, 0, 1))):
         if 3 in (kivi, v_bits) and d < 128:  # (3-bit rotated codes: head_dim 128 and 256)
             continue
         kinds = [(0, 0, 0, 0), (2, 2, 1, 1), (0, 0, 3, 3), (1, 1, 2, 2)] if not kivi else [(0, 0, 0, 0)]
@@ -59,13 +61,13 @@ def decode8_variants():
             min_blocks = 3 if d <= 128 else 2
             page, step32 = (32, 1) if kivi and not k_token and not rot else (32 if kc else 16, 0)
             kind = (("rot" if rot else "kivi") + str(kivi) + ("t" if k_token else "") + ("kc" if kc else "")
-                    + (f"v{v_bits}" if v_bits != kivi else ""))
+                    + (f"v{v_bits}" if v_bits != kivi else "") + ("k8" if k8 else ""))
             yield (f"decode8 D{d} {kind} kinds{kk}{vk} scales{ks}{vs} hp{int(has_hp)} bf16{int(bf16)}",
                    ["-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", "-DGROUP=4", f"-DKIVI_BITS={kivi}",
                     f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={ks}", f"-DV_SCALE={vs}", f"-DHAS_HP={int(has_hp)}",
                     f"-DMODEL_BF16={int(bf16)}", "-DNWARPS=4", "-DNSTAGES=3", f"-DMIN_BLOCKS={min_blocks}",
                     f"-DKIVI_STEP32={step32}", f"-DK_TOKEN={k_token}", f"-DROT={rot}", f"-DKC={kc}",
-                    f"-DV_BITS={v_bits}"])
+                    f"-DV_BITS={v_bits}", f"-DK8={k8}"])
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -20,7 +20,7 @@ EIGHT_BIT = ["fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "fp8_per_block", "int
 KIVI = ["int4_kivi", "int2_kivi"]
 PER_TOKEN = ["int4_per_token", "int2_per_token"]  # K per token too (K_TOKEN): pages of 16
 # levels from a table, the rotated query, the output rotated back (ROT); K centred over 32 tokens (KC)
-ROTATED = ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc", "rot4_kc", "rot3_kc"]
+ROTATED = ["turboquant_4bit_nc", "turboquant_3bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4", "rot4_kc", "rot3_kc"]
 
 
 def _fill(fmt, H, D, group, bs, nq, nhp, dtype, static, gen):
@@ -117,7 +117,7 @@ def test_cuda_decode_support_rules():
     pool = KVPool.create(plan, 2, 2, "cpu")
     assert decode8.unsupported_reason(pool.layers[0], 4, torch.bfloat16) is None
     for fmt, D, why in (("rot3_kc", 128, None), ("rot4_kc", 64, None), ("rot3_kc", 64, "head_dim 64"),
-                        ("turboquant_k8v4", 128, "or neither"), ("turboquant_k3v4_nc", 128, None),
+                        ("turboquant_k8v4", 64, None), ("turboquant_k3v4_nc", 128, None),
                         ("turboquant_k3v4_nc", 64, "head_dim 64")):
         plan = make_plan(bare_model(1, 2, D, num_attention_heads=8), fmt)
         pool = KVPool.create(plan, 2, 2, "cpu")

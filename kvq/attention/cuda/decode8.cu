@@ -14,6 +14,8 @@
 //                rotated codebook K and V (turboquant_4bit_nc, turboquant_3bit_nc): codes index a
 //                table of levels, one norm per token
 //   V_BITS       with ROT: V's code width when it differs from K's (turboquant_k3v4_nc: 3 and 4)
+//   K8           with ROT: K in 8 bits, not rotated (turboquant_k8v4: FP8 with K_KIND and a static
+//                K_SCALE, the 8-bit path's K map and plain query; V a rotated codebook of V_BITS)
 //   KC           with ROT: K centred per channel over 32 tokens before its rotation (rot3_kc,
 //                rot4_kc): a mean row per group, pages of 32
 //   K_KIND, V_KIND     0 = e4m3, 1 = e5m2, 2 = int8
@@ -135,6 +137,9 @@
 #ifndef V_BITS
 #define V_BITS KIVI_BITS
 #endif
+#ifndef K8
+#define K8 0
+#endif
 #ifndef KIVI_EXACT
 #define KIVI_EXACT 0
 #endif
@@ -185,7 +190,8 @@ constexpr int KW = KB / 4;
 constexpr bool NARROW = VDP < 32;        // 16-byte rows (int2 at head_dim 64): one PV m-tile a plane
 constexpr int NU = NARROW ? 1 : VDP / 32; // words of a V row that one lane reads (NARROW: a half word)
 constexpr int NG = D / 32;               // V channel groups
-constexpr int RSK = K_TOKEN ? (DP == 16 ? 16 : DP + 16)  // conflict-free K fragment reads
+constexpr int KROWB = K8 ? D : ROWB;     // bytes of a K row (K8: 8-bit codes)
+constexpr int RSK = K8 ? RS : K_TOKEN ? (DP == 16 ? 16 : DP + 16)  // conflict-free K fragment reads
                             : (ROWB <= 64 ? ROWB : ROWB + 16);
 constexpr int RSV = ((VROWB + 47) / 64) * 64 + 16;    // conflict-free V fragment reads
 constexpr int QR = KIVI_STEP32 ? 32 : 16;             // token rows of a quantized item
@@ -208,6 +214,7 @@ static_assert(!ROT || (!K_TOKEN && !KIVI_STEP32 && !NARROW), "rotated codebook: 
 static_assert((KIVI_BITS != 3 && V_BITS != 3) || (ROT && ROWB % 16 == 0 && VROWB % 16 == 0),
               "3-bit codes: rotated, head_dim >= 128");
 static_assert(!KC || ROT, "KC: a rotated codebook's centred K");
+static_assert(!K8 || (ROT && !KC && K_SCALE == 0), "K8: FP8 K (static scale) beside a rotated V");
 #else
 static_assert(!ROT, "ROT needs KIVI_BITS (the codes' planar width)");
 constexpr int PAIR = 1;
@@ -364,6 +371,7 @@ __device__ __forceinline__ int v_channel(int j, int row) {
 // First channel of the 4 that QK k-step s of lane column c covers.
 __device__ __forceinline__ int k_channel(int s, int c) {
 #if KIVI_BITS
+    if (K8) return QB * c + 4 * s;
     if (K_TOKEN) return (s % PER) * DP + 16 * (s / PER) + 4 * c;
     return (s % PER) * DP + KB * c + 4 * (s / PER);
 #else
@@ -375,6 +383,11 @@ __device__ __forceinline__ int k_channel(int s, int c) {
 // 8-bit maps pair neighbours, KIVI maps pair (x, x+2) and (x+1, x+3).
 __device__ __forceinline__ void pair_words(u32 w0, u32 w1, u32& p0, u32& p1) {
 #if KIVI_BITS
+    if (K8) {
+        p0 = w0;
+        p1 = w1;
+        return;
+    }
     p0 = __byte_perm(w0, w1, 0x5410);
     p1 = __byte_perm(w0, w1, 0x7632);
 #else
@@ -476,8 +489,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     const int* table = tables + (i64)b * s_tb;
     u8* ring = smem + warp * (NSTAGES * STAGE);
     const u32 ring_s = smem_addr(ring);
-#if !KIVI_BITS
+#if !KIVI_BITS || K8
     const float ks_static = K_SCALE == 0 ? reinterpret_cast<const float*>(ks)[h] : 1.f;
+#endif
+#if !KIVI_BITS
     const float vs_static = V_SCALE == 0 ? reinterpret_cast<const float*>(vs)[h] : 1.f;
 #endif
 
@@ -491,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     // ---- the query group as B fragments (k_channel's map): qf in f16 for the quantized
     // chunks, qh in the model dtype for the high-precision ones
     u32 qf[KS][2];
-#if (HAS_HP && (MODEL_BF16 || ROT)) || KC
+#if (HAS_HP && (MODEL_BF16 || (ROT && !K8))) || KC
     u32 qh[KS][2];  // (ROT: the plain query; qf holds the rotated one)
 #elif HAS_HP
     u32(&qh)[KS][2] = qf;  // f16 model: the hp chunks use the same fragments
@@ -503,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const uint2 v = *reinterpret_cast<const uint2*>(row + 2 * k_channel(s, c));
             u32 p0, p1;
             pair_words(gi < GROUP ? v.x : 0u, gi < GROUP ? v.y : 0u, p0, p1);
-#if ROT
+#if ROT && !K8
             {  // the rotated query, channels (x, x+2) and (x+1, x+3) as KIVI's map pairs them
                 const int x = k_channel(s, c);
                 const float* r = qr + ((i64)b * (H * GROUP) + h * GROUP + (gi < GROUP ? gi : 0)) * D + x;
@@ -551,12 +566,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 const i64 bk = blk;
                 const i64 row0 = (i64)h * PAGE + poff;  // the chunk's first row in its block
 #if KIVI_BITS
-                copy_rows<ROWB, RSK, QR>(st, kd + bk * sb_kd + row0 * ROWB, lane);
+                copy_rows<KROWB, RSK, QR>(st, kd + bk * sb_kd + row0 * KROWB, lane);
                 copy_rows<VROWB, RSV, QR>(st + VR_OFF, vd + bk * sb_vd + row0 * VROWB, lane);
                 // K: the scale and zero rows of the 32-token group (at its first chunk), or per token
                 // (K_TOKEN: QR tokens' scales, then their zeros, f16 [QR][NG] each, like V's); V: QR tokens'
-                if (ROT) {  // 16 tokens' K norms at KSC_OFF, then their V norms (f16, 32 bytes each)
-                    if (lane < 4)
+                if (ROT) {  // 16 tokens' K norms at KSC_OFF, then their V norms (f16, 32 bytes each; K8: V's)
+                    if (lane < 4 && (!K8 || lane >= 2))
                         cp16(st + KSC_OFF + 16 * lane, (lane < 2 ? ks + bk * sb_ks : vs + bk * sb_vs) + row0 * 2 + 16 * (lane & 1));
                     if (KC && (k & 1) == 0) {  // the group's K mean row (f16 [D]) at KSC_OFF + 64
                         const i64 mrow = ((i64)h * (PAGE / 32) + poff / 32) * (2 * D);
@@ -906,7 +921,24 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #endif
         if (!hp) {
 #if KIVI_BITS
-            if (ROT) {  // scores against the rotated query; the K and V norms as per-token scales
+            if (K8) {  // FP8 K, not rotated: the 8-bit path's scores against the plain query; V's norms
+                u32 r0[KS], r1[KS];
+                lds<KS>(r0, st + gi * RSK + QB * c);
+                lds<KS>(r1, st + (gi + 8) * RSK + QB * c);
+#pragma unroll
+                for (int j = 0; j < KS; ++j) {
+                    u32 a0, a1, a2, a3;
+                    cvt4<K_KIND>(r0[j], a0, a2);
+                    cvt4<K_KIND>(r1[j], a1, a3);
+                    mma_f16(s, a0, a1, a2, a3, qf[j][0], qf[j][1]);
+                }
+#if K8
+                fk0 = fk1 = qk_scale * ks_static;
+#endif
+                const u16* nrm = reinterpret_cast<const u16*>(st + KSC_OFF);
+                fv0 = half_to_float(nrm[16 + gi]);
+                fv1 = half_to_float(nrm[24 + gi]);
+            } else if (ROT) {  // scores against the rotated query; the K and V norms as per-token scales
 #if ROT
 #if KC
                 if ((k & 1) == 0) rot_group(st);  // a group's first chunk: its mean's term

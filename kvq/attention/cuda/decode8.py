@@ -97,6 +97,12 @@ def rot_bits(t: TensorFormat) -> int:
     return t.bits if ok and (t.scale != "centred_norm" or t.group_size == KIVI_GROUP) else 0
 
 
+def fp8_k_rot_v(k: TensorFormat, v: TensorFormat) -> bool:
+    """FP8 K (a static scale, not rotated) beside a rotated codebook V (turboquant_k8v4: K8 in decode8.cu)."""
+    return (k.family != "rot" and k.storage in ("float8_e4m3fn", "float8_e5m2") and k.scale in ("static", "none")
+            and rot_bits(v) > 0)
+
+
 def centred(k: TensorFormat) -> bool:
     """Whether a rotated K is centred per channel over 32 tokens (KC in decode8.cu)."""
     return rot_bits(k) > 0 and k.scale == "centred_norm"
@@ -138,9 +144,9 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
         if why:
             return why
     rot = rot_bits(k), rot_bits(v)
-    if bool(rot[0]) != bool(rot[1]):
-        return f"K is {k.name} and V {v.name}: both rotated codebooks, or neither"
-    if rot[0] and k.rotation_seed != v.rotation_seed:
+    if bool(rot[0]) != bool(rot[1]) and not fp8_k_rot_v(k, v):
+        return f"K is {k.name} and V {v.name}: both rotated codebooks (or FP8 K beside a rotated V), or neither"
+    if all(rot) and k.rotation_seed != v.rotation_seed:
         return f"K and V rotated with different seeds ({k.rotation_seed}, {v.rotation_seed})"
     if 3 in rot and head_dim < 128:
         return f"3-bit rotated codes at head_dim {head_dim} (rows of {head_dim * 3 // 8} bytes; needs 128 or 256)"
@@ -190,13 +196,15 @@ def unsupported_reason(layer: LayerKV, group: int, q_dtype: torch.dtype) -> str 
 
 
 def stage_bytes(head_dim: int, has_hp: bool, kivi: int = 0, kivi_step32: bool = False, k_token: bool = False,
-                v_bits: int | None = None) -> int:
+                v_bits: int | None = None, k8: bool = False) -> int:
     """Shared memory of one pipeline stage (mirrors STAGE in decode8.cu; ``kivi``: K's code width, ``v_bits``
     V's where it differs (rotated codebooks); ``kivi_step32``: a KIVI item holds a whole 32-token group;
     ``k_token``: K per token, K_TOKEN)."""
     if kivi:
         dp = head_dim * kivi // 8  # bytes a row (3-bit codes: both planes)
-        if k_token:
+        if k8:  # FP8 K beside a rotated V: 8-bit K rows
+            rsk = head_dim + 16
+        elif k_token:
             rsk = 16 if dp == 16 else dp + 16
         else:
             rsk = dp if dp <= 64 else dp + 16
@@ -216,16 +224,16 @@ MAX_SMEM = 227 * 1024
 @functools.lru_cache(maxsize=None)
 def _kernel(d: int, page: int, group: int, kivi: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool,
             bf16: bool, nwarps: int, nstages: int, min_blocks: int, step32: bool = False, k_token: bool = False,
-            rot: bool = False, kc: bool = False, v_bits: int = 0):
+            rot: bool = False, kc: bool = False, v_bits: int = 0, k8: bool = False):
     import cupy
 
     opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DKIVI_BITS={kivi}",
             f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
             f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}",
             f"-DKIVI_STEP32={int(step32)}", f"-DK_TOKEN={int(k_token)}", f"-DROT={int(rot)}", f"-DKC={int(kc)}",
-            f"-DV_BITS={v_bits or kivi}")
+            f"-DV_BITS={v_bits or kivi}", f"-DK8={int(k8)}")
     # (rotated: K's and V's levels after the rings, f16)
-    smem = (nwarps * nstages * stage_bytes(d, has_hp, kivi, step32, k_token, v_bits or None)
+    smem = (nwarps * nstages * stage_bytes(d, has_hp, kivi, step32, k_token, v_bits or None, k8)
             + (2 * ((1 << kivi) + (1 << (v_bits or kivi))) if rot else 0))
     if smem > MAX_SMEM:
         raise ValueError(f"{nwarps} warps x {nstages} stages need {smem} bytes of shared memory (at most {MAX_SMEM})")
@@ -333,19 +341,21 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     if num_splits is None:
         num_splits = splits_for(q, layer, max_seq_len, nwarps, min_blocks)
     fk, fv = layer.fmt.k, layer.fmt.v
-    rot = bool(rot_bits(fk))
-    kivi, k_token = rot_bits(fk) or kivi_bits(fk), k_per_token(fk)
+    k8 = fp8_k_rot_v(fk, fv)
+    rot = bool(rot_bits(fv))
+    # (K8: K's code width is V's for the kernel's geometry; K's own rows are 8-bit)
+    kivi, k_token = rot_bits(fk) or rot_bits(fv) or kivi_bits(fk), k_per_token(fk)
     step32 = bool(kivi and not k_token and not rot and (KIVI_STEP32 if kivi_step32 is None else kivi_step32))
     kern, smem = _kernel(D, layer.block_size, group, kivi, _KIND.get(fk.storage, 0), _KIND.get(fv.storage, 0),
                          scale_mode(fk), scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages,
-                         min_blocks, step32, k_token, rot, centred(fk), rot_bits(fv))
-    ks = layer.k_scale if scale_mode(fk) == 0 and not kivi else layer.k["scale"]  # (rotated: the norms)
+                         min_blocks, step32, k_token, rot, centred(fk), rot_bits(fv), k8)
+    ks = layer.k_scale if scale_mode(fk) == 0 and (not kivi or k8) else layer.k["scale"]  # (rotated: the norms)
     vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
     kz = layer.k["zero"] if (kivi and not rot) or centred(fk) else ks  # (centred K: the means)
     vz = layer.v["zero"] if kivi and not rot else vs
     if rot:  # the rotated query (float32), K's and V's levels (f16), V's signs for the rotation back
-        qr = codebook.rotate(q.float(), fk.rotation_seed).contiguous()
-        klut, vlut, rsign = _rot_tables(fk.bits, fv.bits, D, fv.rotation_seed, str(q.device))
+        qr = q if k8 else codebook.rotate(q.float(), fk.rotation_seed).contiguous()
+        klut, vlut, rsign = _rot_tables(fv.bits if k8 else fk.bits, fv.bits, D, fv.rotation_seed, str(q.device))
     else:
         qr = klut = vlut = rsign = q
     out = torch.empty_like(q) if partials is None else q  # (with partials: unused by the kernel)
