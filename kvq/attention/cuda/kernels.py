@@ -2,8 +2,9 @@
 
 Decode over layers stored in 8 bits or as KIVI runs the CUDA kernel of
 decode8.cu (a tiered cache's: one launch a tier, the CUDA kernel for the tiers
-it reads, merged with the others by log-sum-exp); decode over any other layer (bf16 skip layers, per-token 4/2-bit
-baselines) and prefill run the Triton kernels.  Block seals of KIVI and
+it reads, merged with the others by log-sum-exp); decode over any other layer (bf16 skip layers, and
+the variants :func:`kvq.attention.cuda.decode8.routes` holds back until they have run on a GPU) and
+prefill run the Triton kernels.  Block seals of KIVI and
 per-block-scaled layers (window seals in the decode step, a prefill chunk's whole
 blocks) run the CUDA kernel of seal.cu; token writes and every other seal run the
 Triton kernels.  Which kernel serves a layer depends only on its format, so a
@@ -24,7 +25,7 @@ __all__ = ["demote_pairs", "paged_attention", "paged_decode", "seal_blocks", "se
 def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None, tiers=None):
     group = q.shape[1] // layer.num_kv_heads
     if tiers is None:
-        if decode8.unsupported_reason(layer, group, q.dtype) is None:
+        if decode8.routes(layer, group, q.dtype):
             return decode8.paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len,
                                         has_hp=has_hp)
         return triton_decode.paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=max_seq_len,
@@ -32,7 +33,7 @@ def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, h
     # a tiered cache: one launch a tier, each by the kernel of its format (the CUDA one where it reads it),
     # into one set of partial results merged by log-sum-exp
     parts = triton_decode.decode_parts(layer, block_tables, seq_lens, max_seq_len, has_hp, tiers)
-    cuda = [decode8.unsupported_reason(p.layer, group, q.dtype) is None for p in parts]
+    cuda = [decode8.routes(p.layer, group, q.dtype) for p in parts]
     splits = [decode8.splits_for(q, p.layer, p.longest) if c else triton_decode.part_splits(q, p)
               for p, c in zip(parts, cuda)]
     by_cuda = {id(p) for p, c in zip(parts, cuda) if c}
