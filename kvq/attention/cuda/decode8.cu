@@ -424,6 +424,22 @@ __device__ __forceinline__ void lds(u32* w, const u8* p) {  // NW words from 16-
     }
 }
 
+// S^T of a chunk's 16 8-bit K rows (stride RS, lane (gi, c): bytes QB*c.. of rows gi, gi + 8) against
+// the query fragments qf (k_channel's 8-bit map).
+template <int KIND>
+__device__ __forceinline__ void scores8(const u8* st, int gi, int c, const u32 (*qf)[2], float* s) {
+    u32 r0[KS], r1[KS];
+    lds<KS>(r0, st + gi * RS + QB * c);
+    lds<KS>(r1, st + (gi + 8) * RS + QB * c);
+#pragma unroll
+    for (int j = 0; j < KS; ++j) {
+        u32 a0, a1, a2, a3;
+        cvt4<KIND>(r0[j], a0, a2);
+        cvt4<KIND>(r1[j], a1, a3);
+        mma_f16(s, a0, a1, a2, a3, qf[j][0], qf[j][1]);
+    }
+}
+
 // Scale of token `tok` of a chunk (per-token modes), of the chunk (per block) or of the head (static).
 template <int MODE>
 __device__ __forceinline__ float scale_at(const u8* sc, int tok, float stat) {
@@ -921,35 +937,21 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
 #endif
         if (!hp) {
 #if KIVI_BITS
-            if (K8) {  // FP8 K, not rotated: the 8-bit path's scores against the plain query; V's norms
-                u32 r0[KS], r1[KS];
-                lds<KS>(r0, st + gi * RSK + QB * c);
-                lds<KS>(r1, st + (gi + 8) * RSK + QB * c);
-#pragma unroll
-                for (int j = 0; j < KS; ++j) {
-                    u32 a0, a1, a2, a3;
-                    cvt4<K_KIND>(r0[j], a0, a2);
-                    cvt4<K_KIND>(r1[j], a1, a3);
-                    mma_f16(s, a0, a1, a2, a3, qf[j][0], qf[j][1]);
-                }
-#if K8
-                fk0 = fk1 = qk_scale * ks_static;
-#endif
+            if (ROT) {  // the V norms scale P rows; K: its norms scale S rows, or (K8) a static scale
                 const u16* nrm = reinterpret_cast<const u16*>(st + KSC_OFF);
-                fv0 = half_to_float(nrm[16 + gi]);
-                fv1 = half_to_float(nrm[24 + gi]);
-            } else if (ROT) {  // scores against the rotated query; the K and V norms as per-token scales
-#if ROT
+#if K8
+                scores8<K_KIND>(st, gi, c, qf, s);  // FP8 K, not rotated: the 8-bit path, the plain query
+                fk0 = fk1 = qk_scale * ks_static;
+#elif ROT
 #if KC
                 if ((k & 1) == 0) rot_group(st);  // a group's first chunk: its mean's term
 #endif
-                rot_scores(st, s);
+                rot_scores(st, s);  // against the rotated query
                 zk0 = zq0;
                 zk1 = zq1;
-#endif
-                const u16* nrm = reinterpret_cast<const u16*>(st + KSC_OFF);
                 fk0 = qk_scale * half_to_float(nrm[gi]);
                 fk1 = qk_scale * half_to_float(nrm[gi + 8]);
+#endif
                 fv0 = half_to_float(nrm[16 + gi]);
                 fv1 = half_to_float(nrm[24 + gi]);
             } else if (K_TOKEN) {
@@ -962,16 +964,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 zk1 = zq1;
             }
 #else
-            u32 r0[KS], r1[KS];
-            lds<KS>(r0, st + gi * RS + QB * c);
-            lds<KS>(r1, st + (gi + 8) * RS + QB * c);
-#pragma unroll
-            for (int j = 0; j < KS; ++j) {
-                u32 a0, a1, a2, a3;
-                cvt4<K_KIND>(r0[j], a0, a2);
-                cvt4<K_KIND>(r1[j], a1, a3);
-                mma_f16(s, a0, a1, a2, a3, qf[j][0], qf[j][1]);
-            }
+            scores8<K_KIND>(st, gi, c, qf, s);
             fk0 *= scale_at<K_SCALE>(st + SC_OFF, gi, ks_static);
             fk1 *= scale_at<K_SCALE>(st + SC_OFF, gi + 8, ks_static);
             fv0 = scale_at<V_SCALE>(st + SC_OFF + 64, gi, vs_static);
