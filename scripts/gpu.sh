@@ -27,7 +27,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$PWD"
   # FlashInfer modules built on an earlier machine (scripts/flashinfer_cache.py; .ficache is ignored)
-  if compgen -G ".ficache/*.so" >/dev/null; then python3 scripts/flashinfer_cache.py install .ficache; fi
+  if compgen -G ".ficache/*.so" >/dev/null; then python3 scripts/flashinfer_cache.py install .ficache || true; fi
 fi
 if [ -d /tmp/model ]; then export PYTHONPATH="/tmp/model:$PYTHONPATH"; fi
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfer" FLASHINFER_NO_DOWNLOAD=1 \
@@ -43,7 +43,7 @@ fi
 case "$target" in
   # 6 pytest workers (xdist is in the device image): Triton's compiles, most of this target's time, run side by side
   # FlashInfer's modules first, in one ninja run (a no-op where .ficache brought them)
-  test) python3 scripts/flashinfer_cache.py build
+  test) python3 scripts/flashinfer_cache.py build || echo "flashinfer prebuild failed: FlashInfer compiles on first use" >&2
         python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
           tests/test_prefill_window.py tests/test_staging.py tests/test_host_pool.py \
           tests/test_formats_spec.py tests/test_connectors.py tests/test_sampler.py tests/test_sampling_kernel.py \
@@ -51,7 +51,8 @@ case "$target" in
           tests/test_tiered_attention.py "$@" ;;
   pytest) python3 -m pytest -q -p no:cacheprovider "$@" ;;  # a chosen subset: bash scripts/gpu.sh pytest -n 8 tests/...
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
-  bench-prefill) python3 scripts/flashinfer_cache.py build --fa2; python3 benchmarks/bench_prefill.py "$@" ;;
+  bench-prefill) python3 scripts/flashinfer_cache.py build --fa2 || echo "flashinfer prebuild failed" >&2
+                 python3 benchmarks/bench_prefill.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
   test-tp) KVQ_TEST_TP_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py "$@" ;;
   bench-server) python3 benchmarks/bench_server.py "$@" ;;
@@ -59,7 +60,8 @@ case "$target" in
   bench-kv-transfer) python3 benchmarks/bench_kv_transfer.py "$@" ;;
   disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
-  probe-prefill) python3 scripts/flashinfer_cache.py build; python3 scripts/probe_prefill.py "$@" ;;
+  probe-prefill) python3 scripts/flashinfer_cache.py build || echo "flashinfer prebuild failed" >&2
+                 python3 scripts/probe_prefill.py "$@" ;;
   fi-build) python3 scripts/flashinfer_cache.py build --fa2 "$@"
             python3 scripts/flashinfer_cache.py export /tmp/fi-export "$@" --fa2
             # $OUT returns at most 8 files of 16 MiB: one gzipped tar in 15 MiB parts
