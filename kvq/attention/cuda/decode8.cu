@@ -811,6 +811,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             pb[0] = hmul2(pb0, sA);
             pb[1] = hmul2(pb1, sB);
         };
+        u32 pb[NARROW ? 1 : NG][2];  // per channel group (wider rows), before the zero points as always
+        if constexpr (!NARROW) {
+#pragma unroll
+            for (int g = 0; g < NG; ++g) scaled(g, g / NU, pb[g]);
+        }
         {  // zero points: A rows = groups (row gi: group gi's zeros of tokens 2c, 2c+1 | 2c+8, 2c+9)
             const u16* vz16 = reinterpret_cast<const u16*>(vzr);
             u32 za = 0u, zb = 0u;
@@ -828,15 +833,12 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const u32 tA = two(2 * c, 2 * c + 1), tB = two(2 * c + 8, 2 * c + 9), oA = tA >> 8, oB = tB >> 8;
 #pragma unroll
             for (int m = 0; m < PER; ++m) {
-                u32 pb[2];
-                scaled(m * DP / 32, m, pb);
+                u32 pm[2];
+                scaled(m * DP / 32, m, pm);
                 mma_f16(acc[m], plane<V_SUB>(tA, m), plane<V_SUB>(oA, m), plane<V_SUB>(tB, m), plane<V_SUB>(oB, m),
-                        pb[0], pb[1]);
+                        pm[0], pm[1]);
             }
         } else {
-            u32 pb[NG][2];
-#pragma unroll
-            for (int g = 0; g < NG; ++g) scaled(g, g / NU, pb[g]);
             u32 v0[NU], v1[NU], v8[NU], v9[NU];
 #pragma unroll
             for (int u = 0; u < NU; ++u) {
