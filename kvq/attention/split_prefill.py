@@ -126,7 +126,7 @@ class SplitPrefill:
             qo = [window.cu[b + 1] - window.cu[b] for b in range(g.b0, g.b1)]
             bulk = [n - split - sink for n in lens]  # keys [sink, p - split] of the last query
             tail = [n - sink for n in lens]  # keys [sink, p] of the last query, of which the last R
-            qg = q[g.r0:g.r1] if dtype == q.dtype else q[g.r0:g.r1].to(dtype)
+            qg = q[g.r0:g.r1].to(dtype)  # (a view where the dtypes agree)
             o_bulk = o_tail = None
             if max(bulk) > 0:
                 handle = self._plan(host, ("window", gi), lambda: self.lib.prepare(

@@ -273,9 +273,11 @@ def _kernel(d: int, page: int, group: int, kivi: int, kk: int, vk: int, kscale: 
 
 @functools.lru_cache(maxsize=16)
 def _rot_tables(k_bits: int, v_bits: int, head_dim: int, seed: int, device: str):
-    """K's and V's codebook levels (f16 [2^bits]) and the rotation's signs (float32 [head_dim])."""
+    """K's and V's codebook levels (f16 [2^bits]), the rotation's signs (float32 [head_dim]) and its
+    matrix (float32 [head_dim, head_dim], rows rotated: ``x @ it`` is ``codebook.rotate(x)``)."""
     lev = [codebook.tables(b, head_dim, device)[0].to(torch.float16).contiguous() for b in (k_bits, v_bits)]
-    return lev[0], lev[1], codebook.signs(seed, head_dim, device).contiguous()
+    mat = codebook.rotate(torch.eye(head_dim, device=device), seed).contiguous()
+    return lev[0], lev[1], codebook.signs(seed, head_dim, device).contiguous(), mat
 
 
 @functools.lru_cache(maxsize=8)
@@ -382,9 +384,10 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
     kz = layer.k["zero"] if (kivi and not rot) or centred(fk) else ks  # (centred K: the means)
     vz = layer.v["zero"] if kivi and not rot else vs
-    if rot:  # the rotated query (float32), K's and V's levels (f16), V's signs for the rotation back
-        qr = q if k8 else codebook.rotate(q.float(), fk.rotation_seed).contiguous()
-        klut, vlut, rsign = _rot_tables(fv.bits if k8 else fk.bits, fv.bits, D, fv.rotation_seed, str(q.device))
+    if rot:  # the rotated query (float32, one product), K's and V's levels (f16), V's signs for the rotation back
+        # (K and V share one seed: layer_reason)
+        klut, vlut, rsign, rmat = _rot_tables(fv.bits if k8 else fk.bits, fv.bits, D, fv.rotation_seed, str(q.device))
+        qr = q if k8 else q.float() @ rmat
     else:
         qr = klut = vlut = rsign = q
     out = torch.empty_like(q) if partials is None else q  # (with partials: unused by the kernel)
