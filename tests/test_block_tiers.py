@@ -54,6 +54,27 @@ def test_age_policy_moves_each_block_to_its_tier():
                                len([o for o in demotes if o.dst.pool == "q2"])]
 
 
+def test_an_append_that_cannot_fit_gets_the_age_demotions_already_due():
+    """Aging runs after an append's allocation, at the length before it: a chunk too big for the
+    resident tier leaves a block due by age in it.  ``age_due`` moves it (the scheduler runs it before
+    pressure or preemption; an age-only ladder used to preempt and re-admit the prompt forever)."""
+    m = tiered(bs=4, sink=0, res=0, ages=(4,), pressure=False, per=(2, 3), slabs=3, reserve=0)
+    m.allocate_prompt(0, list(range(8)))
+    m.mark_computed(0, 8)
+    m.begin_step()
+    m.append_slots(0, list(range(8, 12)))  # block 0 ages into tier 1 (a slab of its own)
+    m.mark_computed(0, 12)
+    m.begin_step()
+    assert [pool_tier(r.pool) for r in m.block_table(0)] == [1, 0, 0]
+    with pytest.raises(NoFreeBlocksError):
+        m.append_slots(0, list(range(12, 24)))  # 3 new blocks, 2 resident ones free
+    ops = m.age_due()
+    assert [(op.logical_index, pool_tier(op.src.pool), pool_tier(op.dst.pool)) for op in ops] == [(1, 0, 1)]
+    assert m.age_due() == []  # nothing more due at this length
+    m.append_slots(0, list(range(12, 24)))
+    m.check_integrity()
+
+
 def test_pressure_evacuates_cold_slabs_until_the_step_fits():
     m = tiered(per=(2, 3), slabs=7, reserve=2)
     for sid in range(2):

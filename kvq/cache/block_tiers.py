@@ -118,6 +118,20 @@ class TiersMixin:
         seq.tier_from = [min(h, stuck) if stuck is not None else h for h in his]
         return ops
 
+    def age_due(self) -> list[DemoteOp]:
+        """The age policy's demotions due now for every sequence, at its length now.  :meth:`_age` runs
+        after an append's allocation, so a sequence whose next append cannot fit may hold blocks already
+        due (a chunked prompt ages only at its chunks' starts); each moved block frees a resident one.  The
+        scheduler runs these before pressure or preemption: without them an age-only ladder preempted
+        and, through the prefix cache, re-admitted the same prompt forever."""
+        rule = self.tiers
+        if rule is None or not rule.ages:
+            return []
+        ops: list[DemoteOp] = []
+        for sid, seq in self._seqs.items():
+            ops += self._age(sid, seq, len(seq.tokens))
+        return ops
+
     # -- pressure ---------------------------------------------------------------------------------
     def make_room(self, need: int, headroom: int | None = None) -> list[DemoteOp]:
         """Demote the coldest sealed blocks of running sequences until the resident tier can give

@@ -272,13 +272,16 @@ class Scheduler(LoadsMixin, ChecksMixin, SwapFailuresMixin):
             seq.num_pending -= item.sample
 
         def relieve(need: int) -> bool:
-            """Elastic precision's pressure policy: demote cold blocks until ``need`` resident blocks are
-            free (kvq.cache.block_tiers); the items already taken this step get their changed tables."""
-            made = bm.make_room(need) if need > 0 else []
+            """Elastic precision: the age policy's demotions already due, else the pressure policy's (demote
+            cold blocks until ``need`` resident blocks are free; kvq.cache.block_tiers); the items already
+            taken this step get their changed tables."""
+            made = bm.age_due() if need > 0 else []
+            if not made:
+                made = bm.make_room(need) if need > 0 else []
+                self.num_demotions += len(made)
             if not made:
                 return False
             ops.extend(made)
-            self.num_demotions += len(made)
             touched = {op.seq_id for op in made}
             for j, item in enumerate(scheduled):
                 if item.seq_id in touched:  # its delta was taken: merge the entries demotion changed
