@@ -9,6 +9,8 @@ first, and that a prefix hit on a demoted block is served as stored.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -230,6 +232,29 @@ def test_swap_in_waits_while_the_tiers_cannot_take_its_blocks():
     assert m.can_swap_in(0)
     m.swap_in(0)
     assert [r.pool for r in m.block_table(0)] == before
+    m.check_integrity()
+
+
+def test_swap_in_takes_its_blocks_once_all_or_nothing():
+    """Taking cached blocks and giving them back can return their slab to the arena's reserve, so a trial
+    that succeeds may leave too little room for a second one: swap_in takes the blocks once, all or nothing
+    (it used to ask can_swap_in again and failed right after the scheduler's own check said yes; found by
+    the scheduler's stateful test with swap and pressure)."""
+    policy = WindowPolicy(4, sink_blocks=0, residual_tokens=0, write_direct=True)
+    m = BlockManager(0, 0, policy, True, host_blocks=(16, 0), tiers=TierRule(1, 4, 0, 0, pressure=True),
+                     arena=((2, 3), 4, 2))
+    m.allocate_prompt(0, list(range(12)))
+    m.mark_computed(0, 12)
+    m.swap_out(0)  # its 3 blocks stay in the prefix cache
+    m.begin_step()
+    m.allocate_prompt(1, list(range(20, 24)))
+    m.mark_computed(1, 4)
+    m.begin_step()
+    assert m.make_room(5)  # the demotion's destination takes a reserve slab
+    trial = copy.deepcopy(m)
+    assert trial.can_swap_in(0) and not trial.can_swap_in(0)  # the trial itself costs room
+    m.swap_in(0)
+    assert [r.pool for r in m.block_table(0)] == ["q"] * 3 and m.num_swapped == 0
     m.check_integrity()
 
 

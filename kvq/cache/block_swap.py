@@ -4,6 +4,7 @@ blocks move to the host tier and back (:class:`SwapOp`, run by the caller)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvq.cache.block_allocator import NoFreeBlocksError
 from kvq.cache.block_types import BlockRef, SeqBlocks, SeqId, SwapOp
@@ -58,10 +59,15 @@ class SwapMixin:
         copy between them.  The table keeps each block's pool, so a swapped-in block returns to its tier."""
         pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
         table = []
-        for ref in seq.table:
-            b = dst(ref.pool).allocate()
-            pairs.setdefault(ref.pool, []).append((ref.block_id, b))
-            table.append(BlockRef(ref.pool, b))
+        try:
+            for ref in seq.table:
+                b = dst(ref.pool).allocate()
+                pairs.setdefault(ref.pool, []).append((ref.block_id, b))
+                table.append(BlockRef(ref.pool, b))
+        except NoFreeBlocksError:  # all or nothing: give back what was taken, the source stays as it was
+            for ref in reversed(table):
+                dst(ref.pool).free(ref.block_id)
+            raise
         for ref in reversed(seq.table):
             src(ref.pool).free(ref.block_id)
         seq.table = table
@@ -71,8 +77,9 @@ class SwapMixin:
     def can_swap_in(self, seq_id: SeqId) -> bool:
         """Whether the device pools have a private block for every block of a swapped sequence
         (prefix-cache hits are not reused: it may need more blocks than it released).  A tiered
-        arena's tiers share its slabs: the check takes the blocks and gives them back (a cached block
-        evicted on the way stays evicted)."""
+        arena's tiers share its slabs: the check takes the blocks and gives them back, which may
+        evict cached blocks and return slabs to the arena's reserve, so a True may not hold for a
+        later call: :meth:`swap_in` does not ask it, it takes the blocks all or nothing."""
         seq = self._swapped[seq_id]
         need: dict[str, int] = {}
         for ref in seq.table:
@@ -81,7 +88,7 @@ class SwapMixin:
             return all(n <= self._alloc[p].num_free for p, n in need.items())
         if need.get("hp", 0) > self._alloc["hp"].num_free:
             return False
-        taken: list[tuple[str, int]] = []  # the tiers share the arena's slabs: take the blocks, then give them back
+        taken: list[tuple[str, int]] = []
         try:
             for p, n in need.items():
                 if p != "hp":
@@ -96,19 +103,28 @@ class SwapMixin:
 
     def swap_in(self, seq_id: SeqId) -> SwapOp:
         """Bring a swapped sequence back into fresh device blocks (whole table, so a mirror
-        rebuilds it) and release its host blocks; the op copies host -> device first."""
+        rebuilds it) and release its host blocks; the op copies host -> device first.  All or
+        nothing: where the device pools cannot hold every block, :class:`NoFreeBlocksError` and the
+        sequence stays swapped (a tiered arena may have evicted cached blocks on the way)."""
         if seq_id not in self._swapped:
             raise KeyError(f"sequence {seq_id!r} is not swapped")
-        if not self.can_swap_in(seq_id):
-            need = self._count(self._swapped[seq_id].table)
-            raise NoFreeBlocksError(f"cannot swap {seq_id!r} in: needs {need['q']} q (any tier) and {need['hp']} hp "
-                                    f"blocks, {self.num_free_blocks('q')} and {self.num_free_blocks('hp')} free")
-        seq = self._swapped.pop(seq_id)
-        op = self._move(seq_id, seq, self._host_of, self._alloc.__getitem__, "in")
+        seq = self._swapped[seq_id]
+        need = self._count(seq.table)
+        if need["hp"] > self._alloc["hp"].num_free or (self.arena is None and need["q"] > self._alloc["q"].num_free):
+            self._cannot_swap_in(seq_id, need)
+        try:
+            op = self._move(seq_id, seq, self._host_of, self._alloc.__getitem__, "in")
+        except NoFreeBlocksError:
+            self._cannot_swap_in(seq_id, need)
+        del self._swapped[seq_id]
         seq.changed = seq.num_registered = 0
         self._seqs[seq_id] = seq
         self._landing.add(seq)  # registered for prefix reuse from the next step on, once the copy has run
         return op
+
+    def _cannot_swap_in(self, seq_id: SeqId, need: dict[str, int]) -> NoReturn:
+        raise NoFreeBlocksError(f"cannot swap {seq_id!r} in: needs {need['q']} q (any tier) and {need['hp']} hp "
+                                f"blocks, {self.num_free_blocks('q')} and {self.num_free_blocks('hp')} free")
 
     def drop(self, seq_id: SeqId) -> None:
         """Free a sequence whose device blocks hold no valid KV (a swap-in whose copy failed): its own

@@ -351,9 +351,12 @@ class Scheduler(LoadsMixin, ChecksMixin, SwapFailuresMixin):
             reserved = bm.num_tokens(seq.seq_id) - seq.num_scheduled_tokens
             n = 1 if self._swapped_from[seq.seq_id] is SeqStatus.DECODE else \
                 reserved or self._chunk(seq.num_scheduled_tokens, seq.num_tokens, self._budget(seq, budget))
-            if n == 0 or budget < n or not bm.can_swap_in(seq.seq_id):
+            if n == 0 or budget < n:
                 break  # the head waits; nothing is admitted behind it
-            ops.append(bm.swap_in(seq.seq_id))
+            try:  # all or nothing (a tiered arena's room is known only by taking the blocks)
+                ops.append(bm.swap_in(seq.seq_id))
+            except NoFreeBlocksError:
+                break
             self._swapped.pop(0)
             seq.status = self._swapped_from.pop(seq.seq_id)
             self._insort(self._running, seq)
