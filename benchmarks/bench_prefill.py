@@ -10,8 +10,10 @@ tokens each, causal) and Llama-3-8B heads (32 query, 8 KV heads, head_dim 128, b
   ``kvq-triton`` (the Triton prefill) and ``kvq-flashinfer`` (kvq.attention.split_prefill over
   FlashInfer's FA3; quantized pools through the page scratch and, windowed, the Triton band);
 * anchors on the same bf16 pages and tables (HND): FlashInfer 0.7.0's paged prefill with its
-  ``fa2`` and ``fa3`` backends, and torch SDPA with the cuDNN backend over dense K/V (no past only,
-  as a user would call it on a prompt).
+  ``fa2`` and ``fa3`` backends; with no past only, over dense K/V as a user would call them on a
+  prompt: torch SDPA with the cuDNN backend (K/V repeated to every query head, and ``-gqa`` with
+  the kernel's own grouping) and FlashInfer's ragged prefill (``fa3``; ``cudnn`` where the cuDNN
+  Python frontend is installed).
 
 Rows (``docs/results/bench_prefill_h200.json``): impl, format, B, past, chunk, us (median of
 ``--iters`` calls, L2 flushed before each, CUDA events), tflops (4 B Hq D (chunk past + chunk^2/2)
@@ -21,6 +23,7 @@ per call), and for kvq rows ``x_best_library`` (us over the fastest anchor's at 
     python benchmarks/bench_prefill.py                       # the issue's shapes and formats (H200)
     python benchmarks/bench_prefill.py --smoke               # tiny shapes, torch library (any device)
     python benchmarks/bench_prefill.py --model-scratch       # also kvq rows with the scratch in bf16 (no casts)
+    python benchmarks/bench_prefill.py --paged-fresh         # also kvq rows with fresh prompts through the pool
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def flops(B: int, Hq: int, D: int, past: int, chunk: int) -> float:
     return 4.0 * B * Hq * D * (chunk * past + chunk * chunk / 2)
 
 
-def kvq_impls(device, smoke: bool, model_scratch: bool = False) -> dict:
+def kvq_impls(device, smoke: bool, model_scratch: bool = False, paged_fresh: bool = False) -> dict:
     """impl name -> the kernels the engine would run (kvq.attention.backends.with_prefill)."""
     from kvq.attention.backends import with_prefill
     from kvq.attention.split_prefill import SplitPrefill
@@ -81,6 +84,9 @@ def kvq_impls(device, smoke: bool, model_scratch: bool = False) -> dict:
         if model_scratch:
             impls["kvq-split-torch-model-scratch"] = with_prefill(
                 kernels, SplitPrefill(TorchLib(), model_dtype_scratch=True).paged_attention)
+        if paged_fresh:
+            impls["kvq-split-torch-paged-fresh"] = with_prefill(
+                kernels, SplitPrefill(TorchLib(), ragged_fresh=False).paged_attention)
     else:
         from kvq.attention.flashinfer_lib import FlashInferLib, unavailable_reason
 
@@ -91,6 +97,9 @@ def kvq_impls(device, smoke: bool, model_scratch: bool = False) -> dict:
             if model_scratch:  # quantized pages dequantized into the queries' dtype (no q/output casts)
                 impls[f"kvq-flashinfer-{lib.backend}-model-scratch"] = with_prefill(
                     kernels, SplitPrefill(lib, model_dtype_scratch=True).paged_attention)
+            if paged_fresh:  # fresh prompts of 16-bit layers through the paged call, as before the ragged one
+                impls[f"kvq-flashinfer-{lib.backend}-paged-fresh"] = with_prefill(
+                    kernels, SplitPrefill(lib, ragged_fresh=False).paged_attention)
         else:
             log(f"kvq-flashinfer: {why}")
     return impls
@@ -174,19 +183,47 @@ def anchors(h, meta, q, B, past, chunk, device, timer, iters, res, shape_row, sm
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kd = layer.k["data"]
+    tab = meta.block_tables.long()
+    k4 = layer.k["data"][tab].permute(0, 2, 1, 3, 4).reshape(B, H, -1, D)[:, :, :chunk].contiguous()  # [B, H, T, D]
+    v4 = layer.v["data"][tab].permute(0, 2, 1, 3, 4).reshape(B, H, -1, D)[:, :, :chunk].contiguous()
+    qd = q.view(B, chunk, Hq, D).transpose(1, 2).contiguous()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # dense K/V repeated to every query head (a user's call on a prompt), and with GQA in the kernel
+    for impl, kk, vv, gqa in (("torch-sdpa-cudnn", k4.repeat_interleave(Hq // H, 1), v4.repeat_interleave(Hq // H, 1),
+                               False), ("torch-sdpa-cudnn-gqa", k4, v4, True)):
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                t = timer(lambda: sdpa(qd, kk, vv, is_causal=True, scale=sm, enable_gqa=gqa), iters, 3)
+            res.add("rows", dict(shape_row, impl=impl, **t))
+        except Exception as e:
+            res.add("errors", dict(shape_row, impl=impl, error=err_str(e)))
+    # FlashInfer's ragged prefill over the prompts' own K/V [T, H, D] (what kvq runs for fresh prompts of
+    # 16-bit layers): FA3 (K/V by TMA), and cuDNN where its Python frontend is installed
     try:
-        qd = q.view(B, chunk, Hq, D).transpose(1, 2).contiguous()
-        tab = meta.block_tables.long()
-        kk = kd[tab].permute(0, 2, 1, 3, 4).reshape(B, H, -1, D)[:, :, :chunk].repeat_interleave(Hq // H, 1)
-        vv = layer.v["data"][tab].permute(0, 2, 1, 3, 4).reshape(B, H, -1, D)[:, :, :chunk]
-        vv = vv.repeat_interleave(Hq // H, 1)
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            t = timer(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kk, vv, is_causal=True, scale=sm),
-                      iters, 3)
-        res.add("rows", dict(shape_row, impl="torch-sdpa-cudnn", **t))
+        import flashinfer
+
+        kr, vr = (x.permute(0, 2, 1, 3).reshape(B * chunk, H, D).contiguous() for x in (k4, v4))
+        ind = torch.arange(0, (B + 1) * chunk, chunk, dtype=torch.int32)
+        ws = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+        for backend in ("fa3", "cudnn"):
+            impl = f"flashinfer-{backend}-ragged"
+            try:
+                w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend=backend)
+                common = dict(causal=True, sm_scale=sm, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                if backend == "cudnn":  # offsets in elements, lengths and maxima given (FlashInfer's cuDNN contract)
+                    dv = dict(device=device)
+                    lens = torch.full((B,), chunk, dtype=torch.int32, **dv)
+                    w.plan((ind * Hq * D).to(device), (ind * H * D).to(device), Hq, H, D, **common,
+                           seq_lens=lens, seq_lens_q=lens, max_token_per_sequence=chunk, max_sequence_kv=chunk,
+                           v_indptr=(ind * H * D).to(device), o_indptr=(ind * Hq * D).to(device))
+                else:
+                    w.plan(ind, ind, Hq, H, D, **common)
+                t = timer(lambda: w.run(q, kr, vr), iters, 3)
+                res.add("rows", dict(shape_row, impl=impl, **t))
+            except Exception as e:
+                res.add("errors", dict(shape_row, impl=impl, error=err_str(e)))
     except Exception as e:
-        res.add("errors", dict(shape_row, impl="torch-sdpa-cudnn", error=err_str(e)))
+        res.add("errors", dict(shape_row, impl="flashinfer-ragged", error=err_str(e)))
 
 
 def main(argv=None) -> int:
@@ -195,6 +232,10 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=FORMATS)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument("--paged-fresh", action="store_true",
+                    help="also rows of 16-bit layers whose fresh prompts go through the library's paged call over the "
+                         "pool instead of its ragged call over the new K/V (impl ...-paged-fresh; "
+                         "kvq.attention.split_prefill.RAGGED_FRESH)")
     ap.add_argument("--model-scratch", action="store_true",
                     help="also rows of the library split with quantized pages dequantized into the queries' dtype "
                          "(impl ...-model-scratch; kvq.attention.split_prefill.MODEL_DTYPE_SCRATCH)")
@@ -221,7 +262,7 @@ def main(argv=None) -> int:
            "heads": {"query": H * group, "kv": H, "head_dim": D}}
     res = Results(out, {"env": env, "rows": [], "errors": []})
     timer = Timer(device, 256 << 20 if device.type == "cuda" else 1 << 20)
-    impls = kvq_impls(device, args.smoke, args.model_scratch)
+    impls = kvq_impls(device, args.smoke, args.model_scratch, args.paged_fresh)
     gen = torch.Generator().manual_seed(0)
     sm = D ** -0.5
     iters = 2 if args.smoke else args.iters

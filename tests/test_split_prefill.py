@@ -239,6 +239,42 @@ def test_a_16_bit_layer_with_hp_blocks_goes_through_an_exact_copy(name):
     assert torch.equal(via_copy, direct)
 
 
+@pytest.mark.parametrize("name", LIBS)
+def test_fresh_prompts_of_a_16_bit_layer_read_their_own_keys(name, monkeypatch):
+    """A step whose requests are all fresh prompts (no cached past) reads the K/V it computed through
+    the library's ragged call (kvq.models.llama.attend passes them): the same keys the pool holds, so
+    the output is the paged call's (bit for bit through the torch library); a step with a past, or
+    without the new K/V, goes through the pool."""
+    gen = torch.Generator().manual_seed(5)
+    split = SplitPrefill(lib(name))
+    from kvq.attention.triton import kernels as triton_kernels
+
+    kernels = with_prefill(triton_kernels, split.paged_attention)
+    h = make_harness("bfloat16", kernels, device=DEV)
+    calls = []
+    real = split.lib.run_ragged
+    monkeypatch.setattr(split.lib, "run_ragged", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    sm = h.layer.head_dim ** -0.5
+    for new, fresh in (({"a": 70, "b": 33}, True), ({"a": 20, "c": 16}, False)):
+        q, meta, paged = step(h, new, gen, torch.bfloat16)
+        assert not calls
+        k = torch.cat([h.exact_k[s][-n:] for s, n in new.items()])
+        v = torch.cat([h.exact_v[s][-n:] for s, n in new.items()])
+        got = kernels.paged_attention(q, h.layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, sm,
+                                      max_q_len=meta.max_q_len, has_hp=meta.has_hp, k_new=k, v_new=v)
+        assert len(calls) == int(fresh)
+        if name == "torch":
+            assert torch.equal(got, paged)
+        else:
+            assert torch.allclose(got.float(), paged.float(), atol=2e-2, rtol=2e-2)
+        cu = meta.cu_seqlens_q.tolist()
+        for b, sid in enumerate(new):
+            exp = dense_attention(q[cu[b]:cu[b + 1]].cpu(), expected_kv(h, sid, "k"), expected_kv(h, sid, "v"),
+                                  h.group)
+            assert ((got[cu[b]:cu[b + 1]].float().cpu() - exp).norm() / exp.norm()).item() < 1e-2
+        calls.clear()
+
+
 def test_prefill_choice_is_explicit():
     plan = make_plan(bare_model(2, 2, 64, num_attention_heads=4), "int4_kivi")
     torch_choice = BackendChoice("auto", "torch", "x")
@@ -272,12 +308,13 @@ def test_bench_prefill_smoke(tmp_path):
     from benchmarks.bench_prefill import main
 
     out = tmp_path / "bp.json"
-    assert main(["--smoke", "--formats", "bfloat16,int4_kivi", "--profile", "--out", str(out)]) == 0
+    assert main(["--smoke", "--formats", "bfloat16,int4_kivi", "--profile", "--paged-fresh", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert not doc["errors"], doc["errors"]
     rows = doc["rows"]
     assert {(r["impl"], r["format"], r["B"], r["past"], r["chunk"]) for r in rows} == {
-        (i, f, *s) for i in ("kvq-triton", "kvq-split-torch") for f in ("bfloat16", "int4_kivi")
+        (i, f, *s) for i in ("kvq-triton", "kvq-split-torch", "kvq-split-torch-paged-fresh")
+        for f in ("bfloat16", "int4_kivi")
         for s in ((2, 0, 48), (1, 40, 24))}
     for r in rows:
         assert r["us"] > 0 and r["tflops"] > 0 and r["x_kvq_bf16"] > 0

@@ -5,7 +5,9 @@
 One :class:`flashinfer.BatchPrefillWithPagedKVCacheWrapper` per plan (its plan holds the step's
 request layout and the kernel's schedule), all sharing one workspace buffer: the plans of a
 step's calls run one after another on one stream.  ``plan`` reads the host lists only (no
-device sync); the page indices stay on the device.
+device sync); the page indices stay on the device.  Fresh prompts (no cached past) may instead
+go through :class:`flashinfer.BatchPrefillWithRaggedKVCacheWrapper` over their own K/V
+(``prepare_ragged``; kvq.attention.split_prefill.RAGGED_FRESH), the same module's kernels.
 
 A wrapper's ``plan`` writes the schedule into the wrapper's pinned host buffer and queues its
 copy to the device.  Under async scheduling the host plans step N+1 while step N still runs, so
@@ -94,6 +96,7 @@ class FlashInferLib:
         self.name = f"flashinfer-{self.backend}"
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._wrappers = Recycler()
+        self._ragged = Recycler()
 
     def new_step(self) -> None:
         """The last step's launches are all queued: its wrappers are planned again once the device
@@ -101,6 +104,7 @@ class FlashInferLib:
         event = torch.cuda.Event()
         event.record()
         self._wrappers.end_step(event)
+        self._ragged.end_step(event)
 
     def prepare(self, plan: LibPlan, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                 sm_scale: float):
@@ -115,3 +119,20 @@ class FlashInferLib:
 
     def run(self, handle, q, k_pages, v_pages, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         return handle.run(q, (k_pages, v_pages), out=out, return_lse=True)
+
+    def prepare_ragged(self, qo_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       sm_scale: float, device):
+        """A call over the rows' own K/V ``[T, H, D]`` (fresh prompts): FlashInfer's ragged prefill, whose
+        FA3 kernel loads K/V by TMA (its paged kernel gathers pages with cp.async)."""
+        w = self._ragged.take(lambda: self._fi.BatchPrefillWithRaggedKVCacheWrapper(
+            self._workspace, kv_layout="NHD", backend=self.backend))
+        indptr = [0]
+        for t in qo_lens:
+            indptr.append(indptr[-1] + int(t))
+        ind = torch.tensor(indptr, dtype=torch.int32)
+        w.plan(ind, ind, num_qo_heads, num_kv_heads, head_dim, causal=True, sm_scale=sm_scale, q_data_type=dtype,
+               kv_data_type=dtype)
+        return w
+
+    def run_ragged(self, handle, q, k, v, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return handle.run(q, k, v, out=out, return_lse=True)

@@ -109,6 +109,16 @@ def torch_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     return out, lse
 
 
+def ragged_plan(qo_lens: Sequence[int], device) -> LibPlan:
+    """The ragged call as a :class:`LibPlan` (for :func:`torch_attention`): each request reads the
+    keys of its own rows, ``[T, H, D]`` seen as pages of one token."""
+    qo = [0]
+    for t in qo_lens:
+        qo.append(qo[-1] + int(t))
+    return LibPlan(tuple(qo), tuple(qo), tuple(int(t) for t in qo_lens),
+                   torch.arange(qo[-1], dtype=torch.int32, device=device), 1)
+
+
 class TorchLib:
     """The reference library: :func:`torch_attention` behind the interface of
     :class:`kvq.attention.flashinfer_lib.FlashInferLib` (any device; tests and the CPU)."""
@@ -129,3 +139,11 @@ class TorchLib:
             out.copy_(o)
             o = out
         return o, lse
+
+    def prepare_ragged(self, qo_lens: Sequence[int], num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, sm_scale: float, device):
+        return (ragged_plan(qo_lens, device), sm_scale)
+
+    def run_ragged(self, handle, q, k, v, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of each request's rows over its own keys ``k``, ``v`` ``[T, H, D]``."""
+        return self.run(handle, q, k.unsqueeze(2), v.unsqueeze(2), out=out)

@@ -4,7 +4,9 @@ Same contract as :func:`kvq.attention.reference.paged_attention` (the definition
 three ways by layer:
 
 * a 16-bit layer whose step reads only its resident pages: one library call straight over
-  the pool's pages (HND, kvq's signed table read as it is: every entry is a page id);
+  the pool's pages (HND, kvq's signed table read as it is: every entry is a page id); where
+  every request of the step is a fresh prompt (no cached past), one ragged call over the
+  step's own K/V as computed, which the pool holds bit for bit (:data:`RAGGED_FRESH`);
 * a quantized layer read as stored (no per-query window), or a 16-bit layer that holds hp
   blocks (sinks, recent window of a mixed plan): the step's pages go once into a dense scratch
   (kvq.attention.triton.dequant: f16 for quantized pages, an exact bf16 copy for 16-bit ones;
@@ -41,6 +43,13 @@ from kvq.attention.triton.prefill import scratch_groups, window_scratch
 MODEL_DTYPE_SCRATCH = False
 
 
+#: Fresh prompts of a 16-bit layer go through the library's ragged call over the step's own K/V
+#: instead of its paged call over the pool: FlashInfer's FA3 loads contiguous K/V by TMA where its
+#: paged kernel gathers pages with cp.async.  Both read the same values (the pool stores the new K/V
+#: as computed); ``bench_prefill.py --paged-fresh`` times the paged call beside it.
+RAGGED_FRESH = True
+
+
 def scratch_dtype(q_dtype: torch.dtype, model_dtype: bool = MODEL_DTYPE_SCRATCH) -> torch.dtype:
     """The dtype quantized pages are dequantized to for the library (``model_dtype``:
     :data:`MODEL_DTYPE_SCRATCH`)."""
@@ -53,9 +62,10 @@ class SplitPrefill:
     """``paged_attention`` with the kernels' signature, over ``lib`` (kvq.attention.paged_lib.TorchLib,
     kvq.attention.flashinfer_lib.FlashInferLib)."""
 
-    def __init__(self, lib, model_dtype_scratch: bool = MODEL_DTYPE_SCRATCH):
+    def __init__(self, lib, model_dtype_scratch: bool = MODEL_DTYPE_SCRATCH, ragged_fresh: bool = RAGGED_FRESH):
         self.lib = lib
         self.model_dtype_scratch = model_dtype_scratch
+        self.ragged_fresh = ragged_fresh
         self._step = None  # the host metadata object the cached plans belong to
         self._plans: dict = {}
 
@@ -94,6 +104,12 @@ class SplitPrefill:
         qo = [b - a for a, b in zip(cu, cu[1:])]
         data = layer.k.get("data")
         if not layer.fmt.is_quantized and not has_hp and data is not None and data.dtype == q.dtype:
+            if (self.ragged_fresh and k_new is not None and k_new.dtype == q.dtype and v_new is not None
+                    and all(n == t for n, t in zip(lens, qo))):  # fresh prompts: their own K/V are all the keys
+                handle = self._plan(host, ("ragged",), lambda: self.lib.prepare_ragged(qo, Hq, H, D, q.dtype, sm_scale,
+                                                                                       q.device))
+                self.lib.run_ragged(handle, q, k_new, v_new, out=out)
+                return out
             handle = self._plan(host, ("direct",), lambda: self.lib.prepare(
                 paged_lib.make_plan(qo, lens, [0] * len(lens), block_tables, P), Hq, H, D, q.dtype, sm_scale))
             self.lib.run(handle, q, layer.k["data"], layer.v["data"], out=out)

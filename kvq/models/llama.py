@@ -213,6 +213,8 @@ def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float,
     win = {} if meta.prefill_host is None else dict(host=meta.prefill_host)
     if meta.window is not None:
         win.update(window=meta.window, k_new=k[nd:], v_new=v[nd:])
+    elif k is not None and nd < T:  # a library prefill reads fresh prompts' keys from here (split_prefill)
+        win.update(k_new=k[nd:], v_new=v[nd:])
     if meta.has_tiers:  # a tiered cache whose tables hold lower tiers' blocks (kvq.cache.tiers)
         win.update(tiered=True)
     if nd == 0:
