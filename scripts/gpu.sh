@@ -23,12 +23,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD"
-  # FlashInfer modules built on an earlier machine (scripts/flashinfer_cache.py; .ficache is ignored)
-  if compgen -G ".ficache/*.so" >/dev/null; then python3 scripts/flashinfer_cache.py install .ficache || true; fi
-fi
+# wheels carried in this call (scripts/gpu_prepare.sh: .whl, and .whl-cudnn apart, for the 64 MiB a call
+# carries); what an earlier call of a still-warm machine installed stays in /tmp/site
+for d in .whl .whl-cudnn; do
+  if compgen -G "$d/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl
+  fi
+done
+if [ -d /tmp/site ]; then export PYTHONPATH="/tmp/site:$PWD"; fi
+# FlashInfer modules built beforehand (scripts/gpu_prepare.sh flashinfer, or fi-build on an earlier machine)
+if compgen -G ".ficache/*.so" >/dev/null; then python3 scripts/flashinfer_cache.py install .ficache || true; fi
 if [ -d /tmp/model ]; then export PYTHONPATH="/tmp/model:$PYTHONPATH"; fi
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfer" FLASHINFER_NO_DOWNLOAD=1 \
   TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Prepare, on this machine (no GPU), what the device machine's calls carry, so that its time goes to
+# measuring instead of installing and compiling:
+#   bash scripts/gpu_prepare.sh wheels      # .whl/: the Python 3.12 wheels scripts/gpu.sh installs there
+#                                           # (FlashInfer 0.7.0 and its small deps, Hypothesis: 39 MB), and
+#                                           # .whl-cudnn/: the cuDNN frontend (12 MB; bench_prefill's cuDNN
+#                                           # ragged anchor): a call carries 64 MiB with the tree, so the
+#                                           # first call carries .whl, a later one .whl-cudnn and .ficache
+#                                           # (the machine keeps /tmp/site while it stays warm)
+#   bash scripts/gpu_prepare.sh flashinfer [--head-dims 64,128] [--fa2]
+#                                           # .ficache/: FlashInfer's prefill modules for sm_90a, built here
+#                                           # with CUDA 13's nvcc (the device's is 13.0 too)
+# Then carry [".whl", ".ficache"] (both ignored): gpu.sh installs the modules where FlashInfer looks for
+# prebuilt ones, and a module that does not load there is compiled again by FlashInfer itself.
+#
+# Why: FlashInfer compiles each prefill module on first use, about 140 s each on the device, and kvq's
+# GPU targets plan nine (session 28 lost its whole device time to them).  Here a module takes about
+# 12 min of one core (10 CUDA sources) and comes out at 1.8 MiB.  The build needs what this image's
+# CUDA lacks: cuRAND's headers (CUTLASS's utilities include them; from the nvidia-curand wheel) and
+# a libcuda.so to link against (a stub with the driver's soname; the device's driver provides it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+what="${1:-}"; shift || true
+case "$what" in
+  wheels)
+    get() { d=$1; shift; mkdir -p "$d"; "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --abi cp312 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 --platform any -d "$d" "$@"; }
+    # (the device image has pytest, xdist, cuda-bindings and cuda-pathfinder: KINDS.md, CuPy 14)
+    get .whl flashinfer-python==0.7.0 apache-tvm-ffi==0.1.15.post2 cuda-python cuda-tile nvidia-ml-py einops tabulate \
+      hypothesis sortedcontainers
+    get .whl-cudnn nvidia-cudnn-frontend
+    du -sh .whl .whl-cudnn ;;
+  flashinfer)
+    CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+    [ -x "$CUDA_HOME/bin/nvcc" ] || { echo "gpu_prepare: needs CUDA 13's nvcc under CUDA_HOME ($CUDA_HOME)" >&2; exit 2; }
+    w=.fiprebuild
+    mkdir -p $w/wheels $w/stubs
+    "$PY" -m pip download -q --no-deps -d $w/wheels flashinfer-python==0.7.0 apache-tvm-ffi==0.1.15.post2 \
+      "nvidia-curand>=10.4,<10.5"
+    "$PY" -m pip install -q --no-deps --target $w/site $w/wheels/flashinfer_python-*.whl $w/wheels/apache_tvm_ffi-*.whl
+    "$PY" -m pip install -q --target $w/site nvidia-ml-py einops tabulate cuda-python
+    rm -rf $w/site/numpy $w/site/numpy-* $w/site/numpy.libs  # this machine's numpy stays in charge
+    (cd $w && unzip -q -o wheels/nvidia_curand-*.whl 'nvidia/cu13/include/*' -d curand)
+    printf '' | gcc -shared -x c - -Wl,-soname,libcuda.so.1 -o $w/stubs/libcuda.so
+    export CUDA_HOME FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/$w/ws" \
+      FLASHINFER_EXTRA_CUDAFLAGS="-isystem $PWD/$w/curand/nvidia/cu13/include" \
+      FLASHINFER_EXTRA_LDFLAGS="-L$PWD/$w/stubs" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+    PYTHONPATH="$PWD/$w/site:$PWD" "$PY" scripts/flashinfer_cache.py build "$@"
+    PYTHONPATH="$PWD/$w/site:$PWD" "$PY" scripts/flashinfer_cache.py export .ficache "$@" ;;
+  *) echo "usage: bash scripts/gpu_prepare.sh wheels | flashinfer [--head-dims 64,128] [--fa2]" >&2; exit 2 ;;
+esac
