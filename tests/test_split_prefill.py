@@ -240,28 +240,32 @@ def test_a_16_bit_layer_with_hp_blocks_goes_through_an_exact_copy(name):
 
 
 @pytest.mark.parametrize("name", LIBS)
-def test_fresh_prompts_of_a_16_bit_layer_read_their_own_keys(name, monkeypatch):
-    """A step whose requests are all fresh prompts (no cached past) reads the K/V it computed through
-    the library's ragged call (kvq.models.llama.attend passes them): the same keys the pool holds, so
-    the output is the paged call's (bit for bit through the torch library); a step with a past, or
-    without the new K/V, goes through the pool."""
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8_e4m3", "int8_per_token_head", "int4_kivi"])
+def test_fresh_prompts_read_their_keys_in_the_rows_of_their_queries(name, fmt, monkeypatch):
+    """A step whose requests are all fresh prompts (no cached past) goes through the library's ragged
+    call: a 16-bit layer over the K/V it computed (kvq.models.llama.attend passes them), which the pool
+    holds bit for bit, a quantized one over its pages dequantized into the rows of their queries
+    (``dequant.dequantize_rows``).  The output is the paged call's (bit for bit through the torch
+    library); a step with a past goes through the pool."""
     gen = torch.Generator().manual_seed(5)
-    split = SplitPrefill(lib(name))
     from kvq.attention.triton import kernels as triton_kernels
 
+    split, paged_split = SplitPrefill(lib(name)), SplitPrefill(lib(name), ragged_fresh=False)
     kernels = with_prefill(triton_kernels, split.paged_attention)
-    h = make_harness("bfloat16", kernels, device=DEV)
+    h = make_harness(fmt, kernels, device=DEV, **({} if fmt != "int4_kivi" else dict(sink=0, residual=0)))
     calls = []
     real = split.lib.run_ragged
     monkeypatch.setattr(split.lib, "run_ragged", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     sm = h.layer.head_dim ** -0.5
     for new, fresh in (({"a": 70, "b": 33}, True), ({"a": 20, "c": 16}, False)):
-        q, meta, paged = step(h, new, gen, torch.bfloat16)
-        assert not calls
+        q, meta, _ = step(h, new, gen, torch.bfloat16)
+        calls.clear()
         k = torch.cat([h.exact_k[s][-n:] for s, n in new.items()])
         v = torch.cat([h.exact_v[s][-n:] for s, n in new.items()])
-        got = kernels.paged_attention(q, h.layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, sm,
-                                      max_q_len=meta.max_q_len, has_hp=meta.has_hp, k_new=k, v_new=v)
+        args = (q, h.layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, sm)
+        kw = dict(max_q_len=meta.max_q_len, has_hp=meta.has_hp, k_new=k, v_new=v)
+        got = kernels.paged_attention(*args, **kw)
+        paged = paged_split.paged_attention(*args, **kw)
         assert len(calls) == int(fresh)
         if name == "torch":
             assert torch.equal(got, paged)

@@ -10,7 +10,8 @@ three ways by layer:
 * a quantized layer read as stored (no per-query window), or a 16-bit layer that holds hp
   blocks (sinks, recent window of a mixed plan): the step's pages go once into a dense scratch
   (kvq.attention.triton.dequant: f16 for quantized pages, an exact bf16 copy for 16-bit ones;
-  :func:`scratch_dtype`), then one library call over it;
+  :func:`scratch_dtype`), then one library call over it; fresh prompts' keys go into the rows of
+  their queries instead, for one ragged call (:data:`RAGGED_FRESH`);
 * a quantized layer under the per-query window rule (kvq.cache.window.exact_from): each query's
   keys split at ``p - (R + P)`` and ``p - R``; everything before the first (past the sinks) is read
   quantized by every query, so one library call covers it, causal with that offset, over the
@@ -116,19 +117,29 @@ class SplitPrefill:
             return out
         dtype = scratch_dtype(q.dtype, self.model_dtype_scratch) if layer.fmt.is_quantized else layer.k_hp.dtype
         args, meta = layer_args(layer)
+        fresh = self.ragged_fresh and all(n == t for n, t in zip(lens, qo))
         for gi, (b0, b1, width) in enumerate(scratch_groups(lens, H, P, D)):
             r0, r1 = cu[b0], cu[b1]
-            k, v, ident = dequant.dequantize_pages(args, meta, block_tables[b0:b1, :width], seq_lens[b0:b1], width, H,
-                                                   P, D, dtype=dtype)
-            handle = self._plan(host, ("scratch", gi, dtype), lambda: self.lib.prepare(
-                paged_lib.make_plan(qo[b0:b1], lens[b0:b1], [0] * (b1 - b0), ident, P), Hq, H, D, dtype, sm_scale))
+            if fresh:  # fresh prompts: their keys dequantized into the rows of their queries, one ragged call
+                starts = (cu_seqlens_q[b0:b1] - r0).to(torch.int32)
+                k, v = dequant.dequantize_rows(args, meta, block_tables[b0:b1, :width], seq_lens[b0:b1], starts, r1 - r0,
+                                               width, H, P, D, dtype=dtype)
+                handle = self._plan(host, ("ragged-scratch", gi, dtype), lambda: self.lib.prepare_ragged(
+                    qo[b0:b1], Hq, H, D, dtype, sm_scale, q.device))
+                run = self.lib.run_ragged
+            else:
+                k, v, ident = dequant.dequantize_pages(args, meta, block_tables[b0:b1, :width], seq_lens[b0:b1], width,
+                                                       H, P, D, dtype=dtype)
+                handle = self._plan(host, ("scratch", gi, dtype), lambda: self.lib.prepare(
+                    paged_lib.make_plan(qo[b0:b1], lens[b0:b1], [0] * (b1 - b0), ident, P), Hq, H, D, dtype, sm_scale))
+                run = self.lib.run
             # every row sees a key (its own), so the library writes all of the buffer it is given (FlashInfer
             # zero-fills one it allocates: 21-41 us a call at 8 x 1024 / 4 x 4096, H100 profile)
             if dtype == q.dtype:  # straight from the queries into the output
-                self.lib.run(handle, q[r0:r1], k, v, out=out[r0:r1])
+                run(handle, q[r0:r1], k, v, out=out[r0:r1])
             else:
                 qs = q[r0:r1].to(dtype)
-                out[r0:r1] = self.lib.run(handle, qs, k, v, out=torch.empty_like(qs))[0]
+                out[r0:r1] = run(handle, qs, k, v, out=torch.empty_like(qs))[0]
         return out
 
     def _windowed(self, q, out, layer, cu_t, tables, lens_t, sm_scale, max_q_len, window, k_new, v_new, host):

@@ -80,18 +80,21 @@ def _page_tile(data_ptr, scale_ptr, zero_ptr, hp_ptr, static_ptr,
 
 # widths change step to step, and so does the 16-byte alignment of the step's table and length views
 # (two recompiles in a wave on the H200): no recompile for either
-@triton.jit(do_not_specialize=["s_tb", "NB", "lo", "hi"], do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
+@triton.jit(do_not_specialize=["s_tb", "NB", "lo", "hi"], do_not_specialize_on_alignment=["table_ptr", "lens_ptr",
+                                                                                       "starts_ptr"])
 def _dequant_kernel(
     kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst,
     s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb,
     s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
     s_hb, s_hh, s_ht,
-    table_ptr, s_tb, lens_ptr, out_k, out_v, s_ob, s_oh, s_ot, NB,
+    table_ptr, s_tb, lens_ptr, starts_ptr, out_k, out_v, s_ob, s_oh, s_ot, NB,
     lo, hi,  # the table entries this launch reads (one tier's tag range); its blocks are entry - max(lo, 0)
     D: tl.constexpr, PAGE: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr, K_G: tl.constexpr, V_G: tl.constexpr,  # noqa: E501
+    ROWS: tl.constexpr = False,
 ):
-    """One program per (sequence, page of its table, KV head)."""
+    """One program per (sequence, page of its table, KV head).  ``ROWS``: the output is rows ``[T, H, D]``,
+    sequence ``b``'s token ``i`` at row ``starts[b] + i``, its tokens past its length not written."""
     b = tl.program_id(0)
     j = tl.program_id(1)
     h = tl.program_id(2)
@@ -102,13 +105,19 @@ def _dequant_kernel(
         bid = ref - tl.maximum(lo, 0)
         off = tl.arange(0, PAGE)
         c = tl.arange(0, D)
-        dst = (b.to(tl.int64) * NB + j) * s_ob + h * s_oh + off[:, None].to(tl.int64) * s_ot + c[None, :]
+        if ROWS:
+            row = tl.load(starts_ptr + b).to(tl.int64) + j * PAGE + off.to(tl.int64)
+            dst = row[:, None] * s_ot + h * s_oh + c[None, :]
+            keep = (j * PAGE + off < n)[:, None] & (c[None, :] >= 0)
+        else:
+            dst = (b.to(tl.int64) * NB + j) * s_ob + h * s_oh + off[:, None].to(tl.int64) * s_ot + c[None, :]
+            keep = None
         k = _page_tile(kd, ks, kz, khp, kst, s_kdb, s_kdh, s_kdt, s_ksb, s_ksh, s_kst, s_kzb, s_hb, s_hh, s_ht,
                        bid, h, off, PAGE, D, K_FMT, K_PER, K_G)
-        tl.store(out_k + dst, k.to(out_k.dtype.element_ty))
+        tl.store(out_k + dst, k.to(out_k.dtype.element_ty), mask=keep)
         v = _page_tile(vd, vs, vz, vhp, vst, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb, s_hb, s_hh, s_ht,
                        bid, h, off, PAGE, D, V_FMT, V_PER, V_G)
-        tl.store(out_v + dst, v.to(out_v.dtype.element_ty))
+        tl.store(out_v + dst, v.to(out_v.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -166,11 +175,29 @@ def dequantize_pages(args: list, meta: dict, block_tables: torch.Tensor, seq_len
     table = torch.arange(B * blocks, dtype=torch.int32, device=dev).view(B, blocks)
     if B and blocks:
         _dequant_kernel[(B, blocks, num_kv_heads)](
-            *args, block_tables, block_tables.stride(0), seq_lens, k, v, k.stride(0), k.stride(1), k.stride(2), blocks,
-            *entries, D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
+            *args, block_tables, block_tables.stride(0), seq_lens, seq_lens, k, v, k.stride(0), k.stride(1), k.stride(2),
+            blocks, *entries, D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
             V_PER=meta["v_per"], K_G=meta["k_g"], V_G=meta["v_g"], num_warps=num_warps,
         )
     return k, v, table
+
+
+def dequantize_rows(args: list, meta: dict, block_tables: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor,
+                    rows: int, blocks: int, num_kv_heads: int, page: int, head_dim: int, num_warps: int = 4,
+                    dtype: torch.dtype = torch.float16):
+    """-> (k, v) ``dtype`` ``[rows, H, D]``: token ``i`` of sequence ``b`` (its first ``blocks`` table
+    entries, ``seq_lens[b]`` tokens) dequantized into row ``starts[b] + i`` (int32 [B], on the device).
+    A step of fresh prompts reads its keys this way, in the rows of its queries (a ragged library call)."""
+    k = torch.empty(rows, num_kv_heads, head_dim, dtype=dtype, device=seq_lens.device)
+    v = torch.empty_like(k)
+    B = seq_lens.shape[0]
+    if B and blocks:
+        _dequant_kernel[(B, blocks, num_kv_heads)](
+            *args, block_tables, block_tables.stride(0), seq_lens, starts, k, v, 0, k.stride(1), k.stride(0), blocks,
+            *ALL_ENTRIES, D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
+            V_PER=meta["v_per"], K_G=meta["k_g"], V_G=meta["v_g"], ROWS=True, num_warps=num_warps,
+        )
+    return k, v
 
 
 def dequantize_layer_pages(layer, block_tables: torch.Tensor, seq_lens: torch.Tensor, blocks: int, extra: int = 0,
