@@ -122,8 +122,8 @@ class SplitPrefill:
             r0, r1 = cu[b0], cu[b1]
             if fresh:  # fresh prompts: their keys dequantized into the rows of their queries, one ragged call
                 starts = (cu_seqlens_q[b0:b1] - r0).to(torch.int32)
-                k, v = dequant.dequantize_rows(args, meta, block_tables[b0:b1, :width], seq_lens[b0:b1], starts, r1 - r0,
-                                               width, H, P, D, dtype=dtype)
+                k, v = dequant.dequantize_rows(args, meta, block_tables[b0:b1, :width], seq_lens[b0:b1], starts,
+                                               r1 - r0, width, H, P, D, dtype=dtype)
                 handle = self._plan(host, ("ragged-scratch", gi, dtype), lambda: self.lib.prepare_ragged(
                     qo[b0:b1], Hq, H, D, dtype, sm_scale, q.device))
                 run = self.lib.run_ragged
