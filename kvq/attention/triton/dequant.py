@@ -176,8 +176,8 @@ def dequantize_pages(args: list, meta: dict, block_tables: torch.Tensor, seq_len
     if B and blocks:
         _dequant_kernel[(B, blocks, num_kv_heads)](
             *args, block_tables, block_tables.stride(0), seq_lens, seq_lens, k, v, k.stride(0), k.stride(1),
-            k.stride(2), blocks, *entries, D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
-            V_PER=meta["v_per"], K_G=meta["k_g"], V_G=meta["v_g"], num_warps=num_warps,
+            k.stride(2), blocks, *entries, D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"],
+            V_FMT=meta["v_fmt"], V_PER=meta["v_per"], K_G=meta["k_g"], V_G=meta["v_g"], num_warps=num_warps,
         )
     return k, v, table
 
