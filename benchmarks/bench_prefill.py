@@ -24,6 +24,7 @@ per call), and for kvq rows ``x_best_library`` (us over the fastest anchor's at 
     python benchmarks/bench_prefill.py --smoke               # tiny shapes, torch library (any device)
     python benchmarks/bench_prefill.py --model-scratch       # also kvq rows with the scratch in bf16 (no casts)
     python benchmarks/bench_prefill.py --paged-fresh         # also kvq rows with fresh prompts through the pool
+    python benchmarks/bench_prefill.py --fp8                 # also fp8_e4m3 rows through FA3's FP8 tensor cores
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def flops(B: int, Hq: int, D: int, past: int, chunk: int) -> float:
     return 4.0 * B * Hq * D * (chunk * past + chunk * chunk / 2)
 
 
-def kvq_impls(device, smoke: bool, model_scratch: bool = False, paged_fresh: bool = False) -> dict:
+def kvq_impls(device, smoke: bool, model_scratch: bool = False, paged_fresh: bool = False, fp8: bool = False) -> dict:
     """impl name -> the kernels the engine would run (kvq.attention.backends.with_prefill)."""
     from kvq.attention.backends import with_prefill
     from kvq.attention.split_prefill import SplitPrefill
@@ -87,6 +88,8 @@ def kvq_impls(device, smoke: bool, model_scratch: bool = False, paged_fresh: boo
         if paged_fresh:
             impls["kvq-split-torch-paged-fresh"] = with_prefill(
                 kernels, SplitPrefill(TorchLib(), ragged_fresh=False).paged_attention)
+        if fp8:
+            impls["kvq-split-torch-fp8"] = with_prefill(kernels, SplitPrefill(TorchLib(), fp8=True).paged_attention)
     else:
         from kvq.attention.flashinfer_lib import FlashInferLib, unavailable_reason
 
@@ -100,6 +103,8 @@ def kvq_impls(device, smoke: bool, model_scratch: bool = False, paged_fresh: boo
             if paged_fresh:  # fresh prompts of 16-bit layers through the paged call, as before the ragged one
                 impls[f"kvq-flashinfer-{lib.backend}-paged-fresh"] = with_prefill(
                     kernels, SplitPrefill(lib, ragged_fresh=False).paged_attention)
+            if fp8 and lib.backend == "fa3":  # fp8_e4m3 read as stored through FA3's FP8 tensor cores (opt-in)
+                impls["kvq-flashinfer-fa3-fp8"] = with_prefill(kernels, SplitPrefill(lib, fp8=True).paged_attention)
         else:
             log(f"kvq-flashinfer: {why}")
     return impls
@@ -236,6 +241,9 @@ def main(argv=None) -> int:
                     help="also rows of 16-bit layers whose fresh prompts go through the library's paged call over the "
                          "pool instead of its ragged call over the new K/V (impl ...-paged-fresh; "
                          "kvq.attention.split_prefill.RAGGED_FRESH)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also fp8_e4m3 rows through FA3's FP8 tensor cores (impl kvq-flashinfer-fa3-fp8; "
+                         "--prefill-backend flashinfer-fp8)")
     ap.add_argument("--model-scratch", action="store_true",
                     help="also rows of the library split with quantized pages dequantized into the queries' dtype "
                          "(impl ...-model-scratch; kvq.attention.split_prefill.MODEL_DTYPE_SCRATCH)")
@@ -262,7 +270,7 @@ def main(argv=None) -> int:
            "heads": {"query": H * group, "kv": H, "head_dim": D}}
     res = Results(out, {"env": env, "rows": [], "errors": []})
     timer = Timer(device, 256 << 20 if device.type == "cuda" else 1 << 20)
-    impls = kvq_impls(device, args.smoke, args.model_scratch, args.paged_fresh)
+    impls = kvq_impls(device, args.smoke, args.model_scratch, args.paged_fresh, args.fp8)
     gen = torch.Generator().manual_seed(0)
     sm = D ** -0.5
     iters = 2 if args.smoke else args.iters
@@ -271,6 +279,8 @@ def main(argv=None) -> int:
         fl = flops(B, H * group, D, past, chunk)
         for fmt in formats:
             for impl, kernels in impls.items():
+                if impl.endswith("-fp8") and fmt != "fp8_e4m3":
+                    continue  # the FP8 opt-in reads fp8_e4m3 layers only; others are the plain impl's rows
                 row = dict(shape_row, impl=impl, format=fmt)
                 try:
                     h, meta, q, k, v = fill(fmt, kernels, B, past, chunk, H, D, group, device, gen)
@@ -315,8 +325,9 @@ def summarize(doc: dict) -> None:
         if key(r) in best:
             r["x_best_library"] = r["us"] / best[key(r)]["us"]
             r["best_library"] = best[key(r)]["impl"]
-        if (key(r), r["impl"]) in bf16:
-            r["x_kvq_bf16"] = r["us"] / bf16[(key(r), r["impl"])]
+        base = r["impl"].removesuffix("-fp8")  # the FP8 opt-in has no bf16 row: its plain impl's
+        if (key(r), base) in bf16:
+            r["x_kvq_bf16"] = r["us"] / bf16[(key(r), base)]
     print(f"\n{'shape':18s} {'impl':24s} {'format':22s} {'us':>10s} {'TFLOP/s':>8s} {'x best lib':>10s} {'x bf16':>7s}")
     for r in sorted(rows, key=lambda r: (key(r), r["impl"], r["format"])):
         xb, xf = r.get("x_best_library"), r.get("x_kvq_bf16")

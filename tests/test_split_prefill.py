@@ -297,6 +297,51 @@ def test_prefill_choice_is_explicit():
     assert prefill_kernels(module, select_prefill("auto", torch_choice, plan, "cpu"), "cpu") is module
 
 
+def test_fp8_prefill_is_an_explicit_opt_in():
+    """``--prefill-backend flashinfer-fp8`` serves only where FA3 runs and some layer is fp8_e4m3 read as
+    stored (no window in high precision); otherwise it says why."""
+    from kvq.attention.backends import _fp8_prefill_reason
+
+    model = bare_model(2, 2, 64, num_attention_heads=4)
+    tri = BackendChoice("triton", "triton", "x")
+    with pytest.raises(ValueError, match="'flashinfer-fp8'.*needs a CUDA device"):
+        select_prefill("flashinfer-fp8", tri, make_plan(model, "fp8_e4m3"), "cpu")
+    assert "no layer is fp8_e4m3" in _fp8_prefill_reason(make_plan(model, "int8"))
+    assert "no layer is fp8_e4m3" in _fp8_prefill_reason(make_plan(model, "turboquant_k8v4"))  # V is rotated
+    assert "set both windows to 0" in _fp8_prefill_reason(make_plan(model, "fp8_e4m3", sink_tokens=4,
+                                                                     residual_tokens=32))
+    assert _fp8_prefill_reason(make_plan(model, "fp8_e4m3")) is None
+
+
+@pytest.mark.parametrize("name", LIBS)
+def test_fp8_prefill_reads_the_e4m3_codes_in_place(name, monkeypatch):
+    """``fp8=True``: an fp8_e4m3 layer read as stored goes to the library's FP8 call with the pool's e4m3
+    pages and per-head static scales, the queries cast to e4m3; the output stays within e4m3 queries'
+    precision (FlashInfer: and e4m3 probabilities') of the dense definition over what the cache holds."""
+    from kvq.attention.triton import kernels as triton_kernels
+
+    gen = torch.Generator().manual_seed(6)
+    split = SplitPrefill(lib(name), fp8=True)
+    h = make_harness("fp8_e4m3", with_prefill(triton_kernels, split.paged_attention), device=DEV)
+    h.layer.k_scale.copy_(torch.tensor([0.02, 0.05]))  # static scales the reads must apply
+    h.layer.v_scale.copy_(torch.tensor([0.01, 0.03]))
+    seen = []
+    real = split.lib.run_fp8
+    monkeypatch.setattr(split.lib, "run_fp8", lambda handle, q, k, v, *a, **kw: (
+        seen.append((q.dtype, k.dtype, v.dtype)), real(handle, q, k, v, *a, **kw))[1])
+    worst = 0.0
+    for new in ({"a": 37, "b": 70}, {"a": 45, "c": 20}):
+        q, meta, out = step(h, new, gen, torch.bfloat16)
+        cu = meta.cu_seqlens_q.tolist()
+        for b, sid in enumerate(new):
+            exp = dense_attention(q[cu[b]:cu[b + 1]].cpu(), expected_kv(h, sid, "k"), expected_kv(h, sid, "v"),
+                                  h.group)
+            err = ((out[cu[b]:cu[b + 1]].float().cpu() - exp).norm() / exp.norm()).item()
+            worst = max(worst, err)
+    assert seen and all(d == torch.float8_e4m3fn for call in seen for d in call), seen
+    assert 0 < worst < 5e-2, worst  # e4m3 queries (3 mantissa bits) cost more than bf16's 1e-2, not more
+
+
 def test_engine_reports_its_prefill_kernel():
     from kvq.engine.config import EngineConfig
 
@@ -312,13 +357,14 @@ def test_bench_prefill_smoke(tmp_path):
     from benchmarks.bench_prefill import main
 
     out = tmp_path / "bp.json"
-    assert main(["--smoke", "--formats", "bfloat16,int4_kivi", "--profile", "--paged-fresh", "--out", str(out)]) == 0
+    assert main(["--smoke", "--formats", "bfloat16,int4_kivi,fp8_e4m3", "--profile", "--paged-fresh", "--fp8",
+                 "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert not doc["errors"], doc["errors"]
     rows = doc["rows"]
     assert {(r["impl"], r["format"], r["B"], r["past"], r["chunk"]) for r in rows} == {
-        (i, f, *s) for i in ("kvq-triton", "kvq-split-torch", "kvq-split-torch-paged-fresh")
-        for f in ("bfloat16", "int4_kivi")
+        (i, f, *s) for i in ("kvq-triton", "kvq-split-torch", "kvq-split-torch-paged-fresh", "kvq-split-torch-fp8")
+        for f in ("bfloat16", "int4_kivi", "fp8_e4m3") if f == "fp8_e4m3" or not i.endswith("fp8")
         for s in ((2, 0, 48), (1, 40, 24))}
     for r in rows:
         assert r["us"] > 0 and r["tflops"] > 0 and r["x_kvq_bf16"] > 0

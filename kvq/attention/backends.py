@@ -289,9 +289,11 @@ def select_backend(
 
 # -- prefill -------------------------------------------------------------------------------------
 #: ``--prefill-backend``: ``flashinfer`` (kvq.attention.split_prefill over FlashInfer's FA3/FA2,
-#: the band kernel and page scratch in Triton), ``triton`` (kvq.attention.triton.prefill), or
-#: ``auto``: flashinfer where it runs, else the attention backend's own prefill kernel.
-PREFILL_NAMES = ("auto", "flashinfer", "triton")
+#: the band kernel and page scratch in Triton), ``flashinfer-fp8`` (the same, with fp8_e4m3 layers
+#: read as stored through FA3's FP8 tensor cores: an opt-in whose quality `kvq eval` measures),
+#: ``triton`` (kvq.attention.triton.prefill), or ``auto``: flashinfer where it runs, else the
+#: attention backend's own prefill kernel.
+PREFILL_NAMES = ("auto", "flashinfer", "flashinfer-fp8", "triton")
 
 #: What the Triton prefill costs where FlashInfer would serve (H200, issue 43's table, causal bf16,
 #: Llama-3-8B heads: kvq Triton 212-300 TFLOP/s, FlashInfer FA3 319-556, cuDNN 427-621).
@@ -324,6 +326,16 @@ def select_prefill(name: str, choice: BackendChoice, plan: CachePlan, device: to
             raise ValueError(f"prefill backend 'flashinfer' cannot serve this request: {why}")
         return replace(choice, prefill=f"flashinfer-{flashinfer_lib.kernel_name(device)}",
                        prefill_reason="requested explicitly")
+    if name == "flashinfer-fp8":
+        if why is None and flashinfer_lib.kernel_name(device) != "fa3":
+            why = "FP8 tensor-core prefill is FlashAttention-3's (Hopper, sm_90)"
+        if why is None:
+            why = _fp8_prefill_reason(plan)
+        if why is not None:
+            raise ValueError(f"prefill backend 'flashinfer-fp8' cannot serve this request: {why}")
+        return replace(choice, prefill="flashinfer-fa3-fp8",
+                       prefill_reason="requested explicitly: fp8_e4m3 layers read as stored through FA3's FP8 "
+                                      "tensor cores (queries in e4m3), the others as 'flashinfer'")
     if name == "triton":
         if own != "triton":
             raise ValueError(f"prefill backend 'triton' cannot serve this request: attention backend "
@@ -339,6 +351,20 @@ def select_prefill(name: str, choice: BackendChoice, plan: CachePlan, device: to
     return replace(choice, prefill=own, prefill_reason=f"auto: {why}")
 
 
+def _fp8_prefill_reason(plan: CachePlan) -> str | None:
+    """Why no layer of ``plan`` prefills through FP8 tensor cores (None: some layer does): an fp8_e4m3
+    layer with static scales, read as stored, i.e. with no sink or recent window in high precision."""
+    from kvq.attention.split_prefill import fp8_tensor_cores_reason
+
+    if all(fp8_tensor_cores_reason(f) for f in plan.layers):
+        return "no layer is fp8_e4m3 (K and V, static scales); valid KV cache dtypes: fp8_e4m3 (fp8, e4m3)"
+    pol = plan.window_policy
+    if pol.sink_blocks or pol.residual_tokens:
+        return (f"FP8 tensor cores read the cache as stored; this plan keeps {pol.sink_blocks} sink block(s) and "
+                f"{pol.residual_tokens} recent token(s) in high precision (set both windows to 0)")
+    return None
+
+
 def prefill_kernels(kernels, choice: BackendChoice, device: torch.device | str):
     """The backend's ``kernels`` with ``paged_attention`` from ``choice.prefill`` (a namespace with the
     kernels' names; ``kernels`` itself when the backend's own prefill runs)."""
@@ -347,7 +373,8 @@ def prefill_kernels(kernels, choice: BackendChoice, device: torch.device | str):
     from kvq.attention.flashinfer_lib import FlashInferLib
     from kvq.attention.split_prefill import SplitPrefill
 
-    return with_prefill(kernels, SplitPrefill(FlashInferLib(device, choice.prefill.split("-", 1)[1])).paged_attention)
+    backend, _, opt = choice.prefill.split("-", 1)[1].partition("-")  # "fa3", "fa2", "fa3-fp8"
+    return with_prefill(kernels, SplitPrefill(FlashInferLib(device, backend), fp8=opt == "fp8").paged_attention)
 
 
 def with_prefill(kernels, paged_attention):

@@ -107,18 +107,23 @@ class FlashInferLib:
         self._ragged.end_step(event)
 
     def prepare(self, plan: LibPlan, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                sm_scale: float):
+                sm_scale: float, out_dtype: torch.dtype | None = None):
         w = self._wrappers.take(lambda: self._fi.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, kv_layout="HND", backend=self.backend))
         i32 = dict(dtype=torch.int32)
         w.plan(torch.tensor(plan.qo_indptr, **i32), torch.tensor(plan.kv_indptr, **i32), plan.page_indices,
                torch.tensor(plan.last_page_len, **i32), num_qo_heads, num_kv_heads, head_dim, plan.page_size,
-               causal=True, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, window_left=plan.window_left,
-               seq_lens=torch.tensor(plan.kv_lens, **i32))
+               causal=True, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, o_data_type=out_dtype or dtype,
+               window_left=plan.window_left, seq_lens=torch.tensor(plan.kv_lens, **i32))
         return w
 
     def run(self, handle, q, k_pages, v_pages, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         return handle.run(q, (k_pages, v_pages), out=out, return_lse=True)
+
+    def run_fp8(self, handle, q, k_pages, v_pages, q_scale, k_scale, v_scale, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """FA3's FP8 kernel: e4m3 ``q`` and pages, the scales positional (a number, or a float32 tensor per
+        head: FlashInfer's ``maybe_scale_*``), scores ``q.k * q_scale * k_scale * sm_scale``, P in e4m3."""
+        return handle.run(q, (k_pages, v_pages), q_scale, k_scale, v_scale, out=out, return_lse=True)
 
     def prepare_ragged(self, qo_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        sm_scale: float, device):

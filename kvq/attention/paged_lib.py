@@ -129,7 +129,7 @@ class TorchLib:
         pass
 
     def prepare(self, plan: LibPlan, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                sm_scale: float):
+                sm_scale: float, out_dtype: torch.dtype | None = None):
         return (plan, sm_scale)
 
     def run(self, handle, q, k_pages, v_pages, out=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +139,17 @@ class TorchLib:
             out.copy_(o)
             o = out
         return o, lse
+
+    def run_fp8(self, handle, q, k_pages, v_pages, q_scale, k_scale, v_scale, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """e4m3 queries and pages with their scales (``q_scale`` a number, ``k_scale``/``v_scale`` per KV
+        head): the inputs' values exactly, in float32 (not the FP8 kernel's e4m3 probabilities)."""
+        H = k_pages.shape[1]
+        ks = torch.as_tensor(k_scale, dtype=torch.float32, device=q.device).reshape(-1).expand(H)
+        vs = torch.as_tensor(v_scale, dtype=torch.float32, device=q.device).reshape(-1).expand(H)
+        o, lse = self.run(handle, q.float() * q_scale, k_pages.float() * ks[None, :, None, None],
+                          v_pages.float() * vs[None, :, None, None])
+        out.copy_(o)
+        return out, lse
 
     def prepare_ragged(self, qo_lens: Sequence[int], num_qo_heads: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, sm_scale: float, device):

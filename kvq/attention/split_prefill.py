@@ -12,6 +12,9 @@ three ways by layer:
   (kvq.attention.triton.dequant: f16 for quantized pages, an exact bf16 copy for 16-bit ones;
   :func:`scratch_dtype`), then one library call over it; fresh prompts' keys go into the rows of
   their queries instead, for one ragged call (:data:`RAGGED_FRESH`);
+* with ``fp8`` (``--prefill-backend flashinfer-fp8``, an opt-in), an fp8_e4m3 layer read as stored:
+  one call of the library's FP8 tensor-core kernel over the e4m3 codes in place, the queries cast
+  to e4m3 (:data:`FP8_Q_SCALE`), the probabilities in e4m3 inside the kernel;
 * a quantized layer under the per-query window rule (kvq.cache.window.exact_from): each query's
   keys split at ``p - (R + P)`` and ``p - R``; everything before the first (past the sinks) is read
   quantized by every query, so one library call covers it, causal with that offset, over the
@@ -50,6 +53,21 @@ MODEL_DTYPE_SCRATCH = False
 #: as computed); ``bench_prefill.py --paged-fresh`` times the paged call beside it.
 RAGGED_FRESH = True
 
+#: FP8 tensor cores (``--prefill-backend flashinfer-fp8``): queries cast to e4m3 as they are (query
+#: scale 1.0, vLLM's default for FP8 attention; clamped to e4m3's range), so a request's result never
+#: depends on the other requests of its step.
+FP8_Q_SCALE = 1.0
+FP8_MAX = 448.0
+
+
+def fp8_tensor_cores_reason(fmt) -> str | None:
+    """Why an FP8 tensor-core prefill cannot read a layer of :class:`~kvq.formats.spec.KVFormat` ``fmt``
+    as stored (None: it can): K and V both e4m3 codes with static per-head scales."""
+    for role, tf in (("K", fmt.k), ("V", fmt.v)):
+        if tf.storage != "float8_e4m3fn" or tf.scale != "static":
+            return f"{role} is {tf.name}, not fp8_e4m3 with static scales"
+    return None
+
 
 def scratch_dtype(q_dtype: torch.dtype, model_dtype: bool = MODEL_DTYPE_SCRATCH) -> torch.dtype:
     """The dtype quantized pages are dequantized to for the library (``model_dtype``:
@@ -63,10 +81,12 @@ class SplitPrefill:
     """``paged_attention`` with the kernels' signature, over ``lib`` (kvq.attention.paged_lib.TorchLib,
     kvq.attention.flashinfer_lib.FlashInferLib)."""
 
-    def __init__(self, lib, model_dtype_scratch: bool = MODEL_DTYPE_SCRATCH, ragged_fresh: bool = RAGGED_FRESH):
+    def __init__(self, lib, model_dtype_scratch: bool = MODEL_DTYPE_SCRATCH, ragged_fresh: bool = RAGGED_FRESH,
+                 fp8: bool = False):
         self.lib = lib
         self.model_dtype_scratch = model_dtype_scratch
         self.ragged_fresh = ragged_fresh
+        self.fp8 = fp8  # fp8_e4m3 layers read as stored through the library's FP8 tensor-core kernel
         self._step = None  # the host metadata object the cached plans belong to
         self._plans: dict = {}
 
@@ -104,6 +124,15 @@ class SplitPrefill:
         H, P = layer.num_kv_heads, layer.block_size
         qo = [b - a for a, b in zip(cu, cu[1:])]
         data = layer.k.get("data")
+        if self.fp8 and not has_hp and fp8_tensor_cores_reason(layer.fmt) is None:
+            # the e4m3 codes in place (per-head static scales), the queries cast to e4m3, P in e4m3 inside
+            handle = self._plan(host, ("fp8",), lambda: self.lib.prepare(
+                paged_lib.make_plan(qo, lens, [0] * len(lens), block_tables, P), Hq, H, D, torch.float8_e4m3fn,
+                sm_scale, out_dtype=q.dtype))
+            q8 = q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            self.lib.run_fp8(handle, q8, layer.k["data"], layer.v["data"], FP8_Q_SCALE, layer.k_scale, layer.v_scale,
+                             out=out)
+            return out
         if not layer.fmt.is_quantized and not has_hp and data is not None and data.dtype == q.dtype:
             if (self.ragged_fresh and k_new is not None and k_new.dtype == q.dtype and v_new is not None
                     and all(n == t for n, t in zip(lens, qo))):  # fresh prompts: their own K/V are all the keys

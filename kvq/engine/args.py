@@ -115,8 +115,9 @@ def add_device_args(g) -> None:
                    help="auto, cuda, triton or torch; auto picks the first that serves the plan (docs/kernels.md)")
     g.add_argument("--prefill-backend", default="auto",
                    help="the prefill attention kernel: auto (FlashInfer's FA3 where `pip install 'kvq[cuda]'` put it "
-                        "and the GPU runs it, else the attention backend's own), flashinfer or triton "
-                        "(docs/kernels.md)")
+                        "and the GPU runs it, else the attention backend's own), flashinfer, triton, or "
+                        "flashinfer-fp8 (opt-in: fp8_e4m3 layers without windows through FA3's FP8 tensor cores, "
+                        "queries in e4m3; docs/kernels.md)")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     g.add_argument("--dtype", default="auto", help="model compute dtype: auto, bfloat16, float16, float32")
 
