@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 
 
-def specs(head_dims: list[int], fa2: bool) -> list:
+def specs(head_dims: list[int], fa2: bool, fp8: bool = False) -> list:
     """The batch-prefill modules kvq plans: FA3 for the model dtype (bf16) and the dequantized
     scratch (f16), with and without the sliding window (the windowed split's tail call);
-    FA2 bf16 without window for bench_prefill's baseline rows when ``fa2``."""
+    FA2 bf16 without window for bench_prefill's baseline rows when ``fa2``; FA3's FP8 kernel
+    (e4m3 in, bf16 out: ``--prefill-backend flashinfer-fp8``) when ``fp8``."""
     import torch
     from flashinfer.jit.attention import modules as m
 
@@ -44,6 +45,10 @@ def specs(head_dims: list[int], fa2: bool) -> list:
         if fa2:
             args = (torch.bfloat16,) * 3 + (torch.int32, hd, hd, 0, False, False, False)
             out.append(m._gen_batch_prefill_primary_module("fa2", *args))
+        if fp8:
+            e4 = torch.float8_e4m3fn
+            out.append(m.gen_batch_prefill_module("fa3", e4, e4, torch.bfloat16, torch.int32, hd, hd, 0, False, False,
+                                                  False))
     return out
 
 
@@ -53,6 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("dir", nargs="?", default=".ficache", help="export/install folder (default .ficache)")
     ap.add_argument("--head-dims", default="64,128", help="comma-separated head dims (default 64,128)")
     ap.add_argument("--fa2", action="store_true", help="also FA2 bf16 (bench_prefill's baseline rows)")
+    ap.add_argument("--fp8", action="store_true", help="also FA3's FP8 kernel (--prefill-backend flashinfer-fp8)")
     a = ap.parse_args(argv)
     folder = Path(a.dir)
     if a.action == "install":  # no flashinfer import: this runs before anything plans a module
@@ -76,7 +82,7 @@ def main(argv=None) -> int:
         print(f"flashinfer is not importable ({e}); no modules built")
         return 0
 
-    todo = specs([int(x) for x in a.head_dims.split(",")], a.fa2)
+    todo = specs([int(x) for x in a.head_dims.split(",")], a.fa2, a.fp8)
     if a.action == "build":
         t0 = time.perf_counter()
         missing = [s for s in todo if not s.is_aot and not s.jit_library_path.exists()]

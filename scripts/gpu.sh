@@ -55,7 +55,7 @@ case "$target" in
           tests/test_tiered_attention.py "$@" ;;
   pytest) python3 -m pytest -q -p no:cacheprovider "$@" ;;  # a chosen subset: bash scripts/gpu.sh pytest -n 8 tests/...
   bench-kernels) python3 benchmarks/bench_decode.py "$@" ;;
-  bench-prefill) python3 scripts/flashinfer_cache.py build --fa2 || echo "flashinfer prebuild failed" >&2
+  bench-prefill) python3 scripts/flashinfer_cache.py build --fa2 --fp8 || echo "flashinfer prebuild failed" >&2
                  python3 benchmarks/bench_prefill.py "$@" ;;
   bench-engine) python3 benchmarks/bench_engine.py "$@" ;;
   test-tp) KVQ_TEST_TP_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py "$@" ;;

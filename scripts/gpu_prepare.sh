@@ -7,7 +7,7 @@
 #                                           # ragged anchor): a call carries 64 MiB with the tree, so the
 #                                           # first call carries .whl, a later one .whl-cudnn and .ficache
 #                                           # (the machine keeps /tmp/site while it stays warm)
-#   bash scripts/gpu_prepare.sh flashinfer [--head-dims 64,128] [--fa2]
+#   bash scripts/gpu_prepare.sh flashinfer [--head-dims 64,128] [--fa2] [--fp8]
 #                                           # .ficache/: FlashInfer's prefill modules for sm_90a, built here
 #                                           # with CUDA 13's nvcc (the device's is 13.0 too)
 # Then carry [".whl", ".ficache"] (both ignored): gpu.sh installs the modules where FlashInfer looks for
@@ -49,5 +49,5 @@ case "$what" in
       FLASHINFER_EXTRA_LDFLAGS="-L$PWD/$w/stubs" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
     PYTHONPATH="$PWD/$w/site:$PWD" "$PY" scripts/flashinfer_cache.py build "$@"
     PYTHONPATH="$PWD/$w/site:$PWD" "$PY" scripts/flashinfer_cache.py export .ficache "$@" ;;
-  *) echo "usage: bash scripts/gpu_prepare.sh wheels | flashinfer [--head-dims 64,128] [--fa2]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_prepare.sh wheels | flashinfer [--head-dims 64,128] [--fa2] [--fp8]" >&2; exit 2 ;;
 esac
