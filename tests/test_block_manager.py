@@ -84,6 +84,29 @@ def test_blocks_are_registered_only_once_computed():
     m.check_integrity()
 
 
+def test_a_swap_in_that_seals_at_once_registers_next_step():
+    """Pipelined: a sequence swapped out while its last token was still in flight comes back, and its
+    next append seals the block that token filled.  The swap-in's copy may yet fail, so nothing of it
+    is registered in that step (the seal still finds its content's hash), and the next step registers
+    the sealed block for prefix hits (the scheduler's stateful test found an IndexError here)."""
+    m = BlockManager(8, 8, WindowPolicy(2, sink_blocks=0, residual_tokens=0, write_direct=False), host_blocks=(8, 8))
+    m.allocate_prompt(0, [1, 2, 3])
+    m.mark_computed(0, 3)
+    m.begin_step()
+    m.append_slots(0, [4])  # its KV still to be computed when the sequence is swapped out
+    m.swap_out(0)
+    m.begin_step()
+    m.swap_in(0)
+    ops = m.append_slots(0, [5])
+    assert [type(op).__name__ for op in ops] == ["SealOp"] and [r.pool for r in m.block_table(0)] == ["q", "q", "hp"]
+    assert m.allocate_prompt(1, [1, 2, 3, 4, 9]) == PrefixHit(2)  # landing: the sealed block is not offered yet
+    m.free(1)
+    m.begin_step()
+    m.append_slots(0, [6])
+    assert m.allocate_prompt(2, [1, 2, 3, 4, 9]) == PrefixHit(4)
+    m.check_integrity()
+
+
 def test_prefix_hit_only_from_the_pool_the_block_must_live_in():
     """A cached prefix of h blocks is reused only if each block is cached in the pool the window rule
     gives it at length h * bs: the first computed query must read exactly what the rule says."""

@@ -407,7 +407,9 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
             )
         q, hp = self._alloc["q"], self._alloc["hp"]
         seq.num_computed = n_old
-        self._register_computed(seq)  # covers every sealed block: they end <= n_old
+        self._register_computed(seq)  # covers every sealed block (they end <= n_old), except while landing
+        if self.enable_prefix_caching and seals:  # a swap-in landing this step registers nothing, but its
+            seq.hashes.extend(self._hashes_upto(seq, seals[-1] + 1))  # seals still look up their content
         ops: list[Op] = []
         for i, want in dedup.items():  # revive cached q blocks before any allocation can evict them
             got = q.lookup(seq.hashes[i], self._block_tokens(seq.tokens, i))
@@ -418,7 +420,7 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
                 dst = dedup[i]  # same content already quantized: no data movement
             else:
                 dst = q.allocate()
-                if self.enable_prefix_caching:
+                if self.enable_prefix_caching and seq not in self._landing:  # (its copy may yet fail)
                     q.register(dst, seq.hashes[i], self._block_tokens(seq.tokens, i))
                 ops.append(SealOp(seq_id, i, src, dst))
                 if self.tiers is not None:
