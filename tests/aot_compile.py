@@ -37,6 +37,9 @@ SM90_SHARED_BYTES = 232448
 def _record(self, *args, grid, warmup, **kwargs):
     bound = dict(zip(self.arg_names, args))
     bound.update(kwargs)
+    for p in self.params:  # parameters the launch left at their defaults (a constexpr flag's False)
+        if p.name not in bound and p.has_default:
+            bound[p.name] = p.default
     recorded.append((self, bound))
 
 
@@ -142,6 +145,8 @@ def main(formats: list[str], shard: int = 0, shards: int = 1) -> None:
                 band_attention(q, torch.empty_like(q), scratch, bs, 2, 0.1, 2, 16, 32, merged, merged)
             largs, lmeta = layer_args(layer)
             dequant.dequantize_pages(largs, lmeta, tables, lens, 4, 2, bs, D, dtype=torch.bfloat16)
+            # fresh prompts' pages into the rows of their queries (the ragged library call's scratch)
+            dequant.dequantize_rows(largs, lmeta, tables, lens, cu[:2], 40, 4, 2, bs, D)
             kv_new = torch.zeros(3 * bs, 2, D, dtype=torch.bfloat16)  # a windowed prefill's exact new pages
             dequant.rows_to_pages(kv_new, kv_new, torch.zeros(2, dtype=torch.int64), kp[:2], kp[2:4])
             kernels.paged_decode(q[:2], layer, tables, lens, 0.1, max_seq_len=40, has_hp=True)
