@@ -34,6 +34,14 @@ test: install-test
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal \
 	  -o console_output_style=progress --durations=15
 
+# On this machine, before a GPU session (scripts/gpu_prepare.sh): the device's wheels into .whl/ and .whl-cudnn/,
+# and FlashInfer's prefill modules for sm_90a into .ficache/ (about 55 min on 2 cores; carry them, see
+# benchmarks/README.md), so that the device's time goes to measuring
+.PHONY: gpu-prepare
+gpu-prepare:
+	bash scripts/gpu_prepare.sh wheels
+	MAX_JOBS=$${MAX_JOBS:-2} bash scripts/gpu_prepare.sh flashinfer --head-dims 64,128 --fa2 --fp8
+
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
 .PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-prefill bench-ttft bench-engine bench-capacity bench-pressure bench-elastic bench-server bench-offload bench-kv-transfer disagg-check
 gpu-test:
