@@ -47,7 +47,7 @@ fi
 case "$target" in
   # 6 pytest workers (xdist is in the device image): Triton's compiles, most of this target's time, run side by side
   # FlashInfer's modules first, in one ninja run (a no-op where .ficache brought them)
-  test) python3 scripts/flashinfer_cache.py build || echo "flashinfer prebuild failed: FlashInfer compiles on first use" >&2
+  test) python3 scripts/flashinfer_cache.py build --fp8 || echo "flashinfer prebuild failed: FlashInfer compiles on first use" >&2
         python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
           tests/test_prefill_window.py tests/test_staging.py tests/test_host_pool.py \
           tests/test_formats_spec.py tests/test_connectors.py tests/test_sampler.py tests/test_sampling_kernel.py \
