@@ -251,6 +251,7 @@ class Engine:
 
     def step(self, abort_one=None):
         self.progress()
+        self.aborted = None  # the sequence ``abort_one`` aborted in this step
         out = self.s.schedule()
         self.issue(out.host_ops)
         self.issue_fills(out.remote_ops)
@@ -276,7 +277,8 @@ class Engine:
             self.issue(self.s.take_host_ops())
             return out, finished
         if abort_one is not None:  # an abort between schedule() and update()
-            assert self.s.abort(ids[abort_one % len(ids)])
+            self.aborted = ids[abort_one % len(ids)]  # (run_ops may drop a failed swap-in's item from `out`)
+            assert self.s.abort(self.aborted)
         out = self.run_ops(out)
         prev = self.pending[1] if self.pending else {}
         sampled = {}
@@ -806,8 +808,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, steps, abort):
         for k in range(steps):
             out, _ = self.e.step(abort_one=abort if k == 0 else None)
-            if abort is not None and k == 0 and out.scheduled:
-                self.stopped.add(out.scheduled[abort % len(out.scheduled)].seq_id)
+            if self.e.aborted is not None:
+                self.stopped.add(self.e.aborted)
             for name in ("preempted", "ops"):
                 if getattr(out, name):
                     event(f"step: {name}")
