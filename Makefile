@@ -35,7 +35,7 @@ test: install-test
 	  -o console_output_style=progress --durations=15
 
 # On this machine, before a GPU session (scripts/gpu_prepare.sh): the device's wheels into .whl/ and .whl-cudnn/,
-# and FlashInfer's prefill modules for sm_90a into .ficache/ (about 55 min on 2 cores; carry them, see
+# and FlashInfer's prefill modules for sm_90a into .ficache/ (12 modules, about 60 min on 2 cores; carry them, see
 # benchmarks/README.md), so that the device's time goes to measuring
 .PHONY: gpu-prepare
 gpu-prepare:
