@@ -23,7 +23,7 @@ from collections import deque
 
 import torch
 
-from kvq.attention.paged_lib import LibPlan
+from kvq.attention.paged_lib import LibPlan, indptr
 
 #: FlashInfer's scratch for split-KV partial results (its documentation's recommendation).
 WORKSPACE_BYTES = 128 << 20
@@ -131,10 +131,7 @@ class FlashInferLib:
         FA3 kernel loads K/V by TMA (its paged kernel gathers pages with cp.async)."""
         w = self._ragged.take(lambda: self._fi.BatchPrefillWithRaggedKVCacheWrapper(
             self._workspace, kv_layout="NHD", backend=self.backend))
-        indptr = [0]
-        for t in qo_lens:
-            indptr.append(indptr[-1] + int(t))
-        ind = torch.tensor(indptr, dtype=torch.int32)
+        ind = torch.tensor(indptr(qo_lens), dtype=torch.int32)
         w.plan(ind, ind, num_qo_heads, num_kv_heads, head_dim, causal=True, sm_scale=sm_scale, q_data_type=dtype,
                kv_data_type=dtype)
         return w

@@ -109,14 +109,19 @@ def torch_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     return out, lse
 
 
+def indptr(lens: Sequence[int]) -> tuple[int, ...]:
+    """``(0, lens[0], lens[0] + lens[1], ...)``: where each request's rows start, and the end."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + int(n))
+    return tuple(out)
+
+
 def ragged_plan(qo_lens: Sequence[int], device) -> LibPlan:
     """The ragged call as a :class:`LibPlan` (for :func:`torch_attention`): each request reads the
     keys of its own rows, ``[T, H, D]`` seen as pages of one token."""
-    qo = [0]
-    for t in qo_lens:
-        qo.append(qo[-1] + int(t))
-    return LibPlan(tuple(qo), tuple(qo), tuple(int(t) for t in qo_lens),
-                   torch.arange(qo[-1], dtype=torch.int32, device=device), 1)
+    qo = indptr(qo_lens)
+    return LibPlan(qo, qo, tuple(int(t) for t in qo_lens), torch.arange(qo[-1], dtype=torch.int32, device=device), 1)
 
 
 class TorchLib:

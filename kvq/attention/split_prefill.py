@@ -124,6 +124,7 @@ class SplitPrefill:
         H, P = layer.num_kv_heads, layer.block_size
         qo = [b - a for a, b in zip(cu, cu[1:])]
         data = layer.k.get("data")
+        fresh = self.ragged_fresh and all(n == t for n, t in zip(lens, qo))  # no request has a cached past
         if self.fp8 and not has_hp and fp8_tensor_cores_reason(layer.fmt) is None:
             # the e4m3 codes in place (per-head static scales), the queries cast to e4m3, P in e4m3 inside
             handle = self._plan(host, ("fp8",), lambda: self.lib.prepare(
@@ -134,8 +135,7 @@ class SplitPrefill:
                              out=out)
             return out
         if not layer.fmt.is_quantized and not has_hp and data is not None and data.dtype == q.dtype:
-            if (self.ragged_fresh and k_new is not None and k_new.dtype == q.dtype and v_new is not None
-                    and all(n == t for n, t in zip(lens, qo))):  # fresh prompts: their own K/V are all the keys
+            if fresh and k_new is not None and v_new is not None and k_new.dtype == q.dtype:  # their own K/V: all keys
                 handle = self._plan(host, ("ragged",), lambda: self.lib.prepare_ragged(qo, Hq, H, D, q.dtype, sm_scale,
                                                                                        q.device))
                 self.lib.run_ragged(handle, q, k_new, v_new, out=out)
@@ -146,7 +146,6 @@ class SplitPrefill:
             return out
         dtype = scratch_dtype(q.dtype, self.model_dtype_scratch) if layer.fmt.is_quantized else layer.k_hp.dtype
         args, meta = layer_args(layer)
-        fresh = self.ragged_fresh and all(n == t for n, t in zip(lens, qo))
         for gi, (b0, b1, width) in enumerate(scratch_groups(lens, H, P, D)):
             r0, r1 = cu[b0], cu[b1]
             if fresh:  # fresh prompts: their keys dequantized into the rows of their queries, one ragged call

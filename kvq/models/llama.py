@@ -211,10 +211,10 @@ def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float,
     before the cache stored them) for the prefill window (:class:`~kvq.cache.step.PrefillWindow`)."""
     T, nd = q.shape[0], meta.num_decodes
     win = {} if meta.prefill_host is None else dict(host=meta.prefill_host)
-    if meta.window is not None:
-        win.update(window=meta.window, k_new=k[nd:], v_new=v[nd:])
-    elif k is not None and nd < T:  # a library prefill reads fresh prompts' keys from here (split_prefill)
+    if k is not None and nd < T:  # the prefill window's exact rows, and a library prefill's fresh prompts' keys
         win.update(k_new=k[nd:], v_new=v[nd:])
+    if meta.window is not None:
+        win["window"] = meta.window
     if meta.has_tiers:  # a tiered cache whose tables hold lower tiers' blocks (kvq.cache.tiers)
         win.update(tiered=True)
     if nd == 0:
