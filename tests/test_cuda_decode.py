@@ -28,8 +28,11 @@ def _fill(fmt, H, D, group, bs, nq, nhp, dtype, static, gen):
                        dtype="bfloat16" if dtype == torch.bfloat16 else "float16")
     plan = make_plan(model, fmt, block_size=bs, sink_tokens=0, residual_tokens=0)
     scales = None
-    if static and plan.layers[0].k.scale == "static":
-        scales = {0: (torch.rand(H, generator=gen) + 0.5, torch.rand(H, generator=gen) * 0.05 + 0.02)}
+    if static:  # per role: turboquant_k8v4's K has static scales, its V its own norms
+        ks, vs = torch.rand(H, generator=gen) + 0.5, torch.rand(H, generator=gen) * 0.05 + 0.02
+        fk, fv = plan.layers[0].k, plan.layers[0].v
+        if "static" in (fk.scale, fv.scale):
+            scales = {0: (ks if fk.scale == "static" else None, vs if fv.scale == "static" else None)}
     pool = KVPool.create(plan, nq, nhp, "cuda", static_scales=scales)
     layer = pool.layers[0]
     # per-token magnitudes spread over 10x and two outlier channels in K, as in real models

@@ -114,3 +114,17 @@ def test_kv_cache_config_travels_whole():
     assert flat.kv_cache_config == kv  # the vLLM-style fields build the same object
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(kv_cache=kv, kv_cache_dtype="fp8")
+
+
+def test_static_scales_per_role():
+    """A mixed format takes static scales for the role that has them only: turboquant_k8v4's K is
+    FP8 with static per-head scales, its V computes its own norms (None keeps it out)."""
+    import torch
+
+    from kvq.cache.pool import KVPool
+
+    plan = make_plan(bare_model(1, 2, 64), "turboquant_k8v4", sink_tokens=0, residual_tokens=0)
+    pool = KVPool.create(plan, 2, 1, static_scales={0: (torch.tensor([0.5, 2.0]), None)})
+    assert pool.layers[0].k_scale.tolist() == [0.5, 2.0] and pool.layers[0].v_scale.tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="computes its own scales"):
+        KVPool.create(plan, 2, 1, static_scales={0: (torch.tensor([0.5, 2.0]), torch.tensor([1.0, 1.0]))})

@@ -176,11 +176,12 @@ class KVPool:
         num_q_blocks: int,
         num_hp_blocks: int,
         device: torch.device | str = "cpu",
-        static_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        static_scales: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
         num_slabs: int | None = None,
     ) -> "KVPool":
         """Allocate zeroed pools.  ``static_scales[layer] = (k_scale, v_scale)``, each a
-        scalar or ``[H]`` tensor, for FP8 formats with static scales (default 1.0).  A plan with
+        scalar or ``[H]`` tensor or None (that role keeps 1.0, e.g. a V that computes its own scales),
+        for FP8 formats with static scales (default 1.0).  A plan with
         tiers takes ``num_slabs`` slabs of its arena instead of ``num_q_blocks``."""
         if num_q_blocks < 0 or num_hp_blocks < 0:
             raise ValueError("block counts must be >= 0")
@@ -202,7 +203,7 @@ class KVPool:
             for j, tf in enumerate((fmt.k, fmt.v)):
                 s = torch.ones(H, dtype=torch.float32, device=device)
                 given = (static_scales or {}).get(i)
-                if given is not None:
+                if given is not None and given[j] is not None:
                     if tf.scale != "static":
                         raise ValueError(f"layer {i}: {tf.name} computes its own scales; static scales do not apply")
                     s = torch.as_tensor(given[j], dtype=torch.float32, device=device).reshape(-1).expand(H).clone()
