@@ -81,11 +81,8 @@ def test_a_tiered_plan_reports_each_tiers_decode_kernel():
     rotated = KVCacheConfig(dtype="fp8_e4m3", tiers=("int4_kivi", "turboquant_3bit_nc")).plan(bare_model(2, 2, 64))
     assert backends.decode_per_layer("cuda", rotated, torch.bfloat16) == ("cuda+triton",) * 2
     assert "tier 2 (turboquant_3bit_nc)" in backends.describe_cuda(rotated, torch.bfloat16)
-    # int2_kivi at head_dim 64 has a variant (16-byte rows) that has not yet run on a GPU: held back, and said so
+    # int2_kivi at head_dim 64 (its 16-byte rows' variant, on a GPU since session 30): CUDA throughout
     small = KVCacheConfig(dtype="fp8_e4m3", tiers=("int4_kivi", "int2_kivi")).plan(bare_model(2, 2, 64))
     tier2 = small.tier_layers(2)[0]
     assert decode8.layer_reason(tier2.k, tier2.v, 64, small.block_size, 1) is None
-    want = ("cuda+triton",) * 2 if decode8.EXPERIMENTAL else ("cuda",) * 2
-    assert backends.decode_per_layer("cuda", small, torch.bfloat16) == want
-    if decode8.EXPERIMENTAL:
-        assert "not yet run on a GPU" in backends.describe_cuda(small, torch.bfloat16)
+    assert backends.decode_per_layer("cuda", small, torch.bfloat16) == ("cuda",) * 2

@@ -144,8 +144,7 @@ def _cuda_parts(plan: CachePlan) -> tuple[list[tuple[bool, ...]], str | None]:
         row = []
         for t in range(plan.num_tiers + 1):
             f = plan.tier_layers(t)[i]
-            why = (decode8.layer_reason(f.k, f.v, m.head_dim, plan.block_size, group)
-                   or decode8.experimental_reason(f.k, f.v, m.head_dim))
+            why = decode8.layer_reason(f.k, f.v, m.head_dim, plan.block_size, group)
             row.append(why is None)
             if why is not None and why_not is None:
                 why_not = f"layer {i}{f' tier {t} ({f.name})' if t else ''}: {why}"

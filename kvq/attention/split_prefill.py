@@ -39,12 +39,14 @@ from kvq.attention.triton.prefill import scratch_groups, window_scratch
 
 
 #: Dequantize quantized pages into the queries' dtype (bf16 for a bf16 model) instead of f16, so that
-#: neither the queries nor the output are cast (at 8 x 1024 on the H100 the two casts took 98-195 us of
-#: a call, session 27's profile).  Off until measured: on the CPU's window tests (torch library, float32
-#: arithmetic) it doubles the error against the definition (worst 0.0036 -> 0.0084 relative: the
-#: dequantized values and the library's partial outputs rounded to 8 significant bits instead of 11),
-#: which is bf16 attention's own precision; its time and its `kvq eval` record decide.
-MODEL_DTYPE_SCRATCH = False
+#: neither the queries nor the output are cast.  Measured on an H100 (session 30, bench_prefill
+#: --model-scratch, docs/results/bench_prefill_s30_h100.json): fp8_e4m3 at 4 x 4096 1239 -> 868 us
+#: (bf16 860), int8_per_token_head 1300 -> 897, int4_kivi 2734 -> 2245; never slower.  Its cost is
+#: bf16's 8 significant bits on each dequantized value and on the library's partial outputs (the
+#: bf16 model's own K/V and attention have no more): on the CPU's window tests the error against the
+#: definition goes from at most 0.0036 to 0.0084, so those tests run the f16 scratch
+#: (tests/test_split_prefill.split_kernels) and this one has its own bound.
+MODEL_DTYPE_SCRATCH = True
 
 
 #: Fresh prompts of a 16-bit layer go through the library's ragged call over the step's own K/V

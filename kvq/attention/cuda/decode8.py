@@ -163,33 +163,9 @@ def layer_reason(k: TensorFormat, v: TensorFormat, head_dim: int, block_size: in
     return None
 
 
-#: Session 28's variants (int2_kivi at head_dim 64, the per-token sub-byte formats, the rotated codebooks)
-#: compile for sm_90 (`make cuda-compile-check`) and their fragment maps were checked against the reference
-#: on the CPU, but they have not yet run on a GPU: until `make gpu-test` passes them the backend keeps their
-#: layers on the Triton decode (:func:`routes`); tests, probes and benchmarks call :func:`paged_decode` on
-#: them directly.
-EXPERIMENTAL = True
-
-
-def experimental_reason(k: TensorFormat, v: TensorFormat, head_dim: int) -> str | None:
-    """Why the backend does not route a layer this kernel reads to it yet (:data:`EXPERIMENTAL`), else None."""
-    if not EXPERIMENTAL:
-        return None
-    if rot_bits(k) or rot_bits(v):
-        what = "rotated codebooks"
-    elif k_per_token(k):
-        what = "the per-token sub-byte formats"
-    elif kivi_bits(k) == 2 and head_dim == 64:
-        what = "int2 KIVI at head_dim 64"
-    else:
-        return None
-    return f"{what}: the CUDA decode's variant is compiled but not yet run on a GPU"
-
-
 def routes(layer: LayerKV, group: int, q_dtype: torch.dtype) -> bool:
-    """Whether the ``cuda`` backend decodes ``layer`` with this kernel (it serves it, and not experimentally)."""
-    return (unsupported_reason(layer, group, q_dtype) is None
-            and experimental_reason(layer.fmt.k, layer.fmt.v, layer.head_dim) is None)
+    """Whether the ``cuda`` backend decodes ``layer`` with this kernel."""
+    return unsupported_reason(layer, group, q_dtype) is None
 
 
 def plane_reason(name: str, t: torch.Tensor, align: int = 16) -> str | None:

@@ -2,8 +2,8 @@
 
 Decode over layers stored in 8 bits or as KIVI runs the CUDA kernel of
 decode8.cu (a tiered cache's: one launch a tier, the CUDA kernel for the tiers
-it reads, merged with the others by log-sum-exp); decode over any other layer (bf16 skip layers, and
-the variants :func:`kvq.attention.cuda.decode8.routes` holds back until they have run on a GPU) and
+it reads, merged with the others by log-sum-exp); decode over any other layer (bf16 skip layers, and what
+:func:`kvq.attention.cuda.decode8.routes` refuses, e.g. 3-bit rotated codes at head_dim 64) and
 prefill run the Triton kernels.  Block seals of KIVI and
 per-block-scaled layers (window seals in the decode step, a prefill chunk's whole
 blocks) run the CUDA kernel of seal.cu; token writes and every other seal run the
