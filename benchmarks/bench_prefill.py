@@ -22,7 +22,8 @@ per call), and for kvq rows ``x_best_library`` (us over the fastest anchor's at 
 
     python benchmarks/bench_prefill.py                       # the issue's shapes and formats (H200)
     python benchmarks/bench_prefill.py --smoke               # tiny shapes, torch library (any device)
-    python benchmarks/bench_prefill.py --model-scratch       # also kvq rows with the scratch in bf16 (no casts)
+    python benchmarks/bench_prefill.py --f16-scratch         # also kvq rows with the scratch in f16 (q, output cast)
+    python benchmarks/bench_prefill.py --ragged-windowed     # also kvq rows: windowed fresh prompts, ragged calls
     python benchmarks/bench_prefill.py --paged-fresh         # also kvq rows with fresh prompts through the pool
     python benchmarks/bench_prefill.py --fp8                 # also fp8_e4m3 rows through FA3's FP8 tensor cores
 """
@@ -71,8 +72,18 @@ def flops(B: int, Hq: int, D: int, past: int, chunk: int) -> float:
     return 4.0 * B * Hq * D * (chunk * past + chunk * chunk / 2)
 
 
-def kvq_impls(device, smoke: bool, model_scratch: bool = False, paged_fresh: bool = False, fp8: bool = False) -> dict:
-    """impl name -> the kernels the engine would run (kvq.attention.backends.with_prefill)."""
+#: The split's variants beside its defaults (impl suffix -> SplitPrefill arguments; command-line flags).
+VARIANTS = {
+    "f16-scratch": dict(model_dtype_scratch=False),  # quantized pages into f16 (casts of q and the output)
+    "paged-fresh": dict(ragged_fresh=False),  # fresh prompts of 16-bit layers through the paged call
+    "ragged-windowed": dict(ragged_windowed=True),  # windowed fresh prompts' bulk and tail through ragged calls
+    "fp8": dict(fp8=True),  # fp8_e4m3 read as stored through FA3's FP8 tensor cores (opt-in)
+}
+
+
+def kvq_impls(device, smoke: bool, variants=()) -> dict:
+    """impl name -> the kernels the engine would run (kvq.attention.backends.with_prefill); ``variants``:
+    names of :data:`VARIANTS` to add."""
     from kvq.attention.backends import with_prefill
     from kvq.attention.split_prefill import SplitPrefill
     from kvq.attention.triton import kernels
@@ -81,32 +92,21 @@ def kvq_impls(device, smoke: bool, model_scratch: bool = False, paged_fresh: boo
     if smoke:
         from kvq.attention.paged_lib import TorchLib
 
-        impls["kvq-split-torch"] = with_prefill(kernels, SplitPrefill(TorchLib()).paged_attention)
-        if model_scratch:
-            impls["kvq-split-torch-model-scratch"] = with_prefill(
-                kernels, SplitPrefill(TorchLib(), model_dtype_scratch=True).paged_attention)
-        if paged_fresh:
-            impls["kvq-split-torch-paged-fresh"] = with_prefill(
-                kernels, SplitPrefill(TorchLib(), ragged_fresh=False).paged_attention)
-        if fp8:
-            impls["kvq-split-torch-fp8"] = with_prefill(kernels, SplitPrefill(TorchLib(), fp8=True).paged_attention)
+        make_lib, prefix = TorchLib, "kvq-split-torch"
     else:
         from kvq.attention.flashinfer_lib import FlashInferLib, unavailable_reason
 
         why = unavailable_reason(device, 128)
-        if why is None:
-            lib = FlashInferLib(device)
-            impls[f"kvq-flashinfer-{lib.backend}"] = with_prefill(kernels, SplitPrefill(lib).paged_attention)
-            if model_scratch:  # quantized pages dequantized into the queries' dtype (no q/output casts)
-                impls[f"kvq-flashinfer-{lib.backend}-model-scratch"] = with_prefill(
-                    kernels, SplitPrefill(lib, model_dtype_scratch=True).paged_attention)
-            if paged_fresh:  # fresh prompts of 16-bit layers through the paged call, as before the ragged one
-                impls[f"kvq-flashinfer-{lib.backend}-paged-fresh"] = with_prefill(
-                    kernels, SplitPrefill(lib, ragged_fresh=False).paged_attention)
-            if fp8 and lib.backend == "fa3":  # fp8_e4m3 read as stored through FA3's FP8 tensor cores (opt-in)
-                impls["kvq-flashinfer-fa3-fp8"] = with_prefill(kernels, SplitPrefill(lib, fp8=True).paged_attention)
-        else:
+        if why is not None:
             log(f"kvq-flashinfer: {why}")
+            return impls
+        lib = FlashInferLib(device)
+        make_lib, prefix = (lambda: lib), f"kvq-flashinfer-{lib.backend}"
+    impls[prefix] = with_prefill(kernels, SplitPrefill(make_lib()).paged_attention)
+    for name in variants:
+        if name == "fp8" and not smoke and prefix != "kvq-flashinfer-fa3":
+            continue  # FA3's FP8 kernel only
+        impls[f"{prefix}-{name}"] = with_prefill(kernels, SplitPrefill(make_lib(), **VARIANTS[name]).paged_attention)
     return impls
 
 
@@ -244,9 +244,13 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="also fp8_e4m3 rows through FA3's FP8 tensor cores (impl kvq-flashinfer-fa3-fp8; "
                          "--prefill-backend flashinfer-fp8)")
-    ap.add_argument("--model-scratch", action="store_true",
-                    help="also rows of the library split with quantized pages dequantized into the queries' dtype "
-                         "(impl ...-model-scratch; kvq.attention.split_prefill.MODEL_DTYPE_SCRATCH)")
+    ap.add_argument("--f16-scratch", action="store_true",
+                    help="also rows of the library split with quantized pages dequantized into f16, the queries and "
+                         "the output cast (impl ...-f16-scratch; the default dequantizes into the queries' dtype: "
+                         "kvq.attention.split_prefill.MODEL_DTYPE_SCRATCH)")
+    ap.add_argument("--ragged-windowed", action="store_true",
+                    help="also rows where windowed fresh prompts' bulk and exact tail go through the library's ragged "
+                         "call (impl ...-ragged-windowed; kvq.attention.split_prefill.RAGGED_WINDOWED)")
     ap.add_argument("--smoke", action="store_true", help="tiny heads and shapes, the torch library (any device)")
     ap.add_argument("--profile", action="store_true", help="add each kvq row's costliest kernels (us a call, "
                     "torch.profiler) as 'kernels_us'")
@@ -270,7 +274,7 @@ def main(argv=None) -> int:
            "heads": {"query": H * group, "kv": H, "head_dim": D}}
     res = Results(out, {"env": env, "rows": [], "errors": []})
     timer = Timer(device, 256 << 20 if device.type == "cuda" else 1 << 20)
-    impls = kvq_impls(device, args.smoke, args.model_scratch, args.paged_fresh, args.fp8)
+    impls = kvq_impls(device, args.smoke, [name for name in VARIANTS if getattr(args, name.replace("-", "_"))])
     gen = torch.Generator().manual_seed(0)
     sm = D ** -0.5
     iters = 2 if args.smoke else args.iters

@@ -47,18 +47,22 @@ def test_rule_is_the_block_managers(bs, sink, res, direct, p, j):
 def _kernels(name):
     if name == "torch":
         return reference
-    if name.startswith("split"):  # the library prefill (tests/test_split_prefill.py): "split" or "split-flashinfer"
+    if name.startswith("split"):  # the library prefill (tests/test_split_prefill.py): "split[-flashinfer][-ragged]"
         from tests.test_split_prefill import split_kernels
 
-        return split_kernels(name.partition("-")[2] or "torch")
+        parts = name.split("-")[1:]
+        lib = "flashinfer" if "flashinfer" in parts else "torch"
+        return split_kernels(lib, ragged_windowed="ragged" in parts)
     from kvq.attention.triton import kernels
 
     return kernels
 
 
 #: backends of the window tests: the reference, the Triton kernel, the library prefill (its torch definition,
-#: and FlashInfer on a GPU that has it)
-WINDOW_BACKENDS = ["torch", "triton", "split"] + (["split-flashinfer"] if GPU and not _fi_reason() else [])
+#: and FlashInfer on a GPU that has it), each also with fresh prompts' bulk and tail through the ragged call
+#: (split_prefill.RAGGED_WINDOWED)
+WINDOW_BACKENDS = ["torch", "triton", "split", "split-ragged"] + (
+    ["split-flashinfer", "split-flashinfer-ragged"] if GPU and not _fi_reason() else [])
 
 
 def _fake(fmt_role, layer, role, x, table=None):
@@ -229,3 +233,40 @@ def test_logits_do_not_depend_on_the_prefill_chunk(spec, capsys):
               f"{diff_old:.3g}); bf16 fed both ways {rounding:.3g}")
     assert rounding == 0.0 and diff == 0.0, (spec, diff, kl_fmt, rounding)
     assert diff_old > 0.02 * kl_fmt, (spec, diff_old, kl_fmt)
+
+
+def test_ragged_windowed_calls_equal_the_paged_calls(monkeypatch):
+    """Fresh prompts under the window rule with split_prefill.RAGGED_WINDOWED: the bulk and the exact
+    tail go through the library's ragged call over keys gathered into rows (two calls a layer), and
+    the output is the paged calls' bit for bit (the torch library); a chunk with a past goes through
+    the pages."""
+    from kvq.attention import paged_lib
+
+    calls = []
+    real = paged_lib.TorchLib.run_ragged
+    monkeypatch.setattr(paged_lib.TorchLib, "run_ragged", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    paged, ragged = _kernels("split"), _kernels("split-ragged")
+    gen = torch.Generator().manual_seed(9)
+    h = make_harness("int4_kivi", paged, sink=4, residual=32, num_q=96, num_hp=64, device=DEV)
+    layer, bs = h.layer, h.plan.block_size
+    for chunk, fresh in (({"a": 200, "b": 130}, True), ({"a": 70}, False)):
+        sids = list(chunk)
+        ops = []
+        for sid in sids:
+            if fresh:
+                h.manager.allocate_prompt(sid, list(range(chunk[sid])))
+            else:
+                ops += h.manager.append_slots(sid, [0] * chunk[sid])
+        apply_ops(h.pool, paged, ops)
+        meta, _ = stage_step(host_step(h.manager, sids, [chunk[s] for s in sids]), bs, each_to(DEV),
+                             policy=h.plan.window_policy)
+        k, v = (torch.cat(x) for x in zip(*(kv_data(gen, chunk[s], layer.num_kv_heads, layer.head_dim, DEV)
+                                            for s in sids)))
+        paged.write_kv(layer, k, v, meta.slots, meta.full_blocks)
+        q = torch.randn(k.shape[0], layer.num_kv_heads * h.group, layer.head_dim, generator=gen).bfloat16().to(DEV)
+        calls.clear()
+        want = attend(paged, q, layer, meta, layer.head_dim ** -0.5, k, v)
+        assert not calls
+        got = attend(ragged, q, layer, meta, layer.head_dim ** -0.5, k, v)
+        assert len(calls) == (2 if fresh else 0)
+        assert torch.equal(got, want)

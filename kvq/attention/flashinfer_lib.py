@@ -126,14 +126,17 @@ class FlashInferLib:
         return handle.run(q, (k_pages, v_pages), q_scale, k_scale, v_scale, out=out, return_lse=True)
 
     def prepare_ragged(self, qo_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       sm_scale: float, device):
-        """A call over the rows' own K/V ``[T, H, D]`` (fresh prompts): FlashInfer's ragged prefill, whose
-        FA3 kernel loads K/V by TMA (its paged kernel gathers pages with cp.async)."""
+                       sm_scale: float, device, kv_lens=None, window_left: int = -1):
+        """A call over contiguous K/V rows ``[N, H, D]`` (request ``r``: ``kv_lens[r]`` of them, default its
+        own rows' count, e.g. fresh prompts' K/V): FlashInfer's ragged prefill, whose FA3 kernel loads K/V
+        by TMA (its paged kernel gathers pages with cp.async); causal and ``window_left`` as in
+        kvq.attention.paged_lib."""
         w = self._ragged.take(lambda: self._fi.BatchPrefillWithRaggedKVCacheWrapper(
             self._workspace, kv_layout="NHD", backend=self.backend))
-        ind = torch.tensor(indptr(qo_lens), dtype=torch.int32)
-        w.plan(ind, ind, num_qo_heads, num_kv_heads, head_dim, causal=True, sm_scale=sm_scale, q_data_type=dtype,
-               kv_data_type=dtype)
+        qo = torch.tensor(indptr(qo_lens), dtype=torch.int32)
+        kv = qo if kv_lens is None else torch.tensor(indptr(kv_lens), dtype=torch.int32)
+        w.plan(qo, kv, num_qo_heads, num_kv_heads, head_dim, causal=True, sm_scale=sm_scale, q_data_type=dtype,
+               kv_data_type=dtype, window_left=window_left)
         return w
 
     def run_ragged(self, handle, q, k, v, out=None) -> tuple[torch.Tensor, torch.Tensor]:

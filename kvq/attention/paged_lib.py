@@ -117,11 +117,16 @@ def indptr(lens: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def ragged_plan(qo_lens: Sequence[int], device) -> LibPlan:
-    """The ragged call as a :class:`LibPlan` (for :func:`torch_attention`): each request reads the
-    keys of its own rows, ``[T, H, D]`` seen as pages of one token."""
+def ragged_plan(qo_lens: Sequence[int], device, kv_lens: Sequence[int] | None = None,
+                window_left: int = -1) -> LibPlan:
+    """The ragged call as a :class:`LibPlan` (for :func:`torch_attention`): request ``r`` reads
+    ``kv_lens[r]`` keys (default: as many as its rows), consecutive rows of ``k``/``v`` ``[N, H, D]``
+    seen as pages of one token, causal aligned at the bottom right like the paged call (fewer keys
+    than rows: the rows' keys end before them), ``window_left`` as there."""
     qo = indptr(qo_lens)
-    return LibPlan(qo, qo, tuple(int(t) for t in qo_lens), torch.arange(qo[-1], dtype=torch.int32, device=device), 1)
+    kv = qo if kv_lens is None else indptr(kv_lens)
+    lens = tuple(b - a for a, b in zip(kv, kv[1:]))
+    return LibPlan(qo, kv, lens, torch.arange(kv[-1], dtype=torch.int32, device=device), 1, window_left)
 
 
 class TorchLib:
@@ -157,9 +162,10 @@ class TorchLib:
         return out, lse
 
     def prepare_ragged(self, qo_lens: Sequence[int], num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, sm_scale: float, device):
-        return (ragged_plan(qo_lens, device), sm_scale)
+                       dtype: torch.dtype, sm_scale: float, device, kv_lens: Sequence[int] | None = None,
+                       window_left: int = -1):
+        return (ragged_plan(qo_lens, device, kv_lens, window_left), sm_scale)
 
     def run_ragged(self, handle, q, k, v, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal attention of each request's rows over its own keys ``k``, ``v`` ``[T, H, D]``."""
+        """Causal attention of each request's rows over its keys ``k``, ``v`` ``[N, H, D]`` (:func:`ragged_plan`)."""
         return self.run(handle, q, k.unsqueeze(2), v.unsqueeze(2), out=out)

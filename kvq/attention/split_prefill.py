@@ -21,7 +21,8 @@ three ways by layer:
   scratch's quantized pages; the last ``R`` keys are read exact by every query, a second call
   over the exact pages with a sliding window of ``R``; the sinks and the ``P`` keys between, where
   queries differ, go through kvq.attention.triton.band, which merges both calls' results by
-  their log-sum-exps.
+  their log-sum-exps (with :data:`RAGGED_WINDOWED`, fresh prompts' two calls are ragged calls over
+  the keys gathered from the scratch into rows).
 
 Each library call is planned once per step (host work: page lists, the library's own plan) and
 reused by every layer; the per-step key is the step's host metadata object (``host``).
@@ -55,6 +56,14 @@ MODEL_DTYPE_SCRATCH = True
 #: as computed); ``bench_prefill.py --paged-fresh`` times the paged call beside it.
 RAGGED_FRESH = True
 
+#: Fresh prompts of a quantized layer under the window rule: the bulk (keys read quantized by every
+#: query) and the exact tail go through the library's ragged call over the keys gathered from the
+#: page scratch into contiguous rows, instead of its paged call over the scratch (the band kernel
+#: and its merge are unchanged).  Off until timed beside the paged calls (``bench_prefill.py
+#: --ragged-windowed``): the 16-bit layers' ragged call was 16-19% faster than the paged one on an
+#: H100 (session 30), and the bulk is most of a long KIVI prompt's time.
+RAGGED_WINDOWED = False
+
 #: FP8 tensor cores (``--prefill-backend flashinfer-fp8``): queries cast to e4m3 as they are (query
 #: scale 1.0, vLLM's default for FP8 attention; clamped to e4m3's range), so a request's result never
 #: depends on the other requests of its step.
@@ -84,10 +93,11 @@ class SplitPrefill:
     kvq.attention.flashinfer_lib.FlashInferLib)."""
 
     def __init__(self, lib, model_dtype_scratch: bool = MODEL_DTYPE_SCRATCH, ragged_fresh: bool = RAGGED_FRESH,
-                 fp8: bool = False):
+                 fp8: bool = False, ragged_windowed: bool = RAGGED_WINDOWED):
         self.lib = lib
         self.model_dtype_scratch = model_dtype_scratch
         self.ragged_fresh = ragged_fresh
+        self.ragged_windowed = ragged_windowed
         self.fp8 = fp8  # fp8_e4m3 layers read as stored through the library's FP8 tensor-core kernel
         self._step = None  # the host metadata object the cached plans belong to
         self._plans: dict = {}
@@ -178,6 +188,7 @@ class SplitPrefill:
         split = pol.residual_tokens + P
         sink = window.sink_tokens
         dtype = scratch_dtype(q.dtype, self.model_dtype_scratch)
+        fresh = self.ragged_windowed and all(n == b - a for n, a, b in zip(window.lens, window.cu, window.cu[1:]))
         for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, window, k_new, v_new, dtype=dtype)):
             lens = window.lens[g.b0:g.b1]
             qo = [window.cu[b + 1] - window.cu[b] for b in range(g.b0, g.b1)]
@@ -186,14 +197,45 @@ class SplitPrefill:
             qg = q[g.r0:g.r1].to(dtype)  # (a view where the dtypes agree)
             o_bulk = o_tail = None
             if max(bulk) > 0:
-                handle = self._plan(host, ("window", gi), lambda: self.lib.prepare(
-                    paged_lib.make_plan(qo, bulk, [pol.sink_blocks] * len(lens), g.tab_q, P), Hq, H, D,
-                    g.k.dtype, sm_scale))
-                o_bulk = self.lib.run(handle, qg, g.k, g.v)
+                if fresh:  # keys [sink, n - split) of each prompt as read quantized, in rows
+                    k, v = self._gathered(host, ("bulk-rows", gi), g, g.tab_q, sink, bulk, P)
+                    handle = self._plan(host, ("window-ragged", gi), lambda: self.lib.prepare_ragged(
+                        qo, Hq, H, D, g.k.dtype, sm_scale, q.device, kv_lens=[max(n, 1) for n in bulk]))
+                    o_bulk = self.lib.run_ragged(handle, qg, k, v)
+                else:
+                    handle = self._plan(host, ("window", gi), lambda: self.lib.prepare(
+                        paged_lib.make_plan(qo, bulk, [pol.sink_blocks] * len(lens), g.tab_q, P), Hq, H, D,
+                        g.k.dtype, sm_scale))
+                    o_bulk = self.lib.run(handle, qg, g.k, g.v)
             if pol.residual_tokens and max(tail) > 0:
-                handle = self._plan(host, ("tail", gi), lambda: self.lib.prepare(
-                    paged_lib.make_plan(qo, tail, [pol.sink_blocks] * len(lens), g.tab_exact, P,
-                                        window_left=pol.residual_tokens - 1), Hq, H, D, g.k.dtype, sm_scale))
-                o_tail = self.lib.run(handle, qg, g.k, g.v)
+                if fresh:  # keys [sink, n) exact, in rows; the last R of each query's
+                    k, v = self._gathered(host, ("tail-rows", gi), g, g.tab_exact, sink, tail, P)
+                    handle = self._plan(host, ("tail-ragged", gi), lambda: self.lib.prepare_ragged(
+                        qo, Hq, H, D, g.k.dtype, sm_scale, q.device, kv_lens=[max(n, 1) for n in tail],
+                        window_left=pol.residual_tokens - 1))
+                    o_tail = self.lib.run_ragged(handle, qg, k, v)
+                else:
+                    handle = self._plan(host, ("tail", gi), lambda: self.lib.prepare(
+                        paged_lib.make_plan(qo, tail, [pol.sink_blocks] * len(lens), g.tab_exact, P,
+                                            window_left=pol.residual_tokens - 1), Hq, H, D, g.k.dtype, sm_scale))
+                    o_tail = self.lib.run(handle, qg, g.k, g.v)
             band_attention(q[g.r0:g.r1], out[g.r0:g.r1], g, P, H, sm_scale, max_q_len, sink, pol.residual_tokens,
                            o_bulk, o_tail)
+
+    def _gathered(self, host, key, g, tab, start, counts, page):
+        """Keys ``[start, start + counts[r])`` of each request ``r`` of group ``g``, read from its page
+        scratch through ``tab`` (``tab_q`` or ``tab_exact``), as contiguous rows ``([N, H, D], [N, H, D])``.
+        A request with no such key gets key 0 instead (one row that no caller reads: the band merges a
+        call's rows only for sequences that sent it keys)."""
+        def rows():
+            n = [max(c, 1) for c in counts]
+            first = [start if c > 0 else 0 for c in counts]
+            dev = g.k.device
+            req = torch.repeat_interleave(torch.arange(len(n), device=dev), torch.tensor(n, device=dev),
+                                          output_size=sum(n))
+            base = torch.tensor([f - o for f, o in zip(first, paged_lib.indptr(n))], device=dev)
+            return req, torch.arange(sum(n), device=dev) + base[req]
+        req, pos = self._plan(host, key, rows)
+        pages = tab[req, pos // page].long()
+        off = pos % page
+        return g.k[pages, :, off], g.v[pages, :, off]
