@@ -41,6 +41,7 @@ test: install-test
 gpu-prepare:
 	bash scripts/gpu_prepare.sh wheels
 	MAX_JOBS=$${MAX_JOBS:-2} bash scripts/gpu_prepare.sh flashinfer --head-dims 64,128 --fa2 --fp8
+	bash scripts/gpu_prepare.sh slim
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
 .PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-prefill bench-ttft bench-engine bench-capacity bench-pressure bench-elastic bench-server bench-offload bench-kv-transfer disagg-check

@@ -23,9 +23,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD"
-# wheels carried in this call (scripts/gpu_prepare.sh: .whl, and .whl-cudnn apart, for the 64 MiB a call
-# carries); what an earlier call of a still-warm machine installed stays in /tmp/site
-for d in .whl .whl-cudnn; do
+# wheels carried in this call (scripts/gpu_prepare.sh: .whl, or .whl-slim beside .ficache, and .whl-cudnn,
+# within the 64 MiB a call carries); what an earlier call of a still-warm machine installed stays in /tmp/site
+for d in .whl .whl-slim .whl-cudnn; do
   if compgen -G "$d/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl
   fi

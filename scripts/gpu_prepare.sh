@@ -10,8 +10,13 @@
 #   bash scripts/gpu_prepare.sh flashinfer [--head-dims 64,128] [--fa2] [--fp8]
 #                                           # .ficache/: FlashInfer's prefill modules for sm_90a, built here
 #                                           # with CUDA 13's nvcc (the device's is 13.0 too)
-# Then carry [".whl", ".ficache"] (both ignored): gpu.sh installs the modules where FlashInfer looks for
-# prebuilt ones, and a module that does not load there is compiled again by FlashInfer itself.
+#   bash scripts/gpu_prepare.sh slim        # .whl-slim/: .whl with FlashInfer's wheel cut to what loads the
+#                                           # prebuilt modules (no CUDA/CUTLASS sources: 6 MB instead of 34),
+#                                           # so one call carries it with .ficache (and .whl-cudnn): 60 MB
+# Then carry [".whl-slim", ".ficache"] (ignored): gpu.sh installs the modules where FlashInfer looks for
+# prebuilt ones.  With .whl-slim a module .ficache lacks cannot be compiled there (its sources are cut):
+# carry .whl instead (a call of its own) for targets that plan other FlashInfer modules (bench-kernels'
+# FlashInfer decode baselines).
 #
 # Why: FlashInfer compiles each prefill module on first use, about 140 s each on the device, and kvq's
 # GPU targets plan nine (session 28 lost its whole device time to them).  Here a module takes about
@@ -49,5 +54,34 @@ case "$what" in
       FLASHINFER_EXTRA_LDFLAGS="-L$PWD/$w/stubs" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
     PYTHONPATH="$PWD/$w/site:$PWD" "$PY" scripts/flashinfer_cache.py build "$@"
     PYTHONPATH="$PWD/$w/site:$PWD" "$PY" scripts/flashinfer_cache.py export .ficache "$@" ;;
-  *) echo "usage: bash scripts/gpu_prepare.sh wheels | flashinfer [--head-dims 64,128] [--fa2] [--fp8]" >&2; exit 2 ;;
+  slim)
+    mkdir -p .whl-slim
+    for f in .whl/*.whl; do case "$f" in */flashinfer_python-*) ;; *) cp "$f" .whl-slim/ ;; esac; done
+    "$PY" - .whl/flashinfer_python-*.whl .whl-slim <<'PY'
+import sys, zipfile
+from pathlib import Path
+
+src, dst = Path(sys.argv[1]), Path(sys.argv[2]) / Path(sys.argv[1]).name
+CUT = ("flashinfer/data/cutlass/", "flashinfer/data/cccl/", "flashinfer/data/spdlog/", "flashinfer/data/include/",
+       "flashinfer/moe_ep/kernel_src/")
+
+
+def keep(name: str) -> bool:
+    if name.startswith(CUT):
+        return False
+    if name.startswith("flashinfer/data/csrc/"):  # the prefill modules' templates and sources, no other kernel's
+        rest = name[len("flashinfer/data/csrc/"):]
+        return "/" not in rest and (rest.endswith(".jinja") or "prefill" in rest)
+    return True
+
+
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+    for info in zin.infolist():
+        if keep(info.filename):
+            zout.writestr(info, zin.read(info.filename))
+print(f"{dst}: {dst.stat().st_size / 2**20:.1f} MiB (from {src.stat().st_size / 2**20:.1f})")
+PY
+    du -sh .whl-slim ;;
+  *) echo "usage: bash scripts/gpu_prepare.sh wheels | flashinfer [--head-dims 64,128] [--fa2] [--fp8] | slim" >&2
+     exit 2 ;;
 esac
