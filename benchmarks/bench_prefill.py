@@ -24,6 +24,7 @@ per call), and for kvq rows ``x_best_library`` (us over the fastest anchor's at 
     python benchmarks/bench_prefill.py --smoke               # tiny shapes, torch library (any device)
     python benchmarks/bench_prefill.py --f16-scratch         # also kvq rows with the scratch in f16 (q, output cast)
     python benchmarks/bench_prefill.py --ragged-windowed     # also kvq rows: windowed fresh prompts, ragged calls
+    python benchmarks/bench_prefill.py --band-gqa            # also kvq rows: the band's query heads packed
     python benchmarks/bench_prefill.py --paged-fresh         # also kvq rows with fresh prompts through the pool
     python benchmarks/bench_prefill.py --fp8                 # also fp8_e4m3 rows through FA3's FP8 tensor cores
 """
@@ -77,6 +78,7 @@ VARIANTS = {
     "f16-scratch": dict(model_dtype_scratch=False),  # quantized pages into f16 (casts of q and the output)
     "paged-fresh": dict(ragged_fresh=False),  # fresh prompts of 16-bit layers through the paged call
     "ragged-windowed": dict(ragged_windowed=True),  # windowed fresh prompts' bulk and tail through ragged calls
+    "band-gqa": dict(band_gqa=True),  # the windowed band kernel's query heads packed per KV head
     "fp8": dict(fp8=True),  # fp8_e4m3 read as stored through FA3's FP8 tensor cores (opt-in)
 }
 
@@ -251,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ragged-windowed", action="store_true",
                     help="also rows where windowed fresh prompts' bulk and exact tail go through the library's ragged "
                          "call (impl ...-ragged-windowed; kvq.attention.split_prefill.RAGGED_WINDOWED)")
+    ap.add_argument("--band-gqa", action="store_true",
+                    help="also rows where the windowed band kernel packs each KV head's query heads into its rows "
+                         "(impl ...-band-gqa; kvq.attention.triton.band.PACK_GQA)")
     ap.add_argument("--smoke", action="store_true", help="tiny heads and shapes, the torch library (any device)")
     ap.add_argument("--profile", action="store_true", help="add each kvq row's costliest kernels (us a call, "
                     "torch.profiler) as 'kernels_us'")

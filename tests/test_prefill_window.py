@@ -47,12 +47,12 @@ def test_rule_is_the_block_managers(bs, sink, res, direct, p, j):
 def _kernels(name):
     if name == "torch":
         return reference
-    if name.startswith("split"):  # the library prefill (tests/test_split_prefill.py): "split[-flashinfer][-ragged]"
+    if name.startswith("split"):  # library prefill (tests/test_split_prefill.py): "split[-flashinfer][-ragged|-gqa]"
         from tests.test_split_prefill import split_kernels
 
         parts = name.split("-")[1:]
         lib = "flashinfer" if "flashinfer" in parts else "torch"
-        return split_kernels(lib, ragged_windowed="ragged" in parts)
+        return split_kernels(lib, ragged_windowed="ragged" in parts, band_gqa=True if "gqa" in parts else None)
     from kvq.attention.triton import kernels
 
     return kernels
@@ -60,9 +60,9 @@ def _kernels(name):
 
 #: backends of the window tests: the reference, the Triton kernel, the library prefill (its torch definition,
 #: and FlashInfer on a GPU that has it), each also with fresh prompts' bulk and tail through the ragged call
-#: (split_prefill.RAGGED_WINDOWED)
-WINDOW_BACKENDS = ["torch", "triton", "split", "split-ragged"] + (
-    ["split-flashinfer", "split-flashinfer-ragged"] if GPU and not _fi_reason() else [])
+#: (split_prefill.RAGGED_WINDOWED) and with the band's query heads packed per KV head (band.PACK_GQA)
+WINDOW_BACKENDS = ["torch", "triton", "split", "split-ragged", "split-gqa"] + (
+    ["split-flashinfer", "split-flashinfer-ragged", "split-flashinfer-gqa"] if GPU and not _fi_reason() else [])
 
 
 def _fake(fmt_role, layer, role, x, table=None):
@@ -124,6 +124,13 @@ def test_triton_window_runs_meet_the_definition_on_long_chunks(fmt, backend):
     _check_windows(fmt, 4, 32, backend, ({"a": 256, "b": 96}, {"a": 160, "b": 224}))
 
 
+@pytest.mark.parametrize("backend", [b for b in WINDOW_BACKENDS if b.startswith("split")])
+def test_a_group_of_three_query_heads_reads_each_querys_window_exact(backend):
+    """Three query heads a KV head: a band tile of 64 rows holds 21 positions of the group (one row
+    left over) when the band packs the group (band.PACK_GQA)."""
+    _check_windows("int4_kivi", 4, 32, backend, ({"a": 256, "b": 96}, {"a": 160, "b": 224}), group=3)
+
+
 @pytest.mark.parametrize("backend", WINDOW_BACKENDS)
 @pytest.mark.parametrize("fmt,sink,res", [("int4_kivi", 4, 32), ("int2_kivi", 0, 0), ("fp8_per_block", 4, 0)])
 def test_chunks_off_block_boundaries_read_each_querys_window_exact(fmt, sink, res, backend):
@@ -134,10 +141,10 @@ def test_chunks_off_block_boundaries_read_each_querys_window_exact(fmt, sink, re
                                              {"a": 70, "b": 61}))
 
 
-def _check_windows(fmt, sink, res, backend, chunks, num_q: int = 96):
+def _check_windows(fmt, sink, res, backend, chunks, num_q: int = 96, group: int = 2):
     kernels = _kernels(backend)
     gen = torch.Generator().manual_seed(3)
-    h = make_harness(fmt, kernels, sink=sink, residual=res, num_q=num_q, num_hp=64, device=DEV)
+    h = make_harness(fmt, kernels, sink=sink, residual=res, num_q=num_q, num_hp=64, device=DEV, group=group)
     layer, pol, bs = h.layer, h.plan.window_policy, h.plan.block_size
     exact = {}
     for chunk in chunks:

@@ -44,7 +44,7 @@ LIBS = ["torch", pytest.param("flashinfer", marks=pytest.mark.skipif(
     bool(_flashinfer_reason()), reason=str(_flashinfer_reason())))]
 
 
-def split_kernels(lib_name, model_dtype_scratch=False, ragged_windowed=False):
+def split_kernels(lib_name, model_dtype_scratch=False, ragged_windowed=False, band_gqa=None):
     """The library prefill as the kernels' prefill.  Quantized pages dequantize into f16 here, not the
     default's bf16 (MODEL_DTYPE_SCRATCH): the window and chunk tests bound the error against the
     definition tighter than bf16's 8 significant bits allow, so that one key read from the wrong tier
@@ -52,7 +52,7 @@ def split_kernels(lib_name, model_dtype_scratch=False, ragged_windowed=False):
     from kvq.attention.triton import kernels
 
     return with_prefill(kernels, SplitPrefill(lib(lib_name), model_dtype_scratch=model_dtype_scratch,
-                                              ragged_windowed=ragged_windowed).paged_attention)
+                                              ragged_windowed=ragged_windowed, band_gqa=band_gqa).paged_attention)
 
 
 def _per_row(q, k, v, qo, lens, sm, window_left=-1):
@@ -363,13 +363,13 @@ def test_bench_prefill_smoke(tmp_path):
 
     out = tmp_path / "bp.json"
     assert main(["--smoke", "--formats", "bfloat16,int4_kivi,fp8_e4m3", "--profile", "--paged-fresh", "--fp8",
-                 "--ragged-windowed", "--out", str(out)]) == 0
+                 "--ragged-windowed", "--band-gqa", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert not doc["errors"], doc["errors"]
     rows = doc["rows"]
     assert {(r["impl"], r["format"], r["B"], r["past"], r["chunk"]) for r in rows} == {
         (i, f, *s) for i in ("kvq-triton", "kvq-split-torch", "kvq-split-torch-paged-fresh", "kvq-split-torch-fp8",
-                             "kvq-split-torch-ragged-windowed")
+                             "kvq-split-torch-ragged-windowed", "kvq-split-torch-band-gqa")
         for f in ("bfloat16", "int4_kivi", "fp8_e4m3") if f == "fp8_e4m3" or not i.endswith("fp8")
         for s in ((2, 0, 48), (1, 40, 24))}
     for r in rows:

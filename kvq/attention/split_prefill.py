@@ -93,11 +93,12 @@ class SplitPrefill:
     kvq.attention.flashinfer_lib.FlashInferLib)."""
 
     def __init__(self, lib, model_dtype_scratch: bool = MODEL_DTYPE_SCRATCH, ragged_fresh: bool = RAGGED_FRESH,
-                 fp8: bool = False, ragged_windowed: bool = RAGGED_WINDOWED):
+                 fp8: bool = False, ragged_windowed: bool = RAGGED_WINDOWED, band_gqa: bool | None = None):
         self.lib = lib
         self.model_dtype_scratch = model_dtype_scratch
         self.ragged_fresh = ragged_fresh
         self.ragged_windowed = ragged_windowed
+        self.band_gqa = band_gqa  # None: kvq.attention.triton.band.PACK_GQA
         self.fp8 = fp8  # fp8_e4m3 layers read as stored through the library's FP8 tensor-core kernel
         self._step = None  # the host metadata object the cached plans belong to
         self._plans: dict = {}
@@ -220,7 +221,7 @@ class SplitPrefill:
                                             window_left=pol.residual_tokens - 1), Hq, H, D, g.k.dtype, sm_scale))
                     o_tail = self.lib.run(handle, qg, g.k, g.v)
             band_attention(q[g.r0:g.r1], out[g.r0:g.r1], g, P, H, sm_scale, max_q_len, sink, pol.residual_tokens,
-                           o_bulk, o_tail)
+                           o_bulk, o_tail, pack_gqa=self.band_gqa)
 
     def _gathered(self, host, key, g, tab, start, counts, page):
         """Keys ``[start, start + counts[r])`` of each request ``r`` of group ``g``, read from its page

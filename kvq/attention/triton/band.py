@@ -35,12 +35,21 @@ from kvq.attention.triton.prefill import TILES, _dense_args, _prefill_tile
 from kvq.attention.triton.tiles import tile_channel
 
 
+#: Pack the query heads of a KV head into a program's rows (``band_attention(pack_gqa=...)``): per
+#: query, a tile of BLOCK_M / group positions reads POS + P band keys instead of BLOCK_M + P, and each
+#: key tile is loaded once for the group instead of once per query head.  Off until timed
+#: (``bench_prefill.py --band-gqa``): the band took 564 of a 958 us KIVI call at 8 x 1024 (H100,
+#: session 27's profile).
+PACK_GQA = False
+
+
 @triton.jit
 def _merge(acc, m_i, l_i, o_ptr, s_t, s_h, lse_ptr, s_lt, s_lh, rows, hq, d, rmask):
     """Fold a library call's rows (output and base-2 log-sum-exp; -inf: the row saw no key) into the
     running sum: -> (acc, m, l)."""
     lb = tl.load(lse_ptr + rows * s_lt + hq * s_lh, mask=rmask, other=float("-inf"))
-    ob = tl.load(o_ptr + rows[:, None] * s_t + hq * s_h + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    ob = tl.load(o_ptr + rows[:, None] * s_t + hq[:, None] * s_h + d[None, :], mask=rmask[:, None],
+                 other=0.0).to(tl.float32)
     m_new = tl.maximum(m_i, lb)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp2(m_i - m_use)
@@ -62,24 +71,32 @@ def _band_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
     K_G: tl.constexpr, V_G: tl.constexpr, DOT: tl.constexpr, HAS_BULK: tl.constexpr, HAS_TAIL: tl.constexpr,
+    PACK: tl.constexpr,
 ):
+    # PACK: a program takes the GROUP query heads of one KV head, its rows (position, head) pairs, so
+    # it loads each key tile once for the group and its band is POS + P keys wide instead of BLOCK_M + P
+    HP = GROUP if PACK else 1  # query heads a program
+    POS = BLOCK_M // HP  # query positions a tile
     b = tl.program_id(0)
-    hq = tl.program_id(1)
+    hx = tl.program_id(1)  # the KV head (PACK) or the query head
     mt = tl.program_id(2)
-    h = hq // GROUP
+    h = hx if PACK else hx // GROUP
     q0 = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q0
     n = tl.load(lens_ptr + b)
-    i = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = i < q_len
+    r = tl.arange(0, BLOCK_M)
+    i = mt * POS + r // HP
+    hq = hx * HP + r % HP
+    rmask = (r // HP < POS) & (i < q_len)
     qpos = n - q_len + i
     d = tl.arange(0, D)
     rows = (q0 + i).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * s_qt + hq * s_qh + d[None, :], mask=rmask[:, None], other=0.0).to(DOT)
+    q = tl.load(q_ptr + rows[:, None] * s_qt + hq[:, None] * s_qh + d[None, :], mask=rmask[:, None],
+                other=0.0).to(DOT)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    kv_end = tl.where(mt * BLOCK_M < q_len, tl.minimum(n, n - q_len + (mt + 1) * BLOCK_M), 0)
+    kv_end = tl.where(mt * POS < q_len, tl.minimum(n, n - q_len + (mt + 1) * POS), 0)
     table = table_ptr + b.to(tl.int64) * s_tb
     tableq = tableq_ptr + b.to(tl.int64) * s_tb
     win = tl.maximum(qpos - RESID, 0) // PAGE * PAGE  # kvq.cache.window.exact_from
@@ -98,7 +115,7 @@ def _band_kernel(
     RHI = RESID if HAS_TAIL else 0
     qhi = qpos - RHI
     hi = tl.maximum(kv_end - RHI, 0)
-    q_first = n - q_len + mt * BLOCK_M
+    q_first = n - q_len + mt * POS
     q_last = kv_end - 1
     lo = tl.minimum(tl.maximum(SINK_T, q_first - SPLIT + 1) // BLOCK_N * BLOCK_N, hi)
     win_hi = tl.maximum(q_last - RESID, 0) // PAGE * PAGE
@@ -127,17 +144,19 @@ def _band_kernel(
         if n - SINK_T > 0:
             acc, m_i, l_i = _merge(acc, m_i, l_i, ot_ptr, s_tt, s_th, lset_ptr, s_mt, s_mh, rows, hq, d, rmask)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + rows[:, None] * s_ot + hq * s_oh + tile_channel(d, 1, D)[None, :],
+    tl.store(o_ptr + rows[:, None] * s_ot + hq[:, None] * s_oh + tile_channel(d, 1, D)[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 def band_attention(q: torch.Tensor, out: torch.Tensor, scratch, page: int, num_kv_heads: int, sm_scale: float,
                    max_q_len: int, sink_tokens: int, residual: int, bulk: tuple | None, tail: tuple | None = None,
-                   tile: dict | None = None) -> None:
+                   tile: dict | None = None, pack_gqa: bool | None = None) -> None:
     """Write into ``out`` [T, Hq, D] the band of each query (module docstring) merged with the library's
     bulk and exact tail (``(out, lse)`` each; None when the group sent no call: no sequence had keys
     there, or no recent window).  ``scratch``: a :class:`kvq.attention.triton.prefill.WindowScratch` of
-    these rows."""
+    these rows.  ``pack_gqa`` (default :data:`PACK_GQA`): a program per KV head and tile of query
+    positions, its rows the group's query heads at those positions (a group wider than the tile:
+    a program per query head)."""
     T, Hq, D = q.shape
     if T == 0 or max_q_len == 0:
         return
@@ -147,15 +166,18 @@ def band_attention(q: torch.Tensor, out: torch.Tensor, scratch, page: int, num_k
     dot = tl.float16 if not INTERPRET else _dot_dtype(q.dtype)
     ob, lse = bulk if bulk is not None else (out, out)
     ot, lset = tail if tail is not None else (out, out)
-    grid = (B, Hq, triton.cdiv(max_q_len, tile["block_m"]))
+    group = Hq // num_kv_heads
+    pack = (PACK_GQA if pack_gqa is None else pack_gqa) and group <= tile["block_m"]
+    heads, pos = (num_kv_heads, tile["block_m"] // group) if pack else (Hq, tile["block_m"])
+    grid = (B, heads, triton.cdiv(max_q_len, pos))
     _band_kernel[grid](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), scratch.cu, *args,
         scratch.tab_exact, scratch.tab_exact.stride(0), scratch.lens, sm_scale * _LOG2E, scratch.tab_q,
         sink_tokens, residual, residual + page,
         ob, ob.stride(0), ob.stride(1), lse, lse.stride(0), lse.stride(1),
         ot, ot.stride(0), ot.stride(1), lset, lset.stride(0), lset.stride(1),
-        GROUP=Hq // num_kv_heads, D=D, PAGE=page, BLOCK_M=tile["block_m"], BLOCK_N=tile["block_n"],
+        GROUP=group, D=D, PAGE=page, BLOCK_M=tile["block_m"], BLOCK_N=tile["block_n"],
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
-        K_G=meta["k_g"], V_G=meta["v_g"], DOT=dot, HAS_BULK=bulk is not None, HAS_TAIL=tail is not None,
+        K_G=meta["k_g"], V_G=meta["v_g"], DOT=dot, HAS_BULK=bulk is not None, HAS_TAIL=tail is not None, PACK=pack,
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
