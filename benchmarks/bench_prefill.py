@@ -73,13 +73,19 @@ def flops(B: int, Hq: int, D: int, past: int, chunk: int) -> float:
     return 4.0 * B * Hq * D * (chunk * past + chunk * chunk / 2)
 
 
-#: The split's variants beside its defaults (impl suffix -> SplitPrefill arguments; command-line flags).
+#: The split's variants beside its defaults: impl suffix (and command-line flag) -> (SplitPrefill
+#: arguments, what the rows show).
 VARIANTS = {
-    "f16-scratch": dict(model_dtype_scratch=False),  # quantized pages into f16 (casts of q and the output)
-    "paged-fresh": dict(ragged_fresh=False),  # fresh prompts of 16-bit layers through the paged call
-    "ragged-windowed": dict(ragged_windowed=True),  # windowed fresh prompts' bulk and tail through ragged calls
-    "band-gqa": dict(band_gqa=True),  # the windowed band kernel's query heads packed per KV head
-    "fp8": dict(fp8=True),  # fp8_e4m3 read as stored through FA3's FP8 tensor cores (opt-in)
+    "f16-scratch": (dict(model_dtype_scratch=False), "quantized pages dequantized into f16, the queries and the "
+                    "output cast (the default dequantizes into the queries' dtype: split_prefill.MODEL_DTYPE_SCRATCH)"),
+    "paged-fresh": (dict(ragged_fresh=False), "16-bit layers' fresh prompts through the library's paged call over "
+                    "the pool instead of its ragged call over the new K/V (split_prefill.RAGGED_FRESH)"),
+    "ragged-windowed": (dict(ragged_windowed=True), "windowed fresh prompts' bulk and exact tail through the "
+                        "library's ragged call (split_prefill.RAGGED_WINDOWED)"),
+    "band-gqa": (dict(band_gqa=True), "the windowed band kernel with each KV head's query heads packed into its "
+                 "rows (kvq.attention.triton.band.PACK_GQA)"),
+    "fp8": (dict(fp8=True), "fp8_e4m3 read as stored through FA3's FP8 tensor cores (--prefill-backend "
+            "flashinfer-fp8)"),
 }
 
 
@@ -108,7 +114,8 @@ def kvq_impls(device, smoke: bool, variants=()) -> dict:
     for name in variants:
         if name == "fp8" and not smoke and prefix != "kvq-flashinfer-fa3":
             continue  # FA3's FP8 kernel only
-        impls[f"{prefix}-{name}"] = with_prefill(kernels, SplitPrefill(make_lib(), **VARIANTS[name]).paged_attention)
+        impls[f"{prefix}-{name}"] = with_prefill(kernels,
+                                                 SplitPrefill(make_lib(), **VARIANTS[name][0]).paged_attention)
     return impls
 
 
@@ -239,23 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=FORMATS)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-anchors", action="store_true")
-    ap.add_argument("--paged-fresh", action="store_true",
-                    help="also rows of 16-bit layers whose fresh prompts go through the library's paged call over the "
-                         "pool instead of its ragged call over the new K/V (impl ...-paged-fresh; "
-                         "kvq.attention.split_prefill.RAGGED_FRESH)")
-    ap.add_argument("--fp8", action="store_true",
-                    help="also fp8_e4m3 rows through FA3's FP8 tensor cores (impl kvq-flashinfer-fa3-fp8; "
-                         "--prefill-backend flashinfer-fp8)")
-    ap.add_argument("--f16-scratch", action="store_true",
-                    help="also rows of the library split with quantized pages dequantized into f16, the queries and "
-                         "the output cast (impl ...-f16-scratch; the default dequantizes into the queries' dtype: "
-                         "kvq.attention.split_prefill.MODEL_DTYPE_SCRATCH)")
-    ap.add_argument("--ragged-windowed", action="store_true",
-                    help="also rows where windowed fresh prompts' bulk and exact tail go through the library's ragged "
-                         "call (impl ...-ragged-windowed; kvq.attention.split_prefill.RAGGED_WINDOWED)")
-    ap.add_argument("--band-gqa", action="store_true",
-                    help="also rows where the windowed band kernel packs each KV head's query heads into its rows "
-                         "(impl ...-band-gqa; kvq.attention.triton.band.PACK_GQA)")
+    for name, (_, what) in VARIANTS.items():
+        ap.add_argument(f"--{name}", action="store_true", help=f"also rows of {what} (impl ...-{name})")
     ap.add_argument("--smoke", action="store_true", help="tiny heads and shapes, the torch library (any device)")
     ap.add_argument("--profile", action="store_true", help="add each kvq row's costliest kernels (us a call, "
                     "torch.profiler) as 'kernels_us'")

@@ -363,15 +363,19 @@ def test_bench_prefill_smoke(tmp_path):
 
     out = tmp_path / "bp.json"
     assert main(["--smoke", "--formats", "bfloat16,int4_kivi,fp8_e4m3", "--profile", "--paged-fresh", "--fp8",
-                 "--ragged-windowed", "--band-gqa", "--out", str(out)]) == 0
+                 "--ragged-windowed", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert not doc["errors"], doc["errors"]
     rows = doc["rows"]
     assert {(r["impl"], r["format"], r["B"], r["past"], r["chunk"]) for r in rows} == {
         (i, f, *s) for i in ("kvq-triton", "kvq-split-torch", "kvq-split-torch-paged-fresh", "kvq-split-torch-fp8",
-                             "kvq-split-torch-ragged-windowed", "kvq-split-torch-band-gqa")
+                             "kvq-split-torch-ragged-windowed")
         for f in ("bfloat16", "int4_kivi", "fp8_e4m3") if f == "fp8_e4m3" or not i.endswith("fp8")
         for s in ((2, 0, 48), (1, 40, 24))}
+    from benchmarks.bench_prefill import VARIANTS
+
+    for kwargs, _ in VARIANTS.values():  # every variant's arguments are the split's (the others ran above)
+        SplitPrefill(paged_lib.TorchLib(), **kwargs)
     for r in rows:
         assert r["us"] > 0 and r["tflops"] > 0 and r["x_kvq_bf16"] > 0
         assert r["kernels_us"] and all(t > 0 for t in r["kernels_us"].values())  # --profile: where the time goes
