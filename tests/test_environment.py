@@ -11,6 +11,7 @@ from kvq import cli
 from kvq.attention import backends
 from kvq.attention.cuda import decode8
 from kvq.cache.plan import KVCacheConfig, bare_model
+from kvq.formats.registry import entries, resolve_kv
 
 
 def test_kvq_env_names_the_backend_of_every_format(capsys):
@@ -86,3 +87,20 @@ def test_a_tiered_plan_reports_each_tiers_decode_kernel():
     tier2 = small.tier_layers(2)[0]
     assert decode8.layer_reason(tier2.k, tier2.v, 64, small.block_size, 1) is None
     assert backends.decode_per_layer("cuda", small, torch.bfloat16) == ("cuda",) * 2
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_cuda_decode_serves_every_quantized_format_it_reads(head_dim):
+    """Issue 43's rule for `kvq env` on a GPU: every 8-bit, KIVI and per-token sub-byte format, and the
+    rotated codebooks (3-bit ones from head_dim 128), decodes through the CUDA kernel at head dims 64
+    and 128, Llama-3-8B's grouping; the 16-bit formats through Triton."""
+    model = bare_model(2, 8, head_dim, num_attention_heads=32)
+    for e in entries():
+        if e.name in ("auto", "fp8_e4m3fnuz"):  # (auto: the model dtype; fnuz: the reference only)
+            continue
+        fmt = resolve_kv(e.name)
+        plan = KVCacheConfig(dtype=e.name).plan(model)
+        want = "triton" if not fmt.is_quantized else "cuda"
+        if head_dim < 128 and any(tf.family == "rot" and tf.bits == 3 for tf in (fmt.k, fmt.v)):
+            want = "triton"  # 3-bit rotated rows at head_dim 64 are 24 bytes: the kernel refuses them
+        assert backends.decode_per_layer("cuda", plan, torch.bfloat16) == (want,) * 2, e.name
