@@ -124,7 +124,7 @@ def test_triton_window_runs_meet_the_definition_on_long_chunks(fmt, backend):
     _check_windows(fmt, 4, 32, backend, ({"a": 256, "b": 96}, {"a": 160, "b": 224}))
 
 
-@pytest.mark.parametrize("backend", [b for b in WINDOW_BACKENDS if b.startswith("split")])
+@pytest.mark.parametrize("backend", [b for b in WINDOW_BACKENDS if b.endswith("-gqa")])
 def test_a_group_of_three_query_heads_reads_each_querys_window_exact(backend):
     """Three query heads a KV head: a band tile of 64 rows holds 21 positions of the group (one row
     left over) when the band packs the group (band.PACK_GQA)."""
