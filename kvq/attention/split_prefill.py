@@ -40,9 +40,10 @@ from kvq.attention.triton.prefill import scratch_groups, window_scratch
 
 
 #: Dequantize quantized pages into the queries' dtype (bf16 for a bf16 model) instead of f16, so that
-#: neither the queries nor the output are cast.  Measured on an H100 (session 30, bench_prefill
-#: --model-scratch, docs/results/bench_prefill_s30_h100.json): fp8_e4m3 at 4 x 4096 1239 -> 868 us
-#: (bf16 860), int8_per_token_head 1300 -> 897, int4_kivi 2734 -> 2245; never slower.  Its cost is
+#: neither the queries nor the output are cast.  Measured on an H100 (session 30, bench_prefill;
+#: docs/results/bench_prefill_s30_h100.json): fp8_e4m3 at 4 x 4096 1239 -> 868 us (bf16 860),
+#: int8_per_token_head 1300 -> 897, int4_kivi 2734 -> 2245; never slower (``--f16-scratch`` times
+#: the f16 side).  Its cost is
 #: bf16's 8 significant bits on each dequantized value and on the library's partial outputs (the
 #: bf16 model's own K/V and attention have no more): on the CPU's window tests the error against the
 #: definition goes from at most 0.0036 to 0.0084, so those tests run the f16 scratch
