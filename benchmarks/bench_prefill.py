@@ -27,6 +27,7 @@ per call), and for kvq rows ``x_best_library`` (us over the fastest anchor's at 
     python benchmarks/bench_prefill.py --band-gqa            # also kvq rows: the band's query heads packed
     python benchmarks/bench_prefill.py --paged-fresh         # also kvq rows with fresh prompts through the pool
     python benchmarks/bench_prefill.py --fp8                 # also fp8_e4m3 rows through FA3's FP8 tensor cores
+    (each variant's rows only for the formats whose path it changes; --no-triton leaves the fallback out)
 """
 
 from __future__ import annotations
@@ -73,25 +74,46 @@ def flops(B: int, Hq: int, D: int, past: int, chunk: int) -> float:
     return 4.0 * B * Hq * D * (chunk * past + chunk * chunk / 2)
 
 
+def _quantized(fmt: str) -> bool:
+    from kvq.formats.registry import resolve_kv
+
+    return resolve_kv(fmt).is_quantized
+
+
+def _windowed(fmt: str) -> bool:
+    from kvq.formats.registry import default_window, resolve_kv
+
+    f = resolve_kv(fmt)
+    return f.is_quantized and default_window(f)[1] > 0
+
+
 #: The split's variants beside its defaults: impl suffix (and command-line flag) -> (SplitPrefill
-#: arguments, what the rows show).
+#: arguments, what the rows show, the formats whose path they change: the others would repeat the
+#: default's rows).
 VARIANTS = {
     "f16-scratch": (dict(model_dtype_scratch=False), "quantized pages dequantized into f16, the queries and the "
-                    "output cast (the default dequantizes into the queries' dtype: split_prefill.MODEL_DTYPE_SCRATCH)"),
+                    "output cast (the default dequantizes into the queries' dtype: split_prefill.MODEL_DTYPE_SCRATCH)",
+                    _quantized),
     "paged-fresh": (dict(ragged_fresh=False), "16-bit layers' fresh prompts through the library's paged call over "
-                    "the pool instead of its ragged call over the new K/V (split_prefill.RAGGED_FRESH)"),
+                    "the pool instead of its ragged call over the new K/V (split_prefill.RAGGED_FRESH)",
+                    lambda fmt: not _quantized(fmt)),
     "ragged-windowed": (dict(ragged_windowed=True), "windowed fresh prompts' bulk and exact tail through the "
-                        "library's ragged call (split_prefill.RAGGED_WINDOWED)"),
+                        "library's ragged call (split_prefill.RAGGED_WINDOWED)", _windowed),
     "band-gqa": (dict(band_gqa=True), "the windowed band kernel with each KV head's query heads packed into its "
-                 "rows (kvq.attention.triton.band.PACK_GQA)"),
+                 "rows (kvq.attention.triton.band.PACK_GQA)", _windowed),
     "fp8": (dict(fp8=True), "fp8_e4m3 read as stored through FA3's FP8 tensor cores (--prefill-backend "
-            "flashinfer-fp8)"),
+            "flashinfer-fp8)", lambda fmt: fmt == "fp8_e4m3"),
 }
 
 
-def kvq_impls(device, smoke: bool, variants=()) -> dict:
+def variant_of(impl: str) -> str | None:
+    """The :data:`VARIANTS` name of a kvq impl's rows, or None for a default impl."""
+    return next((name for name in VARIANTS if impl.endswith("-" + name)), None)
+
+
+def kvq_impls(device, smoke: bool, variants=(), no_triton: bool = False) -> dict:
     """impl name -> the kernels the engine would run (kvq.attention.backends.with_prefill); ``variants``:
-    names of :data:`VARIANTS` to add."""
+    names of :data:`VARIANTS` to add; ``no_triton``: without the Triton prefill's rows."""
     from kvq.attention.backends import with_prefill
     from kvq.attention.split_prefill import SplitPrefill
     from kvq.attention.triton import kernels
@@ -116,6 +138,8 @@ def kvq_impls(device, smoke: bool, variants=()) -> dict:
             continue  # FA3's FP8 kernel only
         impls[f"{prefix}-{name}"] = with_prefill(kernels,
                                                  SplitPrefill(make_lib(), **VARIANTS[name][0]).paged_attention)
+    if no_triton:
+        del impls["kvq-triton"]
     return impls
 
 
@@ -246,8 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default=FORMATS)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-anchors", action="store_true")
-    for name, (_, what) in VARIANTS.items():
+    for name, (_, what, _) in VARIANTS.items():
         ap.add_argument(f"--{name}", action="store_true", help=f"also rows of {what} (impl ...-{name})")
+    ap.add_argument("--no-triton", action="store_true", help="without the Triton prefill's rows (the fallback)")
     ap.add_argument("--smoke", action="store_true", help="tiny heads and shapes, the torch library (any device)")
     ap.add_argument("--profile", action="store_true", help="add each kvq row's costliest kernels (us a call, "
                     "torch.profiler) as 'kernels_us'")
@@ -271,7 +296,8 @@ def main(argv=None) -> int:
            "heads": {"query": H * group, "kv": H, "head_dim": D}}
     res = Results(out, {"env": env, "rows": [], "errors": []})
     timer = Timer(device, 256 << 20 if device.type == "cuda" else 1 << 20)
-    impls = kvq_impls(device, args.smoke, [name for name in VARIANTS if getattr(args, name.replace("-", "_"))])
+    impls = kvq_impls(device, args.smoke, [name for name in VARIANTS if getattr(args, name.replace("-", "_"))],
+                      args.no_triton)
     gen = torch.Generator().manual_seed(0)
     sm = D ** -0.5
     iters = 2 if args.smoke else args.iters
@@ -280,8 +306,9 @@ def main(argv=None) -> int:
         fl = flops(B, H * group, D, past, chunk)
         for fmt in formats:
             for impl, kernels in impls.items():
-                if impl.endswith("-fp8") and fmt != "fp8_e4m3":
-                    continue  # the FP8 opt-in reads fp8_e4m3 layers only; others are the plain impl's rows
+                variant = variant_of(impl)
+                if variant and not VARIANTS[variant][2](fmt):
+                    continue  # a variant that does not change this format's path: the default impl's rows
                 row = dict(shape_row, impl=impl, format=fmt)
                 try:
                     h, meta, q, k, v = fill(fmt, kernels, B, past, chunk, H, D, group, device, gen)
@@ -326,7 +353,8 @@ def summarize(doc: dict) -> None:
         if key(r) in best:
             r["x_best_library"] = r["us"] / best[key(r)]["us"]
             r["best_library"] = best[key(r)]["impl"]
-        base = r["impl"].removesuffix("-fp8")  # the FP8 opt-in has no bf16 row: its plain impl's
+        variant = variant_of(r["impl"])  # a variant without a bf16 row: its default impl's
+        base = r["impl"].removesuffix("-" + variant) if variant and (key(r), r["impl"]) not in bf16 else r["impl"]
         if (key(r), base) in bf16:
             r["x_kvq_bf16"] = r["us"] / bf16[(key(r), base)]
     print(f"\n{'shape':18s} {'impl':24s} {'format':22s} {'us':>10s} {'TFLOP/s':>8s} {'x best lib':>10s} {'x bf16':>7s}")
