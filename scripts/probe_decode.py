@@ -53,6 +53,9 @@ def main():
     ap.add_argument("--cuda-min-blocks", default="3", help="CUDA kernel: CTAs per SM the registers allow")
     ap.add_argument("--triton", default="1", help="0: skip the Triton sweep")
     ap.add_argument("--kivi-step32", default="0", help="CUDA kernel, KIVI: 0,1 = both variants (KIVI_STEP32)")
+    ap.add_argument("--cuda-defines", default="",
+                    help="CUDA kernel: also time it with these compile-time switches (e.g. ROT_REG_LUT=1; "
+                         "space-separated NAME=VALUE), beside the default build")
     ap.add_argument("--cuda-source", default="",
                     help="comma-separated decode8.cu variants to time side by side (default: the package's); "
                          "NAME=PATH labels one")
@@ -114,19 +117,22 @@ def main():
             for label, src in ([] if why else _sources(args.cuda_source, decode8)):
                 decode8._SOURCE = src
                 decode8._kernel.cache_clear()
-                for nw, ns, mb, sp, s32 in itertools.product(*(map(int, a.split(",")) for a in (
-                        args.cuda_warps, args.cuda_stages, args.cuda_min_blocks, args.splits, args.kivi_step32))):
+                defines = [()] + ([tuple(args.cuda_defines.split())] if args.cuda_defines else [])
+                for nw, ns, mb, sp, s32, dfn in itertools.product(*(list(map(int, a.split(","))) for a in (
+                        args.cuda_warps, args.cuda_stages, args.cuda_min_blocks, args.splits, args.kivi_step32)),
+                        defines):
                     kw = dict(max_seq_len=L, has_hp=args.has_hp, nwarps=nw, nstages=ns, min_blocks=mb,
-                              num_splits=sp or None, kivi_step32=bool(s32))
+                              num_splits=sp or None, kivi_step32=bool(s32), defines=dfn)
                     try:
                         oc = decode8.paged_decode(q[:2], layer, tables[:2], lens[:2], D ** -0.5, **kw)
                         cerr = ((oc.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
                         t = bench(lambda: decode8.paged_decode(q, layer, tables, lens, D ** -0.5, **kw))
                     except Exception as e:
-                        print(f"{fmt:20s} CUDA{label} w={nw} s={ns} mb={mb} s32={s32} splits={sp}: failed {e}",
+                        print(f"{fmt:20s} CUDA{label} {dfn} w={nw} s={ns} mb={mb} s32={s32} splits={sp}: failed {e}",
                               flush=True)
                         continue
-                    print(f"{fmt:20s} CUDA{label} w={nw} s={ns} mb={mb} s32={s32} splits={sp or 'auto':>4}: "
+                    print(f"{fmt:20s} CUDA{label}{'[' + ' '.join(dfn) + ']' if dfn else ''} w={nw} s={ns} mb={mb} "
+                          f"s32={s32} splits={sp or 'auto':>4}: "
                           f"{t:7.1f} us  {total / t / 1e3:6.0f} GB/s  err {cerr:.1e}", flush=True)
         del pool
         layer = None  # the timed closures refer to it

@@ -44,6 +44,34 @@ def test_decode8_compiles(tmp_path, v):
     assert "0 bytes spill stores" in r.stderr, r.stderr[-2000:]
 
 
+# 3-bit rotated codebooks with their levels from registers (ROT_REG_LUT, a variant not yet the default),
+# with the high-precision path: rot3_kc (K centred), turboquant_k3v4_nc (V in 4 bits), turboquant_3bit_nc at 256
+REG_LUT_VARIANTS = [
+    dict(HEAD_DIM=128, PAGE=32, KC=1, V_BITS=3),
+    dict(HEAD_DIM=128, PAGE=16, KC=0, V_BITS=4),
+    dict(HEAD_DIM=256, PAGE=16, KC=0, V_BITS=3),
+]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("v", REG_LUT_VARIANTS, ids=lambda v: "D{HEAD_DIM}kc{KC}v{V_BITS}".format(**v))
+def test_decode8_register_levels_compile(tmp_path, v):
+    """It compiles, and spills no more than the table's variant (which spills 12-36 bytes at head_dim 256
+    with 3-bit codes and the hp path, none below)."""
+    import re
+
+    spills = []
+    for reg in (0, 1):
+        macros = dict(GROUP=4, KIVI_BITS=3, HAS_HP=1, MODEL_BF16=1, MIN_BLOCKS=min_blocks_for(v["HEAD_DIM"]), ROT=1,
+                      ROT_REG_LUT=reg, **v)
+        cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-Xptxas", "-v",
+               *(f"-D{k}={x}" for k, x in macros.items()), "-o", str(tmp_path / "k.cubin"), str(SRC)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        spills.append(int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1)))
+    assert spills[1] <= spills[0] and (v["HEAD_DIM"] == 256 or spills[1] == 0), spills
+
+
 SEAL = Path(__file__).resolve().parent.parent / "kvq" / "attention" / "cuda" / "seal.cu"
 # (head_dim, page, bf16 model, K (fmt, bits, kind, qmax), V (fmt, bits, kind, qmax))
 SEAL_VARIANTS = [

@@ -73,6 +73,20 @@ CONFIGS = [dict(H=8, D=128, group=4, bs=16), dict(H=4, D=128, group=8, bs=32), d
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "H{H}D{D}g{group}bs{bs}".format(**c))
 @pytest.mark.parametrize("fmt", EIGHT_BIT + KIVI + PER_TOKEN + ROTATED)
 def test_cuda_decode_matches_reference(fmt, cfg):
+    _check_against_reference(fmt, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c["D"] >= 128], ids=lambda c: "H{H}D{D}g{group}bs{bs}".format(
+    **c))
+@pytest.mark.parametrize("fmt", ["turboquant_3bit_nc", "turboquant_k3v4_nc", "rot3_kc"])
+def test_cuda_decode_register_levels_match_reference(fmt, cfg):
+    """The variant that reads 3-bit codes' levels from registers (ROT_REG_LUT, not yet the default)."""
+    _check_against_reference(fmt, cfg, defines=("ROT_REG_LUT=1",))
+
+
+def _check_against_reference(fmt, cfg, defines=()):
     from kvq.attention.cuda import decode8
 
     why = decode8.unavailable_reason()
@@ -96,7 +110,8 @@ def test_cuda_decode_matches_reference(fmt, cfg):
             if cfg is CONFIGS[0] and dtype == torch.bfloat16:  # other launch shapes (each one compile)
                 shapes += [dict(nwarps=2, nstages=2), dict(nwarps=8, nstages=2, min_blocks=1)]
             for kw in shapes:
-                out = decode8.paged_decode(q, layer, tables, sl, sm, max_seq_len=max(lens), has_hp=hp_ends, **kw)
+                out = decode8.paged_decode(q, layer, tables, sl, sm, max_seq_len=max(lens), has_hp=hp_ends,
+                                           defines=defines, **kw)
                 assert out.dtype == dtype and torch.isfinite(out).all()
                 err = _err(out, ref)
                 assert err < 1e-2, (fmt, cfg, dtype, hp_ends, kw, err)

@@ -131,6 +131,11 @@
 #ifndef ROT
 #define ROT 0
 #endif
+// ROT_REG_LUT (a variant, off by default until timed): 3-bit codes' levels from registers, not the
+// shared table: the codebook is symmetric, its 4 magnitudes are two words, one byte permute picks two
+#ifndef ROT_REG_LUT
+#define ROT_REG_LUT 0
+#endif
 #ifndef KC
 #define KC 0
 #endif
@@ -355,6 +360,21 @@ __device__ __forceinline__ u32 levels2(const u16* t, u32 x, u32 y, int m, int hb
     }
     return u32(t[lo]) | (u32(t[hi]) << 16);
 }
+
+// levels2<3> from registers (ROT_REG_LUT): mag0 = magnitudes 0, 1 and mag1 = 2, 3 (f16; the levels
+// 4..7 of a symmetric codebook, level 7 - c = -level c).  A code c = low + 4 high reads magnitude
+// low when high is set, else 3 - low negated.  Once a word (reg3_prep): n, each 2-bit field's low bit
+// set where the code is in the negative half (high bit clear), and j, the fields' magnitude indices.
+__device__ __forceinline__ void reg3_prep(u32 x, u32 y, int hb, u32& j, u32& n) {
+    n = ~(y >> hb) & 0x55555555u;
+    j = x ^ n ^ (n << 1);
+}
+
+// the levels of fields m of bytes 0 and 2 of a prepared word, f16x2
+__device__ __forceinline__ u32 levels2_reg3(u32 mag0, u32 mag1, u32 j, u32 n, int m) {
+    const u32 sel = __byte_perm((j >> (2 * m)) & 0x00030003u, 0u, 0x4420) * 0x22u + 0x1010u;  // 2ja, 2ja+1, 2jb, 2jb+1
+    return __byte_perm(mag0, mag1, sel) | ((n << (15 - 2 * m)) & 0x80008000u);
+}
 #endif
 
 // Channel of row `row` (0..7; row + 8 is the next channel) of PV m-tile j.
@@ -517,6 +537,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     u16* lut = reinterpret_cast<u16*>(smem + NWARPS * NSTAGES * STAGE);
     if (threadIdx.x < NLEV + VNLEV) lut[threadIdx.x] = threadIdx.x < NLEV ? klut[threadIdx.x] : vlut[threadIdx.x - NLEV];
     __syncthreads();
+    // (ROT_REG_LUT, 3-bit codes: the upper half of each codebook, f16 pairs)
+    const u32 kmag0 = NLEV == 8 ? *reinterpret_cast<const u32*>(lut + 4) : 0u;
+    const u32 kmag1 = NLEV == 8 ? *reinterpret_cast<const u32*>(lut + 6) : 0u;
+    const u32 vmag0 = VNLEV == 8 ? *reinterpret_cast<const u32*>(lut + NLEV + 4) : 0u;
+    const u32 vmag1 = VNLEV == 8 ? *reinterpret_cast<const u32*>(lut + NLEV + 6) : 0u;
 #endif
 
     // ---- the query group as B fragments (k_channel's map): qf in f16 for the quantized
@@ -728,6 +753,17 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const int x = KB * c + 4 * w, hb = x / DHW;  // the high plane's word of these channels, its bit
             const u32 y0 = DH ? *reinterpret_cast<const u32*>(kr + gi * RSK + DP + x % DHW) : 0u;
             const u32 y1 = DH ? *reinterpret_cast<const u32*>(kr + (gi + 8) * RSK + DP + x % DHW) : 0u;
+            if constexpr (ROT_REG_LUT && KIVI_BITS == 3) {
+                u32 j0, n0, j1, n1;
+                reg3_prep(r0[w], y0, hb, j0, n0);
+                reg3_prep(r1[w], y1, hb, j1, n1);
+#pragma unroll
+                for (int m = 0; m < PER; ++m)
+                    mma_f16(s, levels2_reg3(kmag0, kmag1, j0, n0, m), levels2_reg3(kmag0, kmag1, j1, n1, m),
+                            levels2_reg3(kmag0, kmag1, j0 >> 8, n0 >> 8, m),
+                            levels2_reg3(kmag0, kmag1, j1 >> 8, n1 >> 8, m), qf[w * PER + m][0], qf[w * PER + m][1]);
+                continue;
+            }
             const u32 o0 = r0[w] >> 8, o1 = r1[w] >> 8, p0 = y0 >> 8, p1 = y1 >> 8;
 #pragma unroll
             for (int m = 0; m < PER; ++m)
@@ -780,6 +816,17 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
                 const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
                 const u32 yA = __byte_perm(h0[u], h1[u], sel), yB = __byte_perm(h8[u], h9[u], sel);
+                if constexpr (ROT_REG_LUT && V_BITS == 3) {
+                    u32 jA, nA, jB, nB;
+                    reg3_prep(tA, yA, hb, jA, nA);
+                    reg3_prep(tB, yB, hb, jB, nB);
+#pragma unroll
+                    for (int m = 0; m < VPER; ++m)
+                        mma_f16(acc[(u * VPER + m) * 2 + e], levels2_reg3(vmag0, vmag1, jA, nA, m),
+                                levels2_reg3(vmag0, vmag1, jA >> 8, nA >> 8, m), levels2_reg3(vmag0, vmag1, jB, nB, m),
+                                levels2_reg3(vmag0, vmag1, jB >> 8, nB >> 8, m), pb0, pb1);
+                    continue;
+                }
                 const u32 oA = tA >> 8, oB = tB >> 8, pA = yA >> 8, pB = yB >> 8;
 #pragma unroll
                 for (int m = 0; m < VPER; ++m)

@@ -229,14 +229,14 @@ MAX_SMEM = 227 * 1024
 @functools.lru_cache(maxsize=None)
 def _kernel(d: int, page: int, group: int, kivi: int, kk: int, vk: int, kscale: int, vscale: int, has_hp: bool,
             bf16: bool, nwarps: int, nstages: int, min_blocks: int, step32: bool = False, k_token: bool = False,
-            rot: bool = False, kc: bool = False, v_bits: int = 0, k8: bool = False):
+            rot: bool = False, kc: bool = False, v_bits: int = 0, k8: bool = False, defines: tuple = ()):
     import cupy
 
     opts = ("-std=c++17", f"-DHEAD_DIM={d}", f"-DPAGE={page}", f"-DGROUP={group}", f"-DKIVI_BITS={kivi}",
             f"-DK_KIND={kk}", f"-DV_KIND={vk}", f"-DK_SCALE={kscale}", f"-DV_SCALE={vscale}", f"-DHAS_HP={int(has_hp)}",
             f"-DMODEL_BF16={int(bf16)}", f"-DNWARPS={nwarps}", f"-DNSTAGES={nstages}", f"-DMIN_BLOCKS={min_blocks}",
             f"-DKIVI_STEP32={int(step32)}", f"-DK_TOKEN={int(k_token)}", f"-DROT={int(rot)}", f"-DKC={int(kc)}",
-            f"-DV_BITS={v_bits or kivi}", f"-DK8={int(k8)}")
+            f"-DV_BITS={v_bits or kivi}", f"-DK8={int(k8)}", *(f"-D{d}" for d in defines))
     # (rotated: K's and V's levels after the rings, f16)
     smem = (nwarps * nstages * stage_bytes(d, has_hp, kivi, step32, k_token, v_bits or None, k8)
             + (2 * ((1 << kivi) + (1 << (v_bits or kivi))) if rot else 0))
@@ -312,7 +312,8 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
                  sm_scale: float, max_seq_len: int | None = None, has_hp: bool | None = None,
                  num_splits: int | None = None, nwarps: int = NWARPS, nstages: int | None = None,
                  min_blocks: int | None = None, kivi_step32: bool | None = None,
-                 partials: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor | None:
+                 partials: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                 defines: tuple[str, ...] = ()) -> torch.Tensor | None:
     """Same contract as :func:`kvq.attention.reference.paged_decode`.
 
     ``max_seq_len`` (host int, an upper bound of ``seq_lens``) sizes the split grid
@@ -323,7 +324,10 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     ``partials`` = (po [B, Hq, S, D] float32, plse [B, Hq, S] float32, base): write this launch's
     ``num_splits`` partial results (channels in natural order, log2-domain log-sum-exps) at splits
     ``base, ...`` of the S a row, for the caller to merge with other launches' (a tiered cache: one
-    launch a tier, kvq.attention.cuda.kernels); returns None."""
+    launch a tier, kvq.attention.cuda.kernels); returns None.
+
+    ``defines``: ``NAME=VALUE`` compile-time switches of a kernel variant not yet the default
+    (``ROT_REG_LUT=1``: 3-bit rotated codes' levels from registers), for probes and tests."""
     import cupy
     import numpy as np
 
@@ -355,7 +359,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     step32 = bool(kivi and not k_token and not rot and (KIVI_STEP32 if kivi_step32 is None else kivi_step32))
     kern, smem = _kernel(D, layer.block_size, group, kivi, _KIND.get(fk.storage, 0), _KIND.get(fv.storage, 0),
                          scale_mode(fk), scale_mode(fv), bool(has_hp), q.dtype == torch.bfloat16, nwarps, nstages,
-                         min_blocks, step32, k_token, rot, centred(fk), rot_bits(fv), k8)
+                         min_blocks, step32, k_token, rot, centred(fk), rot_bits(fv), k8, tuple(defines))
     ks = layer.k_scale if scale_mode(fk) == 0 and (not kivi or k8) else layer.k["scale"]  # (rotated: the norms)
     vs = layer.v_scale if scale_mode(fv) == 0 and not kivi else layer.v["scale"]
     kz = layer.k["zero"] if (kivi and not rot) or centred(fk) else ks  # (centred K: the means)
