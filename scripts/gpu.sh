@@ -12,6 +12,8 @@
 #   bash scripts/gpu.sh bench-kv-transfer  # bf16 sender -> receiver format: cast ms, NIXL GB/s vs a device copy
 #   bash scripts/gpu.sh disagg-check       # prefill + decode servers vs colocated: greedy texts equal per format
 #   bash scripts/gpu.sh probe           # quick decode timing probe
+#   bash scripts/gpu.sh ncu-decode FMT,... [PROBE ARGS]  # Nsight Compute of the CUDA decode at 4x131072, one
+#                                       # launch a format (stall reasons, pipes, occupancy): $OUT/ncu_FMT.txt
 #   bash scripts/gpu.sh probe-prefill   # quick prefill timing probe (--window --lib: the library split's band tiles)
 #   bash scripts/gpu.sh test-tp         # tensor-parallel equality tests on 2 GPUs (kind nvidia-h200-x2)
 #   bash scripts/gpu.sh env-check       # `kvq env` with CuPy (CUDA decode) and with it blocked (Triton + one WARNING)
@@ -64,6 +66,16 @@ case "$target" in
   bench-kv-transfer) python3 benchmarks/bench_kv_transfer.py "$@" ;;
   disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
+  ncu-decode) fmts="${1:?formats, comma-separated}"; shift || true
+              for f in ${fmts//,/ }; do
+                # --clock-control none: the device notes (METHOD.md) ask to leave the clocks alone
+                ncu --clock-control none --kernel-name kvq_decode8 --launch-skip 5 --launch-count 1 --print-details all \
+                  --section SpeedOfLight --section WarpStateStats --section InstructionStats --section SchedulerStats \
+                  --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+                  --section LaunchStats python3 scripts/probe_decode.py --B 4 --L 131072 --formats "$f" --triton 0 \
+                  --cuda "$@" > "${OUT:-.}/ncu_$f.txt" 2>&1 || echo "ncu failed for $f (see ncu_$f.txt)" >&2
+                echo "== $f"; grep -E "Duration|Memory Throughput|Compute \(SM\)|Issue Slots Busy|Executed Ipc Active|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|No Eligible|Stall" "${OUT:-.}/ncu_$f.txt" | head -40
+              done ;;
   probe-prefill) python3 scripts/flashinfer_cache.py build || echo "flashinfer prebuild failed" >&2
                  python3 scripts/probe_prefill.py "$@" ;;
   fi-build) python3 scripts/flashinfer_cache.py build --fa2 "$@"
@@ -73,5 +85,5 @@ case "$target" in
             mkdir -p "${OUT:-.}/fi"; tar czf - -C /tmp/fi-export . | split -b 15M - "${OUT:-.}/fi/ficache.tgz." ;;
   env-check) python3 scripts/cuda_extra_check.py "$@" ;;
   demo) t0=$(date +%s); python3 -m kvq.cli eval --model default "$@"; echo "kvq eval wall $(( $(date +%s) - t0 )) s" ;;
-  *) echo "unknown target $target (test, pytest, fi-build, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe, probe-prefill)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, pytest, fi-build, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe, probe-prefill, ncu-decode)" >&2; exit 2 ;;
 esac
