@@ -56,6 +56,8 @@ def main():
     ap.add_argument("--cuda-defines", default="",
                     help="CUDA kernel: also time it with these compile-time switches (e.g. ROT_REG_LUT=1; "
                          "space-separated NAME=VALUE), beside the default build")
+    ap.add_argument("--cuda-defines-only", action="store_true",
+                    help="with --cuda-defines: that build alone (e.g. under ncu, which profiles the first launches)")
     ap.add_argument("--cuda-source", default="",
                     help="comma-separated decode8.cu variants to time side by side (default: the package's); "
                          "NAME=PATH labels one")
@@ -117,7 +119,8 @@ def main():
             for label, src in ([] if why else _sources(args.cuda_source, decode8)):
                 decode8._SOURCE = src
                 decode8._kernel.cache_clear()
-                defines = [()] + ([tuple(args.cuda_defines.split())] if args.cuda_defines else [])
+                defines = ([] if args.cuda_defines_only and args.cuda_defines else [()]) + (
+                    [tuple(args.cuda_defines.split())] if args.cuda_defines else [])
                 for nw, ns, mb, sp, s32, dfn in itertools.product(*(list(map(int, a.split(","))) for a in (
                         args.cuda_warps, args.cuda_stages, args.cuda_min_blocks, args.splits, args.kivi_step32)),
                         defines):
