@@ -43,11 +43,10 @@ from kvq.attention.triton.prefill import scratch_groups, window_scratch
 #: neither the queries nor the output are cast.  Measured on an H100 (session 30, bench_prefill;
 #: docs/results/bench_prefill_s30_h100.json): fp8_e4m3 at 4 x 4096 1239 -> 868 us (bf16 860),
 #: int8_per_token_head 1300 -> 897, int4_kivi 2734 -> 2245; never slower (``--f16-scratch`` times
-#: the f16 side).  Its cost is
-#: bf16's 8 significant bits on each dequantized value and on the library's partial outputs (the
-#: bf16 model's own K/V and attention have no more): on the CPU's window tests the error against the
-#: definition goes from at most 0.0036 to 0.0084, so those tests run the f16 scratch
-#: (tests/test_split_prefill.split_kernels) and this one has its own bound.
+#: the f16 side).  Its cost is bf16's 8 significant bits on each dequantized value and on the
+#: library's partial outputs (the bf16 model's own K/V and attention have no more): on the CPU's
+#: window tests the error against the definition goes from at most 0.0036 to 0.0084, so those tests
+#: run the f16 scratch (tests/test_split_prefill.split_kernels) and this one has its own bound.
 MODEL_DTYPE_SCRATCH = True
 
 
@@ -185,7 +184,7 @@ class SplitPrefill:
         return out
 
     def _windowed(self, q, out, layer, cu_t, tables, lens_t, sm_scale, max_q_len, window, k_new, v_new, host):
-        H, P, D, Hq = layer.num_kv_heads, layer.block_size, layer.head_dim, q.shape[1]
+        H, P = layer.num_kv_heads, layer.block_size
         pol = window.policy
         split = pol.residual_tokens + P
         sink = window.sink_tokens
@@ -198,46 +197,40 @@ class SplitPrefill:
             tail = [n - sink for n in lens]  # keys [sink, p] of the last query, of which the last R
             qg = q[g.r0:g.r1].to(dtype)  # (a view where the dtypes agree)
             o_bulk = o_tail = None
-            if max(bulk) > 0:
-                if fresh:  # keys [sink, n - split) of each prompt as read quantized, in rows
-                    k, v = self._gathered(host, ("bulk-rows", gi), g, g.tab_q, sink, bulk, P)
-                    handle = self._plan(host, ("window-ragged", gi), lambda: self.lib.prepare_ragged(
-                        qo, Hq, H, D, g.k.dtype, sm_scale, q.device, kv_lens=[max(n, 1) for n in bulk]))
-                    o_bulk = self.lib.run_ragged(handle, qg, k, v)
-                else:
-                    handle = self._plan(host, ("window", gi), lambda: self.lib.prepare(
-                        paged_lib.make_plan(qo, bulk, [pol.sink_blocks] * len(lens), g.tab_q, P), Hq, H, D,
-                        g.k.dtype, sm_scale))
-                    o_bulk = self.lib.run(handle, qg, g.k, g.v)
-            if pol.residual_tokens and max(tail) > 0:
-                if fresh:  # keys [sink, n) exact, in rows; the last R of each query's
-                    k, v = self._gathered(host, ("tail-rows", gi), g, g.tab_exact, sink, tail, P)
-                    handle = self._plan(host, ("tail-ragged", gi), lambda: self.lib.prepare_ragged(
-                        qo, Hq, H, D, g.k.dtype, sm_scale, q.device, kv_lens=[max(n, 1) for n in tail],
-                        window_left=pol.residual_tokens - 1))
-                    o_tail = self.lib.run_ragged(handle, qg, k, v)
-                else:
-                    handle = self._plan(host, ("tail", gi), lambda: self.lib.prepare(
-                        paged_lib.make_plan(qo, tail, [pol.sink_blocks] * len(lens), g.tab_exact, P,
-                                            window_left=pol.residual_tokens - 1), Hq, H, D, g.k.dtype, sm_scale))
-                    o_tail = self.lib.run(handle, qg, g.k, g.v)
+            if max(bulk) > 0:  # keys [sink, n - split) of each sequence, read quantized
+                o_bulk = self._over_scratch(host, ("window", gi), g, qg, qo, sm_scale, g.tab_q, sink, pol.sink_blocks,
+                                            bulk, fresh)
+            if pol.residual_tokens and max(tail) > 0:  # keys [sink, n) exact, each query's last R of them
+                o_tail = self._over_scratch(host, ("tail", gi), g, qg, qo, sm_scale, g.tab_exact, sink, pol.sink_blocks,
+                                            tail, fresh, window_left=pol.residual_tokens - 1)
             band_attention(q[g.r0:g.r1], out[g.r0:g.r1], g, P, H, sm_scale, max_q_len, sink, pol.residual_tokens,
                            o_bulk, o_tail, pack_gqa=self.band_gqa)
 
-    def _gathered(self, host, key, g, tab, start, counts, page):
-        """Keys ``[start, start + counts[r])`` of each request ``r`` of group ``g``, read from its page
-        scratch through ``tab`` (``tab_q`` or ``tab_exact``), as contiguous rows ``([N, H, D], [N, H, D])``.
-        A request with no such key gets key 0 instead (one row that no caller reads: the band merges a
-        call's rows only for sequences that sent it keys)."""
-        def rows():
-            n = [max(c, 1) for c in counts]
+    def _over_scratch(self, host, key, g, qg, qo, sm_scale, tab, start, first_block, counts, ragged,
+                      window_left=-1):
+        """One library call of group ``g``'s queries ``qg`` over keys ``[start, start + counts[r])`` of each
+        request ``r`` (``start``: block ``first_block``'s first key), read from the page scratch through
+        ``tab`` (``tab_q`` or ``tab_exact``): the paged call over the scratch, or (``ragged``) the keys
+        gathered into contiguous rows and the ragged call.  -> (out, lse).  A request with no such key
+        reads one dummy key, whose rows no caller reads (the band merges a call's rows only for
+        sequences that sent it keys)."""
+        Hq, D = qg.shape[1], qg.shape[2]
+        H, P = g.k.shape[1], g.k.shape[2]
+        if not ragged:
+            handle = self._plan(host, key, lambda: self.lib.prepare(
+                paged_lib.make_plan(qo, counts, [first_block] * len(qo), tab, P, window_left=window_left), Hq, H, D,
+                g.k.dtype, sm_scale))
+            return self.lib.run(handle, qg, g.k, g.v)
+        n = [max(c, 1) for c in counts]
+
+        def plan():
             first = [start if c > 0 else 0 for c in counts]
             dev = g.k.device
             req = torch.repeat_interleave(torch.arange(len(n), device=dev), torch.tensor(n, device=dev),
                                           output_size=sum(n))
             base = torch.tensor([f - o for f, o in zip(first, paged_lib.indptr(n))], device=dev)
-            return req, torch.arange(sum(n), device=dev) + base[req]
-        req, pos = self._plan(host, key, rows)
-        pages = tab[req, pos // page].long()
-        off = pos % page
-        return g.k[pages, :, off], g.v[pages, :, off]
+            return req, torch.arange(sum(n), device=dev) + base[req], self.lib.prepare_ragged(
+                qo, Hq, H, D, g.k.dtype, sm_scale, qg.device, kv_lens=n, window_left=window_left)
+        req, pos, handle = self._plan(host, key + ("ragged",), plan)
+        pages, off = tab[req, pos // P].long(), pos % P
+        return self.lib.run_ragged(handle, qg, g.k[pages, :, off], g.v[pages, :, off])

@@ -538,10 +538,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     if (threadIdx.x < NLEV + VNLEV) lut[threadIdx.x] = threadIdx.x < NLEV ? klut[threadIdx.x] : vlut[threadIdx.x - NLEV];
     __syncthreads();
     // (ROT_REG_LUT, 3-bit codes: the upper half of each codebook, f16 pairs)
-    const u32 kmag0 = NLEV == 8 ? *reinterpret_cast<const u32*>(lut + 4) : 0u;
-    const u32 kmag1 = NLEV == 8 ? *reinterpret_cast<const u32*>(lut + 6) : 0u;
-    const u32 vmag0 = VNLEV == 8 ? *reinterpret_cast<const u32*>(lut + NLEV + 4) : 0u;
-    const u32 vmag1 = VNLEV == 8 ? *reinterpret_cast<const u32*>(lut + NLEV + 6) : 0u;
+    const u32 kmag0 = ROT_REG_LUT && NLEV == 8 ? *reinterpret_cast<const u32*>(lut + 4) : 0u;
+    const u32 kmag1 = ROT_REG_LUT && NLEV == 8 ? *reinterpret_cast<const u32*>(lut + 6) : 0u;
+    const u32 vmag0 = ROT_REG_LUT && VNLEV == 8 ? *reinterpret_cast<const u32*>(lut + NLEV + 4) : 0u;
+    const u32 vmag1 = ROT_REG_LUT && VNLEV == 8 ? *reinterpret_cast<const u32*>(lut + NLEV + 6) : 0u;
 #endif
 
     // ---- the query group as B fragments (k_channel's map): qf in f16 for the quantized
