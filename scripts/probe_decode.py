@@ -54,7 +54,7 @@ def main():
     ap.add_argument("--triton", default="1", help="0: skip the Triton sweep")
     ap.add_argument("--kivi-step32", default="0", help="CUDA kernel, KIVI: 0,1 = both variants (KIVI_STEP32)")
     ap.add_argument("--cuda-defines", default="",
-                    help="CUDA kernel: also time it with these compile-time switches (e.g. ROT_REG_LUT=1; "
+                    help="CUDA kernel: also time it with these compile-time switches (e.g. ROT_REG_LUT=0; "
                          "space-separated NAME=VALUE), beside the default build")
     ap.add_argument("--cuda-defines-only", action="store_true",
                     help="with --cuda-defines: that build alone (e.g. under ncu, which profiles the first launches)")
@@ -73,7 +73,7 @@ def main():
     print(f"sdpa dense bf16 {B}x{L}: {t:.1f} us  {dense_bytes / t / 1e3:.0f} GB/s", flush=True)
     k = v = None  # free
     for fmt in args.formats.split(","):
-        bs = 32 if "kivi" in fmt else 16
+        bs = 32 if "kivi" in fmt or fmt.endswith("_kc") else 16  # K grouped over 32 tokens needs whole groups
         plan = make_plan(bare_model(1, H, D, num_attention_heads=Hq), fmt, block_size=bs, sink_tokens=0,
                          residual_tokens=0)
         nblk = B * L // bs

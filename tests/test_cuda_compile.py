@@ -44,7 +44,7 @@ def test_decode8_compiles(tmp_path, v):
     assert "0 bytes spill stores" in r.stderr, r.stderr[-2000:]
 
 
-# 3-bit rotated codebooks with their levels from registers (ROT_REG_LUT, a variant not yet the default),
+# 3-bit rotated codebooks with their levels from registers (ROT_REG_LUT, the default) and from the shared table,
 # with the high-precision path: rot3_kc (K centred), turboquant_k3v4_nc (V in 4 bits), turboquant_3bit_nc at 256
 REG_LUT_VARIANTS = [
     dict(HEAD_DIM=128, PAGE=32, KC=1, V_BITS=3),

@@ -81,9 +81,10 @@ def test_cuda_decode_matches_reference(fmt, cfg):
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if c["D"] >= 128], ids=lambda c: "H{H}D{D}g{group}bs{bs}".format(
     **c))
 @pytest.mark.parametrize("fmt", ["turboquant_3bit_nc", "turboquant_k3v4_nc", "rot3_kc"])
-def test_cuda_decode_register_levels_match_reference(fmt, cfg):
-    """The variant that reads 3-bit codes' levels from registers (ROT_REG_LUT, not yet the default)."""
-    _check_against_reference(fmt, cfg, defines=("ROT_REG_LUT=1",))
+def test_cuda_decode_table_levels_match_reference(fmt, cfg):
+    """3-bit codes' levels from the shared table (ROT_REG_LUT=0; the default build reads them from
+    registers, which test_cuda_decode_matches_reference checks): the A/B probes' other side."""
+    _check_against_reference(fmt, cfg, defines=("ROT_REG_LUT=0",))
 
 
 def _check_against_reference(fmt, cfg, defines=()):

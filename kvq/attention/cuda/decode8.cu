@@ -131,10 +131,10 @@
 #ifndef ROT
 #define ROT 0
 #endif
-// ROT_REG_LUT (a variant, off by default until timed): 3-bit codes' levels from registers, not the
+// ROT_REG_LUT (the default; 0: the shared table, for A/B probes): 3-bit codes' levels from registers, not the
 // shared table: the codebook is symmetric, its 4 magnitudes are two words, one byte permute picks two
 #ifndef ROT_REG_LUT
-#define ROT_REG_LUT 0
+#define ROT_REG_LUT 1
 #endif
 #ifndef KC
 #define KC 0

@@ -326,8 +326,8 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     ``base, ...`` of the S a row, for the caller to merge with other launches' (a tiered cache: one
     launch a tier, kvq.attention.cuda.kernels); returns None.
 
-    ``defines``: ``NAME=VALUE`` compile-time switches of a kernel variant not yet the default
-    (``ROT_REG_LUT=1``: 3-bit rotated codes' levels from registers), for probes and tests."""
+    ``defines``: ``NAME=VALUE`` compile-time switches of a kernel variant other than the default
+    (``ROT_REG_LUT=0``: 3-bit rotated codes' levels from the shared table), for probes and tests."""
     import cupy
     import numpy as np
 
