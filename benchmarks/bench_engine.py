@@ -152,7 +152,9 @@ def other_step_stats(times: list[float]) -> dict:
     if not times:
         return {"other_steps": 0, "other_step_total_s": 0.0}
     return {"other_steps": len(times), "other_step_total_s": sum(times), "other_step_mean_s": sum(times) / len(times),
-            "other_step_max_s": max(times)}
+            "other_step_max_s": max(times),
+            # in order, for a few (a long prompt's chunks: where its time to first token goes)
+            **({"other_step_s": [round(t, 4) for t in times]} if len(times) <= 64 else {})}
 
 
 def run_prompts(engine, prompts: list[list[int]], out: int) -> tuple[dict, list]:

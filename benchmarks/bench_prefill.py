@@ -192,6 +192,23 @@ def kernel_breakdown(fn, device, calls: int = 3, top: int = 8) -> dict[str, floa
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
 
 
+def host_breakdown(fn, calls: int = 5, top: int = 12) -> dict[str, float]:
+    """Microseconds of host time a call in each of the ``top`` costliest Python functions of ``fn`` (their own
+    time, cProfile; on a GPU the kernels run asynchronously, so this is what enqueueing them costs)."""
+    import cProfile
+    import pstats
+
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    times = {f"{Path(f).name}:{line}({name})": tt * 1e6 / calls for (f, line, name), (_, _, tt, _, _) in stats.items()}
+    return {k: round(v, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def anchors(h, meta, q, B, past, chunk, device, timer, iters, res, shape_row, sm):
     """FlashInfer fa2/fa3 over the bf16 pool kvq filled, and SDPA cuDNN over dense K/V (no past)."""
     layer = h.layer
@@ -275,7 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-triton", action="store_true", help="without the Triton prefill's rows (the fallback)")
     ap.add_argument("--smoke", action="store_true", help="tiny heads and shapes, the torch library (any device)")
     ap.add_argument("--profile", action="store_true", help="add each kvq row's costliest kernels (us a call, "
-                    "torch.profiler) as 'kernels_us'")
+                    "torch.profiler) as 'kernels_us' and its costliest host functions (own time, cProfile) as "
+                    "'host_top_us'")
     ap.add_argument("--out", default=None, help="JSON (default docs/results/bench_prefill_h200.json; "
                     "docs/results/bench_prefill_smoke.json with --smoke)")
     args = ap.parse_args(argv)
@@ -315,6 +333,7 @@ def main(argv=None) -> int:
                     t = timer(lambda: attend(kernels, q, h.layer, meta, sm, k, v), iters, 1 if args.smoke else 3)
                     if args.profile:
                         t["kernels_us"] = kernel_breakdown(lambda: attend(kernels, q, h.layer, meta, sm, k, v), device)
+                        t["host_top_us"] = host_breakdown(lambda: attend(kernels, q, h.layer, meta, sm, k, v))
                     res.add("rows", dict(row, **t, tflops=fl / t["us"] / 1e6))
                     log(f"{impl:24s} {fmt:22s} {B}x{past}+{chunk}: {t['us']:10.1f} us {fl / t['us'] / 1e6:7.1f} "
                         "TFLOP/s")

@@ -244,7 +244,7 @@ def test_logits_do_not_depend_on_the_prefill_chunk(spec, capsys):
 
 def test_ragged_windowed_calls_equal_the_paged_calls(monkeypatch):
     """Fresh prompts under the window rule with split_prefill.RAGGED_WINDOWED: the bulk and the exact
-    tail go through the library's ragged call over keys gathered into rows (two calls a layer), and
+    tail go through the library's ragged call over keys copied into rows (two calls a layer), and
     the output is the paged calls' bit for bit (the torch library); a chunk with a past goes through
     the pages."""
     from kvq.attention import paged_lib
@@ -256,7 +256,8 @@ def test_ragged_windowed_calls_equal_the_paged_calls(monkeypatch):
     gen = torch.Generator().manual_seed(9)
     h = make_harness("int4_kivi", paged, sink=4, residual=32, num_q=96, num_hp=64, device=DEV)
     layer, bs = h.layer, h.plan.block_size
-    for chunk, fresh in (({"a": 200, "b": 130}, True), ({"a": 70}, False)):
+    # ("c": no key old enough for the bulk: the ragged call's dummy key)
+    for chunk, fresh in (({"a": 200, "b": 130}, True), ({"a": 70}, False), ({"c": 40, "d": 150}, True)):
         sids = list(chunk)
         ops = []
         for sid in sids:

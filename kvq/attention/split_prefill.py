@@ -36,7 +36,7 @@ from kvq.attention import paged_lib
 from kvq.attention.triton import dequant
 from kvq.attention.triton.band import band_attention
 from kvq.attention.triton.decode import layer_args
-from kvq.attention.triton.prefill import scratch_groups, window_scratch
+from kvq.attention.triton.prefill import _dense_args, scratch_groups, window_scratch
 
 
 #: Dequantize quantized pages into the queries' dtype (bf16 for a bf16 model) instead of f16, so that
@@ -224,13 +224,22 @@ class SplitPrefill:
         n = [max(c, 1) for c in counts]
 
         def plan():
-            first = [start if c > 0 else 0 for c in counts]
             dev = g.k.device
-            req = torch.repeat_interleave(torch.arange(len(n), device=dev), torch.tensor(n, device=dev),
-                                          output_size=sum(n))
-            base = torch.tensor([f - o for f, o in zip(first, paged_lib.indptr(n))], device=dev)
-            return req, torch.arange(sum(n), device=dev) + base[req], self.lib.prepare_ragged(
-                qo, Hq, H, D, g.k.dtype, sm_scale, qg.device, kv_lens=n, window_left=window_left)
-        req, pos, handle = self._plan(host, key + ("ragged",), plan)
-        pages, off = tab[req, pos // P].long(), pos % P
-        return self.lib.run_ragged(handle, qg, g.k[pages, :, off], g.v[pages, :, off])
+            first = paged_lib.indptr(n)
+            dummy = [first[r] for r, c in enumerate(counts) if c <= 0]
+            return (torch.tensor(first[:-1], dtype=torch.int32, device=dev),
+                    torch.tensor([max(c, 0) for c in counts], dtype=torch.int32, device=dev),
+                    torch.tensor(dummy, dtype=torch.int64, device=dev) if dummy else None,
+                    self.lib.prepare_ragged(qo, Hq, H, D, g.k.dtype, sm_scale, qg.device, kv_lens=n,
+                                            window_left=window_left))
+        starts, lens, dummy, handle = self._plan(host, key + ("ragged",), plan)
+        # each request's keys copied from the scratch's pages into its rows in one launch (the dequant kernel
+        # reading the scratch as a dense pool); torch's gather through (page, offset) indices ran at a tenth
+        # of the copy bandwidth (3.8 ms of a 223 ms 128K-token prompt, H100)
+        args, meta = _dense_args(g.k, g.v)
+        k, v = dequant.dequantize_rows(args, meta, tab[:, first_block:], lens, starts, sum(n),
+                                       tab.shape[1] - first_block, H, P, D, dtype=g.k.dtype)
+        if dummy is not None:  # the dummy keys finite, so the call's arithmetic stays clean
+            k[dummy] = 0
+            v[dummy] = 0
+        return self.lib.run_ragged(handle, qg, k, v)

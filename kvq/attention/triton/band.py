@@ -71,7 +71,7 @@ def _band_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     K_FMT: tl.constexpr, K_PER: tl.constexpr, V_FMT: tl.constexpr, V_PER: tl.constexpr,
     K_G: tl.constexpr, V_G: tl.constexpr, DOT: tl.constexpr, HAS_BULK: tl.constexpr, HAS_TAIL: tl.constexpr,
-    PACK: tl.constexpr,
+    PACK: tl.constexpr, SINK_N: tl.constexpr,
 ):
     # PACK: a program takes the GROUP query heads of one KV head, its rows (position, head) pairs, so
     # it loads each key tile once for the group and its band is POS + P keys wide instead of BLOCK_M + P
@@ -101,26 +101,36 @@ def _band_kernel(
     tableq = tableq_ptr + b.to(tl.int64) * s_tb
     win = tl.maximum(qpos - RESID, 0) // PAGE * PAGE  # kvq.cache.window.exact_from
     qlo = tl.maximum(SINK_T, qpos - SPLIT + 1)  # each query's first band key past the sinks
-    # the sinks, exact (a key past a query is masked by causality)
+    # the sinks, exact (a key past a query is masked by causality), in tiles of SINK_N keys (a few sinks
+    # in a tile of BLOCK_N cost a whole tile's products)
     sink_end = tl.minimum(SINK_T, kv_end)
-    for t0 in range(0, sink_end, BLOCK_N):
+    for t0 in range(0, sink_end, SINK_N):
         m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, sink_end, qpos, win, h, table, tableq, SINK_T, qk_scale,
                                       qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
                                       s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
                                       s_hb, s_hh, s_ht, D,
-                                      PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 0)
+                                      PAGE, SINK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 0)
     # the band: keys [max(S, p - SPLIT + 1), p - R] of query p (with the library's exact tail, which reads
-    # the last R; without it up to p): tiles its queries may read both ways (exact pairs, then the others:
-    # two passes), then tiles past the last query's window start, which every query reads exact
+    # the last R; without it up to p), in three runs of tiles: before the first query's window start,
+    # which every query reads quantized (one pass); those its queries may read both ways (exact pairs,
+    # then the others: two passes); past the last query's window start, which every query reads exact
     RHI = RESID if HAS_TAIL else 0
     qhi = qpos - RHI
     hi = tl.maximum(kv_end - RHI, 0)
     q_first = n - q_len + mt * POS
     q_last = kv_end - 1
     lo = tl.minimum(tl.maximum(SINK_T, q_first - SPLIT + 1) // BLOCK_N * BLOCK_N, hi)
+    win_lo = tl.maximum(q_first - RESID, 0) // PAGE * PAGE
     win_hi = tl.maximum(q_last - RESID, 0) // PAGE * PAGE
-    mid = tl.minimum(tl.maximum(lo, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), hi)
-    for t0 in range(lo, mid, BLOCK_N):
+    low = tl.minimum(tl.maximum(lo, win_lo // BLOCK_N * BLOCK_N), hi)
+    mid = tl.minimum(tl.maximum(low, tl.cdiv(win_hi, BLOCK_N) * BLOCK_N), hi)
+    for t0 in range(lo, low, BLOCK_N):
+        m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, hi, qhi, win, h, table, tableq, SINK_T, qk_scale,
+                                      qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
+                                      s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
+                                      s_hb, s_hh, s_ht, D,
+                                      PAGE, BLOCK_N, K_FMT, K_PER, V_FMT, V_PER, K_G, V_G, False, DOT, 1, True)
+    for t0 in range(low, mid, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, m_i, l_i, acc, t0, hi, qhi, win, h, table, tableq, SINK_T, qk_scale,
                                       qlo, kd, ks, kz, khp, kst, vd, vs, vz, vhp, vst, s_kdb, s_kdh, s_kdt, s_ksb,
                                       s_ksh, s_kst, s_kzb, s_vdb, s_vdh, s_vdt, s_vsb, s_vsh, s_vst, s_vzb,
@@ -179,5 +189,6 @@ def band_attention(q: torch.Tensor, out: torch.Tensor, scratch, page: int, num_k
         GROUP=group, D=D, PAGE=page, BLOCK_M=tile["block_m"], BLOCK_N=tile["block_n"],
         K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"], V_PER=meta["v_per"],
         K_G=meta["k_g"], V_G=meta["v_g"], DOT=dot, HAS_BULK=bulk is not None, HAS_TAIL=tail is not None, PACK=pack,
+        SINK_N=min(tile["block_n"], max(16, triton.next_power_of_2(max(sink_tokens, 1)))),
         num_warps=tile["num_warps"], num_stages=tile["num_stages"],
     )
