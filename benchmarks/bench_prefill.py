@@ -23,8 +23,8 @@ per call), and for kvq rows ``x_best_library`` (us over the fastest anchor's at 
     python benchmarks/bench_prefill.py                       # the issue's shapes and formats (H200)
     python benchmarks/bench_prefill.py --smoke               # tiny shapes, torch library (any device)
     python benchmarks/bench_prefill.py --f16-scratch         # also kvq rows with the scratch in f16 (q, output cast)
-    python benchmarks/bench_prefill.py --ragged-windowed     # also kvq rows: windowed fresh prompts, ragged calls
-    python benchmarks/bench_prefill.py --band-gqa            # also kvq rows: the band's query heads packed
+    python benchmarks/bench_prefill.py --paged-windowed      # also kvq rows: windowed fresh prompts, paged calls
+    python benchmarks/bench_prefill.py --band-unpacked       # also kvq rows: the band's query heads one a program
     python benchmarks/bench_prefill.py --paged-fresh         # also kvq rows with fresh prompts through the pool
     python benchmarks/bench_prefill.py --fp8                 # also fp8_e4m3 rows through FA3's FP8 tensor cores
     (each variant's rows only for the formats whose path it changes; --no-triton leaves the fallback out)
@@ -97,10 +97,12 @@ VARIANTS = {
     "paged-fresh": (dict(ragged_fresh=False), "16-bit layers' fresh prompts through the library's paged call over "
                     "the pool instead of its ragged call over the new K/V (split_prefill.RAGGED_FRESH)",
                     lambda fmt: not _quantized(fmt)),
-    "ragged-windowed": (dict(ragged_windowed=True), "windowed fresh prompts' bulk and exact tail through the "
-                        "library's ragged call (split_prefill.RAGGED_WINDOWED)", _windowed),
-    "band-gqa": (dict(band_gqa=True), "the windowed band kernel with each KV head's query heads packed into its "
-                 "rows (kvq.attention.triton.band.PACK_GQA)", _windowed),
+    "paged-windowed": (dict(ragged_windowed=False), "windowed fresh prompts' bulk and exact tail through the "
+                       "library's paged call over the page scratch instead of its ragged call over the keys copied "
+                       "into rows (split_prefill.RAGGED_WINDOWED)", _windowed),
+    "band-unpacked": (dict(band_gqa=False), "the windowed band kernel with a program per query head instead of "
+                      "each KV head's query heads packed into its rows (kvq.attention.triton.band.PACK_GQA)",
+                      _windowed),
     "fp8": (dict(fp8=True), "fp8_e4m3 read as stored through FA3's FP8 tensor cores (--prefill-backend "
             "flashinfer-fp8)", lambda fmt: fmt == "fp8_e4m3"),
 }
@@ -188,7 +190,8 @@ def kernel_breakdown(fn, device, calls: int = 3, top: int = 8) -> dict[str, floa
     for e in prof.key_averages():
         t = e.self_device_time_total if cuda else e.self_cpu_time_total
         if t > 0:
-            times[e.key[:120]] = round(t / calls, 1)
+            key = e.key[:120]  # (kernels whose names differ only past that, e.g. two library calls, add up)
+            times[key] = round(times.get(key, 0.0) + t / calls, 1)
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
 
 

@@ -47,22 +47,23 @@ def test_rule_is_the_block_managers(bs, sink, res, direct, p, j):
 def _kernels(name):
     if name == "torch":
         return reference
-    if name.startswith("split"):  # library prefill (tests/test_split_prefill.py): "split[-flashinfer][-ragged|-gqa]"
+    if name.startswith("split"):  # library prefill (tests/test_split_prefill.py): split[-flashinfer][-ragged|-unpacked]
         from tests.test_split_prefill import split_kernels
 
         parts = name.split("-")[1:]
         lib = "flashinfer" if "flashinfer" in parts else "torch"
-        return split_kernels(lib, ragged_windowed="ragged" in parts, band_gqa=True if "gqa" in parts else None)
+        return split_kernels(lib, ragged_windowed="ragged" in parts, band_gqa=False if "unpacked" in parts else None)
     from kvq.attention.triton import kernels
 
     return kernels
 
 
 #: backends of the window tests: the reference, the Triton kernel, the library prefill (its torch definition,
-#: and FlashInfer on a GPU that has it), each also with fresh prompts' bulk and tail through the ragged call
-#: (split_prefill.RAGGED_WINDOWED) and with the band's query heads packed per KV head (band.PACK_GQA)
-WINDOW_BACKENDS = ["torch", "triton", "split", "split-ragged", "split-gqa"] + (
-    ["split-flashinfer", "split-flashinfer-ragged", "split-flashinfer-gqa"] if GPU and not _fi_reason() else [])
+#: and FlashInfer on a GPU that has it; fresh prompts' bulk and tail through the paged calls), each also with
+#: them through the ragged calls (split_prefill.RAGGED_WINDOWED, the default) and with the band's query heads
+#: one a program (band.PACK_GQA off; the default packs them per KV head)
+WINDOW_BACKENDS = ["torch", "triton", "split", "split-ragged", "split-unpacked"] + (
+    ["split-flashinfer", "split-flashinfer-ragged", "split-flashinfer-unpacked"] if GPU and not _fi_reason() else [])
 
 
 def _fake(fmt_role, layer, role, x, table=None):

@@ -45,7 +45,8 @@ LIBS = ["torch", pytest.param("flashinfer", marks=pytest.mark.skipif(
 
 
 def split_kernels(lib_name, model_dtype_scratch=False, ragged_windowed=False, band_gqa=None):
-    """The library prefill as the kernels' prefill.  Quantized pages dequantize into f16 here, not the
+    """The library prefill as the kernels' prefill (fresh windowed prompts through the paged calls unless
+    ``ragged_windowed``: split_prefill.RAGGED_WINDOWED's other side).  Quantized pages dequantize into f16 here, not the
     default's bf16 (MODEL_DTYPE_SCRATCH): the window and chunk tests bound the error against the
     definition tighter than bf16's 8 significant bits allow, so that one key read from the wrong tier
     shows; the bf16 scratch has its own test (test_model_dtype_scratch_reads_queries_in_place)."""
@@ -363,13 +364,13 @@ def test_bench_prefill_smoke(tmp_path):
 
     out = tmp_path / "bp.json"
     assert main(["--smoke", "--formats", "bfloat16,int4_kivi,fp8_e4m3", "--profile", "--paged-fresh", "--fp8",
-                 "--ragged-windowed", "--out", str(out)]) == 0
+                 "--paged-windowed", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert not doc["errors"], doc["errors"]
     rows = doc["rows"]
     # a variant's rows only for the formats whose path it changes (the others would repeat the default's)
     changes = {"kvq-split-torch-paged-fresh": {"bfloat16"}, "kvq-split-torch-fp8": {"fp8_e4m3"},
-               "kvq-split-torch-ragged-windowed": {"int4_kivi"}}
+               "kvq-split-torch-paged-windowed": {"int4_kivi"}}
     assert {(r["impl"], r["format"], r["B"], r["past"], r["chunk"]) for r in rows} == {
         (i, f, *s) for i in ("kvq-triton", "kvq-split-torch", *changes)
         for f in ("bfloat16", "int4_kivi", "fp8_e4m3") if f in changes.get(i, {f})

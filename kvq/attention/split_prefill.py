@@ -22,7 +22,7 @@ three ways by layer:
   over the exact pages with a sliding window of ``R``; the sinks and the ``P`` keys between, where
   queries differ, go through kvq.attention.triton.band, which merges both calls' results by
   their log-sum-exps (with :data:`RAGGED_WINDOWED`, fresh prompts' two calls are ragged calls over
-  the keys gathered from the scratch into rows).
+  the keys copied from the scratch into rows: the default).
 
 Each library call is planned once per step (host work: page lists, the library's own plan) and
 reused by every layer; the per-step key is the step's host metadata object (``host``).
@@ -57,12 +57,13 @@ MODEL_DTYPE_SCRATCH = True
 RAGGED_FRESH = True
 
 #: Fresh prompts of a quantized layer under the window rule: the bulk (keys read quantized by every
-#: query) and the exact tail go through the library's ragged call over the keys gathered from the
-#: page scratch into contiguous rows, instead of its paged call over the scratch (the band kernel
-#: and its merge are unchanged).  Off until timed beside the paged calls (``bench_prefill.py
-#: --ragged-windowed``): the 16-bit layers' ragged call was 16-19% faster than the paged one on an
-#: H100 (session 30), and the bulk is most of a long KIVI prompt's time.
-RAGGED_WINDOWED = False
+#: query) and the exact tail go through the library's ragged call over the keys copied from the page
+#: scratch into contiguous rows, instead of its paged call over the scratch (the band kernel and its
+#: merge are unchanged).  Timed on an H100 (session 31, docs/results/bench_prefill_s31_band_h100.json;
+#: ``bench_prefill.py --paged-windowed`` times the other side), int4_kivi x kvq bf16: 128K 1.24 -> 1.04, 32K 1.31 ->
+#: 1.13, 8K 1.90 -> 1.72, 4 x 4096 2.49 -> 2.31; 8 x 1024 4.60 -> 5.24, where the GPU's work is a little
+#: less (556 against 574 us of kernels) and the host's enqueueing (1.3 ms) is what the call waits for.
+RAGGED_WINDOWED = True
 
 #: FP8 tensor cores (``--prefill-backend flashinfer-fp8``): queries cast to e4m3 as they are (query
 #: scale 1.0, vLLM's default for FP8 attention; clamped to e4m3's range), so a request's result never

@@ -37,10 +37,10 @@ from kvq.attention.triton.tiles import tile_channel
 
 #: Pack the query heads of a KV head into a program's rows (``band_attention(pack_gqa=...)``): per
 #: query, a tile of BLOCK_M / group positions reads POS + P band keys instead of BLOCK_M + P, and each
-#: key tile is loaded once for the group instead of once per query head.  Off until timed
-#: (``bench_prefill.py --band-gqa``): the band took 564 of a 958 us KIVI call at 8 x 1024 (H100,
-#: session 27's profile).
-PACK_GQA = False
+#: key tile is loaded once for the group instead of once per query head.  The band kernel's own time on
+#: an H100 (session 31, bench_prefill --profile, int4_kivi; ``--band-unpacked`` times the other side):
+#: 8 x 1024 320 -> 314 us, 4 x 4096 638 -> 616, 32K 1344 -> 1261, 128K 5838 -> 5383, 122880 + 8192 371 -> 340.
+PACK_GQA = True
 
 
 @triton.jit
