@@ -279,3 +279,58 @@ def test_ragged_windowed_calls_equal_the_paged_calls(monkeypatch):
         got = attend(ragged, q, layer, meta, layer.head_dim ** -0.5, k, v)
         assert len(calls) == (2 if fresh else 0)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("groups", [False, True], ids=["one-group", "group-a-sequence"])
+def test_layers_of_a_step_share_its_window_tensors(groups, monkeypatch):
+    """The library prefill keeps a step's layer-independent window tensors (index tables, the seal's
+    scratch blocks per format) for the step's layers: three layers (two formats, each its own K/V) in one
+    step give, bit for bit, what a split that sees each layer alone gives; over a fresh step and
+    chunks with a past, so that exact pages and sealed-then-read pages both occur; also with a scratch
+    group per sequence (each group keeps its own)."""
+    from kvq.attention.triton import dequant
+    from kvq.cache.plan import bare_model, make_plan
+    from kvq.cache.pool import KVPool
+
+    if groups:
+        monkeypatch.setattr(dequant, "SCRATCH_CAP_BYTES", 1)
+
+    gen = torch.Generator().manual_seed(5)
+    shared = _kernels("split-ragged")
+    h = make_harness("int4_kivi", shared, sink=4, residual=32, num_q=96, num_hp=64, device=DEV)
+    bs = h.plan.block_size
+    model = bare_model(1, h.layer.num_kv_heads, h.layer.head_dim, num_attention_heads=h.layer.num_kv_heads * h.group,
+                       dtype="bfloat16")
+    plan2 = make_plan(model, "int2_kivi", block_size=bs, sink_tokens=4, residual_tokens=32)
+    pools = [h.pool, KVPool.create(h.plan, 96, 64, DEV), KVPool.create(plan2, 96, 64, DEV)]
+    layers = [p.layers[0] for p in pools]  # int4_kivi twice (other K/V), then int2_kivi
+    seen, started = set(), set()
+    for chunk in ({"a": 200, "b": 130}, {"a": 70, "c": 90}, {"a": 40, "b": 50}):
+        sids = list(chunk)
+        ops = []
+        for sid in sids:
+            if sid in started:
+                ops += h.manager.append_slots(sid, [0] * chunk[sid])
+            else:
+                h.manager.allocate_prompt(sid, list(range(chunk[sid])))
+                started.add(sid)
+        for pool in pools:
+            apply_ops(pool, shared, ops)
+        meta, _ = stage_step(host_step(h.manager, sids, [chunk[s] for s in sids]), bs, each_to(DEV),
+                             policy=h.plan.window_policy)
+        seen |= {"exact"} if meta.window.exact_rows else set()
+        seen |= {"sealed"} if meta.window.sealed_rows else set()
+        kv = []
+        for layer in layers:
+            k, v = (torch.cat(x) for x in zip(*(kv_data(gen, chunk[s], layer.num_kv_heads, layer.head_dim, DEV)
+                                                for s in sids)))
+            shared.write_kv(layer, k, v, meta.slots, meta.full_blocks)
+            kv.append((k, v))
+        q = torch.randn(kv[0][0].shape[0], h.layer.num_kv_heads * h.group, h.layer.head_dim,
+                        generator=gen).bfloat16().to(DEV)
+        sm = h.layer.head_dim ** -0.5
+        got = [attend(shared, q, layer, meta, sm, k, v) for layer, (k, v) in zip(layers, kv)]
+        want = [attend(_kernels("split-ragged"), q, layer, meta, sm, k, v) for layer, (k, v) in zip(layers, kv)]
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), chunk
+        assert not torch.equal(got[0], got[1]) and not torch.equal(got[0], got[2])
+    assert seen == {"exact", "sealed"}

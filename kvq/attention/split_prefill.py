@@ -191,7 +191,9 @@ class SplitPrefill:
         sink = window.sink_tokens
         dtype = scratch_dtype(q.dtype, self.model_dtype_scratch)
         fresh = self.ragged_windowed and all(n == b - a for n, a, b in zip(window.lens, window.cu, window.cu[1:]))
-        for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, window, k_new, v_new, dtype=dtype)):
+        memo = lambda key, build: self._plan(host, key, build)  # noqa: E731  (the step's layers share them)
+        for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, window, k_new, v_new, dtype=dtype,
+                                              memo=memo)):
             lens = window.lens[g.b0:g.b1]
             qo = [window.cu[b + 1] - window.cu[b] for b in range(g.b0, g.b1)]
             bulk = [n - split - sink for n in lens]  # keys [sink, p - split] of the last query

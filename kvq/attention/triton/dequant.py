@@ -159,20 +159,23 @@ ALL_ENTRIES = (-(2 ** 31), 2 ** 31 - 1)
 
 def dequantize_pages(args: list, meta: dict, block_tables: torch.Tensor, seq_lens: torch.Tensor, blocks: int,
                      num_kv_heads: int, page: int, head_dim: int, num_warps: int = 4, extra: int = 0,
-                     dtype: torch.dtype = torch.float16, entries: tuple[int, int] = ALL_ENTRIES, into=None):
+                     dtype: torch.dtype = torch.float16, entries: tuple[int, int] = ALL_ENTRIES, into=None,
+                     table: torch.Tensor | None = None):
     """-> (k, v) ``dtype`` ``[B * blocks + extra, H, page, D]`` and the identity table ``[B, blocks]``
     that reads them: page ``j`` of sequence ``b`` sits at block ``b * blocks + j``; the
     ``extra`` pages after them are left for the caller.  ``dtype`` bf16 copies a bf16 pool exactly
     (the library prefill of a 16-bit layer that holds hp blocks).
     ``args``/``meta`` are :func:`kvq.attention.triton.decode.layer_args` of the layer.  ``entries``
     ``[lo, hi)``: only table entries in that range are read (one tier of a tiered cache, whose
-    blocks are ``entry - max(lo, 0)``); ``into``: the ``(k, v)`` scratch of an earlier call to fill."""
+    blocks are ``entry - max(lo, 0)``); ``into``: the ``(k, v)`` scratch of an earlier call to fill;
+    ``table``: that identity table, made once for a step's layers (no new tensor a call)."""
     B = seq_lens.shape[0]
     dev = seq_lens.device
     shape = (B * blocks + extra, num_kv_heads, page, head_dim)
     k, v = into if into is not None else (torch.empty(shape, dtype=dtype, device=dev),
                                           torch.empty(shape, dtype=dtype, device=dev))
-    table = torch.arange(B * blocks, dtype=torch.int32, device=dev).view(B, blocks)
+    if table is None:
+        table = torch.arange(B * blocks, dtype=torch.int32, device=dev).view(B, blocks)
     if B and blocks:
         _dequant_kernel[(B, blocks, num_kv_heads)](
             *args, block_tables, block_tables.stride(0), seq_lens, seq_lens, k, v, k.stride(0), k.stride(1),
@@ -201,15 +204,17 @@ def dequantize_rows(args: list, meta: dict, block_tables: torch.Tensor, seq_lens
 
 
 def dequantize_layer_pages(layer, block_tables: torch.Tensor, seq_lens: torch.Tensor, blocks: int, extra: int = 0,
-                           dtype: torch.dtype = torch.float16, tiered: bool = False):
+                           dtype: torch.dtype = torch.float16, tiered: bool = False,
+                           table: torch.Tensor | None = None):
     """:func:`dequantize_pages` of a layer's pages; ``tiered``: the tables hold lower tiers' tagged
     blocks (elastic precision), each read through its own tier's format into the one scratch."""
     H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
     args, meta = layer_args(layer)
     if not tiered:
-        return dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, page, D, extra=extra, dtype=dtype)
+        return dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, page, D, extra=extra, dtype=dtype,
+                                table=table)
     k, v, table = dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, page, D, extra=extra, dtype=dtype,
-                                   entries=(ALL_ENTRIES[0], TIER_BASE))
+                                   entries=(ALL_ENTRIES[0], TIER_BASE), table=table)
     for t in range(1, len(layer.tiers) + 1):
         targs, tmeta = layer_args(layer.tier(t))
         dequantize_pages(targs, tmeta, block_tables, seq_lens, blocks, H, page, D, entries=(t * TIER_BASE,

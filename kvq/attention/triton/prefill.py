@@ -14,7 +14,7 @@ positions.  Same contract as :func:`kvq.attention.reference.paged_attention`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -319,51 +319,79 @@ class WindowScratch:
     tab_q: torch.Tensor
 
 
+def _no_memo(key, build):
+    return build()
+
+
 def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.float16, host=None,
-                   tiered: bool = False) -> Iterator[WindowScratch]:
+                   tiered: bool = False, memo=None) -> Iterator[WindowScratch]:
     """The page scratch of a prefill with per-query exact windows (kvq.attention.reference explains
     the rule), group by group (:func:`scratch_groups`): the step's pages dequantized, with two extra
     kinds of page, the exact new K/V of q blocks this step wrote and the sealed-then-read values
     of hp blocks some query reads quantized; two tables map each block to its exact and its
     quantized page.  Without a ``window`` (``host``: the host cu and lengths instead) only the
-    pages, which is how a tiered cache's prefill reads them (``tiered``: each page in its tier)."""
+    pages, which is how a tiered cache's prefill reads them (``tiered``: each page in its tier).
+    ``memo(key, build)``: a store of the step's values that do not depend on the layer (index
+    tensors, the two tables, the seal's scratch blocks), kept by the caller for the step's layers
+    (kvq.attention.split_prefill: each windowed layer made them again, a host cost per layer)."""
+    memo = memo or _no_memo
     H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
     host_cu, host_lens = (window.cu, window.lens) if window is not None else host
     B, dev = len(host_lens), cu.device
-    no_rows = torch.zeros((0, 3), dtype=torch.int64, device=dev)
-    for b0, b1, width in scratch_groups(host_lens, H, page, D):
+    for gi, (b0, b1, width) in enumerate(scratch_groups(host_lens, H, page, D)):
         r0, r1 = host_cu[b0], host_cu[b1]
-        if (b0, b1) == (0, B):
-            g_cu = cu
-            ex, se = (window.exact, window.sealed) if window is not None else (no_rows, no_rows)
-        else:
-            def rows(rs, rebase_row):
-                keep = [(b - b0, i, x - r0 if rebase_row else x) for b, i, x in rs if b0 <= b < b1]
-                return torch.tensor(keep, dtype=torch.int64, device=dev).reshape(-1, 3)
-            g_cu = torch.tensor([c - r0 for c in host_cu[b0:b1 + 1]], dtype=torch.int32, device=dev)
-            ex, se = ((rows(window.exact_rows, True), rows(window.sealed_rows, False)) if window is not None
-                      else (no_rows, no_rows))
+        rows = memo(("window-rows", id(window), gi, H, page, D),
+                    lambda: _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, H, D, dev))
+        g_cu, ex, se, ident, ex_rows, tab_exact, seal_src, seal_dst, tab_q = rows
         g_tab, g_lens, nb = tables[b0:b1, :width], lens[b0:b1], (b1 - b0) * width
         E, S = ex.shape[0], se.shape[0]
-        kp, vp, ident = dequant.dequantize_layer_pages(layer, g_tab, g_lens, width, extra=E + S, dtype=dtype,
-                                                       tiered=tiered)
-        tab_exact, tab_q = ident, ident
+        kp, vp, _ = dequant.dequantize_layer_pages(layer, g_tab, g_lens, width, extra=E + S, dtype=dtype,
+                                                   tiered=tiered, table=ident)
         if E:  # the new K/V of the q blocks this step wrote: [E, page, H, D] -> [E, H, page, D]
-            dequant.rows_to_pages(k_new[r0:r1], v_new[r0:r1], ex[:, 2].contiguous(), kp[nb:nb + E], vp[nb:nb + E])
-            tab_exact = ident.clone()
-            tab_exact[ex[:, 0], ex[:, 1]] = nb + torch.arange(E, dtype=torch.int32, device=dev)
+            dequant.rows_to_pages(k_new[r0:r1], v_new[r0:r1], ex_rows, kp[nb:nb + E], vp[nb:nb + E])
         if S:  # hp blocks as the seal kernel will store them, read back
-            tmp = layer.with_q_blocks(S)
-            store.seal_blocks(tmp, se[:, 2], torch.arange(S, dtype=torch.int64, device=dev))
+            # (the seal's scratch blocks shared by the step's layers of one format; each layer seals into them anew)
+            blocks = memo(("window-seal", gi, layer.fmt, H, page, D), lambda: layer.with_q_blocks(S))
+            tmp = blocks if blocks.k_hp is layer.k_hp else replace(layer, k=blocks.k, v=blocks.v)
+            store.seal_blocks(tmp, seal_src, seal_dst)
             targs, tmeta = layer_args(tmp)
-            one = torch.arange(S, dtype=torch.int32, device=dev).view(1, S)
-            ks, vs, _ = dequant.dequantize_pages(targs, tmeta, one, torch.full((1,), S * page, dtype=torch.int32,
-                                                                               device=dev), S, H, page, D,
-                                                 dtype=dtype)
-            kp[nb + E:], vp[nb + E:] = ks, vs
-            tab_q = ident.clone()
-            tab_q[se[:, 0], se[:, 1]] = nb + E + torch.arange(S, dtype=torch.int32, device=dev)
+            one, n_tok = memo(("window-one", gi), lambda: (
+                torch.arange(S, dtype=torch.int32, device=dev).view(1, S),
+                torch.full((1,), S * page, dtype=torch.int32, device=dev)))
+            dequant.dequantize_pages(targs, tmeta, one, n_tok, S, H, page, D, dtype=dtype,
+                                     into=(kp[nb + E:], vp[nb + E:]), table=one)
         yield WindowScratch(b0, b1, r0, r1, g_cu, g_lens, kp, vp, tab_exact, tab_q)
+
+
+def _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, H, D, dev):
+    """The layer-independent tensors of one group of :func:`window_scratch`: its query starts, exact and
+    sealed rows, identity table, the exact rows' first query rows, the two tables, the seal's source and
+    destination blocks."""
+    no_rows = torch.zeros((0, 3), dtype=torch.int64, device=dev)
+    if (b0, b1) == (0, B):
+        g_cu = cu
+        ex, se = (window.exact, window.sealed) if window is not None else (no_rows, no_rows)
+    else:
+        def rows(rs, rebase_row):
+            keep = [(b - b0, i, x - r0 if rebase_row else x) for b, i, x in rs if b0 <= b < b1]
+            return torch.tensor(keep, dtype=torch.int64, device=dev).reshape(-1, 3)
+        g_cu = torch.tensor([c - r0 for c in host_cu[b0:b1 + 1]], dtype=torch.int32, device=dev)
+        ex, se = ((rows(window.exact_rows, True), rows(window.sealed_rows, False)) if window is not None
+                  else (no_rows, no_rows))
+    nb = (b1 - b0) * width
+    E, S = ex.shape[0], se.shape[0]
+    ident = torch.arange(nb, dtype=torch.int32, device=dev).view(b1 - b0, width)
+    tab_exact = tab_q = ident
+    ex_rows = seal_src = seal_dst = None
+    if E:
+        ex_rows = ex[:, 2].contiguous()
+        tab_exact = ident.clone()
+        tab_exact[ex[:, 0], ex[:, 1]] = nb + torch.arange(E, dtype=torch.int32, device=dev)
+    if S:
+        seal_src, seal_dst = se[:, 2], torch.arange(S, dtype=torch.int64, device=dev)
+        tab_q = ident.clone()
+        tab_q[se[:, 0], se[:, 1]] = nb + E + torch.arange(S, dtype=torch.int32, device=dev)
+    return g_cu, ex, se, ident, ex_rows, tab_exact, seal_src, seal_dst, tab_q
 
 
 def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, tile, tiered=False):
