@@ -342,7 +342,7 @@ def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.fl
         r0, r1 = host_cu[b0], host_cu[b1]
         rows = memo(("window-rows", id(window), gi, H, page, D),
                     lambda: _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, H, D, dev))
-        g_cu, ex, se, ident, ex_rows, tab_exact, seal_src, seal_dst, tab_q = rows
+        g_cu, ex, se, ident, ex_rows, tab_exact, seal_pairs, tab_q = rows
         g_tab, g_lens, nb = tables[b0:b1, :width], lens[b0:b1], (b1 - b0) * width
         E, S = ex.shape[0], se.shape[0]
         kp, vp, _ = dequant.dequantize_layer_pages(layer, g_tab, g_lens, width, extra=E + S, dtype=dtype,
@@ -353,7 +353,7 @@ def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.fl
             # (the seal's scratch blocks shared by the step's layers of one format; each layer seals into them anew)
             blocks = memo(("window-seal", gi, layer.fmt, H, page, D), lambda: layer.with_q_blocks(S))
             tmp = blocks if blocks.k_hp is layer.k_hp else replace(layer, k=blocks.k, v=blocks.v)
-            store.seal_blocks(tmp, seal_src, seal_dst)
+            store.seal_pairs(tmp, seal_pairs)
             targs, tmeta = layer_args(tmp)
             one, n_tok = memo(("window-one", gi), lambda: (
                 torch.arange(S, dtype=torch.int32, device=dev).view(1, S),
@@ -365,8 +365,8 @@ def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.fl
 
 def _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, H, D, dev):
     """The layer-independent tensors of one group of :func:`window_scratch`: its query starts, exact and
-    sealed rows, identity table, the exact rows' first query rows, the two tables, the seal's source and
-    destination blocks."""
+    sealed rows, identity table, the exact rows' first query rows, the two tables, the seal's (source hp
+    block, destination scratch block) pairs."""
     no_rows = torch.zeros((0, 3), dtype=torch.int64, device=dev)
     if (b0, b1) == (0, B):
         g_cu = cu
@@ -382,16 +382,16 @@ def _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, H, D, dev):
     E, S = ex.shape[0], se.shape[0]
     ident = torch.arange(nb, dtype=torch.int32, device=dev).view(b1 - b0, width)
     tab_exact = tab_q = ident
-    ex_rows = seal_src = seal_dst = None
+    ex_rows = seal_pairs = None
     if E:
         ex_rows = ex[:, 2].contiguous()
         tab_exact = ident.clone()
         tab_exact[ex[:, 0], ex[:, 1]] = nb + torch.arange(E, dtype=torch.int32, device=dev)
     if S:
-        seal_src, seal_dst = se[:, 2], torch.arange(S, dtype=torch.int64, device=dev)
+        seal_pairs = torch.stack([se[:, 2], torch.arange(S, dtype=torch.int64, device=dev)], dim=1)
         tab_q = ident.clone()
         tab_q[se[:, 0], se[:, 1]] = nb + E + torch.arange(S, dtype=torch.int32, device=dev)
-    return g_cu, ex, se, ident, ex_rows, tab_exact, seal_src, seal_dst, tab_q
+    return g_cu, ex, se, ident, ex_rows, tab_exact, seal_pairs, tab_q
 
 
 def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, tile, tiered=False):
