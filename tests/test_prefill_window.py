@@ -305,7 +305,7 @@ def test_layers_of_a_step_share_its_window_tensors(groups, monkeypatch):
     pools = [h.pool, KVPool.create(h.plan, 96, 64, DEV), KVPool.create(plan2, 96, 64, DEV)]
     layers = [p.layers[0] for p in pools]  # int4_kivi twice (other K/V), then int2_kivi
     seen, started = set(), set()
-    for chunk in ({"a": 200, "b": 130}, {"a": 70, "c": 90}, {"a": 40, "b": 50}):
+    for chunk in ({"a": 110, "b": 70}, {"a": 40, "c": 60}, {"a": 30, "b": 30}):
         sids = list(chunk)
         ops = []
         for sid in sids:
