@@ -44,7 +44,7 @@ gpu-prepare:
 	bash scripts/gpu_prepare.sh slim
 
 # On the GPU machine (see scripts/gpu.sh): kernel tests on CUDA, and the kernel benchmark.
-.PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-prefill bench-ttft bench-engine bench-capacity bench-pressure bench-elastic bench-server bench-offload bench-kv-transfer disagg-check
+.PHONY: gpu-test gpu-env-check gpu-demo gpu-test-tp bench-tp bench-kernels bench-prefill bench-prefill-short bench-prefill-long bench-ttft bench-engine bench-capacity bench-pressure bench-elastic bench-server bench-offload bench-kv-transfer disagg-check
 gpu-test:
 	bash scripts/gpu.sh test
 
@@ -61,8 +61,16 @@ bench-kernels:
 	bash scripts/gpu.sh bench-kernels
 
 # prefill attention per KV format beside FlashInfer fa2/fa3 and SDPA cuDNN (issue 43): docs/results/bench_prefill_h200.json
+# (all shapes with the Triton rows take more than a device call's 600 s: bench-prefill-short, then
+# bench-prefill-long in a second call, appends to the same record)
+PREFILL_SHORT ?= 8x0+1024,4x0+4096,1x0+8192,1x7168+1024
+PREFILL_LONG ?= 1x0+32768,1x0+131072,1x122880+8192
 bench-prefill:
 	bash scripts/gpu.sh bench-prefill
+bench-prefill-short:
+	bash scripts/gpu.sh bench-prefill --shapes $(PREFILL_SHORT)
+bench-prefill-long:
+	bash scripts/gpu.sh bench-prefill --shapes $(PREFILL_LONG) --append
 
 # time to first token of one 32K and one 128K prompt (Llama-3.1-8B shapes, dummy weights) against a floor measured
 # in the same process (cuBLAS GEMMs + the fastest library attention), one call per format

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import json
 import math
 import os
 import platform
@@ -299,6 +300,8 @@ def main(argv=None) -> int:
                     "'host_top_us'")
     ap.add_argument("--out", default=None, help="JSON (default docs/results/bench_prefill_h200.json; "
                     "docs/results/bench_prefill_smoke.json with --smoke)")
+    ap.add_argument("--append", action="store_true", help="keep the rows already in --out and add this run's (a "
+                    "record in parts, one device call each: each part's machine and commit under 'parts')")
     args = ap.parse_args(argv)
     from kvq.models.llama import attend
 
@@ -315,7 +318,11 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "flashinfer": pkg_version("flashinfer-python"), "commit": tree_commit(),
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "heads": {"query": H * group, "kv": H, "head_dim": D}}
-    res = Results(out, {"env": env, "rows": [], "errors": []})
+    doc = {"env": env, "rows": [], "errors": []}
+    if args.append and out.exists():
+        doc = json.loads(out.read_text())
+        doc.setdefault("parts", [doc["env"]]).append(env)
+    res = Results(out, doc)
     timer = Timer(device, 256 << 20 if device.type == "cuda" else 1 << 20)
     impls = kvq_impls(device, args.smoke, [name for name in VARIANTS if getattr(args, name.replace("-", "_"))],
                       args.no_triton)

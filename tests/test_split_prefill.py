@@ -382,3 +382,21 @@ def test_bench_prefill_smoke(tmp_path):
     for r in rows:
         assert r["us"] > 0 and r["tflops"] > 0 and r["x_kvq_bf16"] > 0
         assert r["kernels_us"] and all(t > 0 for t in r["kernels_us"].values())  # --profile: where the time goes
+
+
+def test_bench_prefill_appends_a_record_in_parts(tmp_path):
+    """``--append`` keeps the rows of an earlier part (a record too long for one device call, in parts):
+    both parts' shapes in the rows, each part's machine under 'parts'; without it a run starts afresh."""
+    import json
+
+    from benchmarks.bench_prefill import main
+
+    out = tmp_path / "bp.json"
+    common = ["--smoke", "--formats", "bfloat16", "--no-triton", "--no-anchors", "--out", str(out)]
+    assert main([*common, "--shapes", "2x0+48"]) == 0
+    assert main([*common, "--shapes", "1x40+24", "--append"]) == 0
+    doc = json.loads(out.read_text())
+    assert {(r["B"], r["past"], r["chunk"]) for r in doc["rows"]} == {(2, 0, 48), (1, 40, 24)}
+    assert len(doc["parts"]) == 2 and all("commit" in p for p in doc["parts"])
+    assert main([*common, "--shapes", "1x40+24"]) == 0
+    assert {(r["B"], r["past"], r["chunk"]) for r in json.loads(out.read_text())["rows"]} == {(1, 40, 24)}
