@@ -341,10 +341,9 @@ def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.fl
     for gi, (b0, b1, width) in enumerate(scratch_groups(host_lens, H, page, D)):
         r0, r1 = host_cu[b0], host_cu[b1]
         rows = memo(("window-rows", id(window), gi, H, page, D),
-                    lambda: _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, H, D, dev))
-        g_cu, ex, se, ident, ex_rows, tab_exact, seal_pairs, tab_q = rows
+                    lambda: _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, dev))
+        g_cu, E, S, ident, ex_rows, tab_exact, seal_pairs, tab_q, one, n_tok = rows
         g_tab, g_lens, nb = tables[b0:b1, :width], lens[b0:b1], (b1 - b0) * width
-        E, S = ex.shape[0], se.shape[0]
         kp, vp, _ = dequant.dequantize_layer_pages(layer, g_tab, g_lens, width, extra=E + S, dtype=dtype,
                                                    tiered=tiered, table=ident)
         if E:  # the new K/V of the q blocks this step wrote: [E, page, H, D] -> [E, H, page, D]
@@ -352,21 +351,18 @@ def window_scratch(layer, cu, tables, lens, window, k_new, v_new, dtype=torch.fl
         if S:  # hp blocks as the seal kernel will store them, read back
             # (the seal's scratch blocks shared by the step's layers of one format; each layer seals into them anew)
             blocks = memo(("window-seal", gi, layer.fmt, H, page, D), lambda: layer.with_q_blocks(S))
-            tmp = blocks if blocks.k_hp is layer.k_hp else replace(layer, k=blocks.k, v=blocks.v)
+            tmp = replace(layer, k=blocks.k, v=blocks.v)  # this layer's hp blocks sealed into them
             store.seal_pairs(tmp, seal_pairs)
             targs, tmeta = layer_args(tmp)
-            one, n_tok = memo(("window-one", gi), lambda: (
-                torch.arange(S, dtype=torch.int32, device=dev).view(1, S),
-                torch.full((1,), S * page, dtype=torch.int32, device=dev)))
             dequant.dequantize_pages(targs, tmeta, one, n_tok, S, H, page, D, dtype=dtype,
                                      into=(kp[nb + E:], vp[nb + E:]), table=one)
         yield WindowScratch(b0, b1, r0, r1, g_cu, g_lens, kp, vp, tab_exact, tab_q)
 
 
-def _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, H, D, dev):
-    """The layer-independent tensors of one group of :func:`window_scratch`: its query starts, exact and
-    sealed rows, identity table, the exact rows' first query rows, the two tables, the seal's (source hp
-    block, destination scratch block) pairs."""
+def _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, dev):
+    """The layer-independent tensors of one group of :func:`window_scratch`: its query starts, the counts
+    of exact and sealed pages, the identity table, the exact pages' first query rows, the two tables, the
+    seal's (source hp block, scratch block) pairs and the sealed pages' own table and token count."""
     no_rows = torch.zeros((0, 3), dtype=torch.int64, device=dev)
     if (b0, b1) == (0, B):
         g_cu = cu
@@ -382,7 +378,7 @@ def _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, H, D, dev):
     E, S = ex.shape[0], se.shape[0]
     ident = torch.arange(nb, dtype=torch.int32, device=dev).view(b1 - b0, width)
     tab_exact = tab_q = ident
-    ex_rows = seal_pairs = None
+    ex_rows = seal_pairs = one = n_tok = None
     if E:
         ex_rows = ex[:, 2].contiguous()
         tab_exact = ident.clone()
@@ -391,7 +387,9 @@ def _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, H, D, dev):
         seal_pairs = torch.stack([se[:, 2], torch.arange(S, dtype=torch.int64, device=dev)], dim=1)
         tab_q = ident.clone()
         tab_q[se[:, 0], se[:, 1]] = nb + E + torch.arange(S, dtype=torch.int32, device=dev)
-    return g_cu, ex, se, ident, ex_rows, tab_exact, seal_pairs, tab_q
+        one = torch.arange(S, dtype=torch.int32, device=dev).view(1, S)
+        n_tok = torch.full((1,), S * page, dtype=torch.int32, device=dev)
+    return g_cu, E, S, ident, ex_rows, tab_exact, seal_pairs, tab_q, one, n_tok
 
 
 def _windowed(q, out, layer, cu, tables, lens, sm_scale, max_q_len, window, k_new, v_new, tile, tiered=False):
