@@ -131,8 +131,9 @@
 #ifndef ROT
 #define ROT 0
 #endif
-// ROT_REG_LUT (the default; 0: the shared table, for A/B probes): 3-bit codes' levels from registers, not the
-// shared table: the codebook is symmetric, its 4 magnitudes are two words, one byte permute picks two
+// ROT_REG_LUT (the default; 0: the shared table, for A/B probes): 3- and 4-bit codes' levels from registers, not
+// the shared table: the codebook is symmetric; 3 bits: its 4 magnitudes are two words, one byte permute picks
+// two; 4 bits: the 8 magnitudes' low bytes and high bytes are two words each, byte permutes pick four codes'
 #ifndef ROT_REG_LUT
 #define ROT_REG_LUT 1
 #endif
@@ -318,6 +319,14 @@ __device__ __forceinline__ void cvt4(u32 x, u32& lo, u32& hi) {
     }
 }
 
+// PTX prmt: bytes of (a, b) picked by the selector's nibbles, which callers keep below 8 (bit 3 would
+// replicate the byte's sign); unlike __byte_perm, whose contract masks that bit, it costs no extra op.
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
 __device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
     u32 r;
     asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
@@ -361,19 +370,55 @@ __device__ __forceinline__ u32 levels2(const u16* t, u32 x, u32 y, int m, int hb
     return u32(t[lo]) | (u32(t[hi]) << 16);
 }
 
-// levels2<3> from registers (ROT_REG_LUT): mag0 = magnitudes 0, 1 and mag1 = 2, 3 (f16; the levels
-// 4..7 of a symmetric codebook, level 7 - c = -level c).  A code c = low + 4 high reads magnitude
-// low when high is set, else 3 - low negated.  Once a word (reg3_prep): n, each 2-bit field's low bit
-// set where the code is in the negative half (high bit clear), and j, the fields' magnitude indices.
-__device__ __forceinline__ void reg3_prep(u32 x, u32 y, int hb, u32& j, u32& n) {
-    n = ~(y >> hb) & 0x55555555u;
-    j = x ^ n ^ (n << 1);
+// Levels from registers (ROT_REG_LUT).  The codebooks are symmetric (level 2^B - 1 - c = -level c, exactly in
+// f16), so a codebook is its 2^(B-1) magnitudes (levels 2^(B-1)...): byte j of (lo0, lo1) is the low byte of
+// magnitude j, byte j of (hi0, hi1) its high byte (3 bits: 4 magnitudes, lo1 and hi1 unused).
+struct LutR {
+    u32 lo0, lo1, hi0, hi1;
+};
+template <int NL>  // levels: the NL f16 levels, ascending
+__device__ __forceinline__ LutR lutr_of(const u16* levels) {
+    const u32* w = reinterpret_cast<const u32*>(levels + NL / 2);
+    if (NL == 8) return {prmt(w[0], w[1], 0x6420), 0u, prmt(w[0], w[1], 0x7531), 0u};
+    return {prmt(w[0], w[1], 0x6420), prmt(w[2], w[3], 0x6420), prmt(w[0], w[1], 0x7531), prmt(w[2], w[3], 0x7531)};
 }
 
-// the levels of fields m of bytes 0 and 2 of a prepared word, f16x2
-__device__ __forceinline__ u32 levels2_reg3(u32 mag0, u32 mag1, u32 j, u32 n, int m) {
-    const u32 sel = __byte_perm((j >> (2 * m)) & 0x00030003u, 0u, 0x4420) * 0x22u + 0x1010u;  // 2ja, 2ja+1, 2jb, 2jb+1
-    return __byte_perm(mag0, mag1, sel) | ((n << (15 - 2 * m)) & 0x80008000u);
+// The f16x2 levels of 4 codes given in the nibbles of a code word's field (byte 0's in bits 0-3, byte 1's in
+// 8-11, byte 2's in 16-19, byte 3's in 24-27; every nibble below 8) with their signs at bit 7 of sg's bytes
+// (order 0, 2, 1, 3): a for the codes of bytes 0 and 2, b for bytes 1 and 3.  The selector gathers the
+// nibbles of bytes 0, 2, 1, 3; its upper half is not read.  4 byte permutes for 4 codes.
+__device__ __forceinline__ void levels_reg(const LutR& t, u32 f, u32 sg, u32& a, u32& b) {
+    const u32 sel = (f & 0x0F0Fu) | ((f >> 12) & 0xFFFFF0F0u);
+    const u32 lo = prmt(t.lo0, t.lo1, sel);
+    const u32 hi = prmt(t.hi0, t.hi1, sel) | (sg & 0x80808080u);
+    a = prmt(lo, hi, 0x5140);
+    b = prmt(lo, hi, 0x7362);
+}
+
+// A code word prepared once for levels_reg (magnitude indices, signs).  3-bit codes (x: their low 2 bits,
+// fields m = 0..3 at bits 2m of each byte; y: the high plane's word, their high bits at bit 2m + hb): a
+// code c = low + 4 high reads magnitude low when high is set, else 3 - low negated; n marks the negative
+// half at each field's low bit, and j = x ^ n ^ (n << 1) holds the magnitude indices, split into
+// fields 0 and 2 (t0) and 1 and 3 (t1) so that each field's nibbles hold one index.  4-bit codes (fields
+// m = 0, 1 at bits 4m): magnitude c - 8, or 7 - c in the negative half.  ng: n's bytes reordered (0, 2, 1, 3).
+struct CodeWord {
+    u32 t0, t1, ng;
+};
+__device__ __forceinline__ CodeWord prep3(u32 x, u32 y, int hb) {
+    const u32 n = ~(y >> hb) & 0x55555555u, j = x ^ n ^ (n << 1);
+    return {j & 0x33333333u, (j >> 2) & 0x33333333u, prmt(n, 0u, 0x3120)};
+}
+__device__ __forceinline__ CodeWord prep4(u32 x) {
+    const u32 n = ~(x >> 3) & 0x11111111u;
+    return {(x ^ (n * 7u)) & 0x77777777u, 0u, prmt(n, 0u, 0x3120)};
+}
+// field m's levels of a prepared word (levels_reg's a and b)
+template <int B>
+__device__ __forceinline__ void levels_field(const LutR& t, const CodeWord& w, int m, u32& a, u32& b) {
+    if (B == 3)
+        levels_reg(t, ((m & 1) ? w.t1 : w.t0) >> (4 * (m >> 1)), w.ng << (7 - 2 * m), a, b);
+    else
+        levels_reg(t, w.t0 >> (4 * m), w.ng << (7 - 4 * m), a, b);
 }
 #endif
 
@@ -537,11 +582,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     u16* lut = reinterpret_cast<u16*>(smem + NWARPS * NSTAGES * STAGE);
     if (threadIdx.x < NLEV + VNLEV) lut[threadIdx.x] = threadIdx.x < NLEV ? klut[threadIdx.x] : vlut[threadIdx.x - NLEV];
     __syncthreads();
-    // (ROT_REG_LUT, 3-bit codes: the upper half of each codebook, f16 pairs)
-    const u32 kmag0 = ROT_REG_LUT && NLEV == 8 ? *reinterpret_cast<const u32*>(lut + 4) : 0u;
-    const u32 kmag1 = ROT_REG_LUT && NLEV == 8 ? *reinterpret_cast<const u32*>(lut + 6) : 0u;
-    const u32 vmag0 = ROT_REG_LUT && VNLEV == 8 ? *reinterpret_cast<const u32*>(lut + NLEV + 4) : 0u;
-    const u32 vmag1 = ROT_REG_LUT && VNLEV == 8 ? *reinterpret_cast<const u32*>(lut + NLEV + 6) : 0u;
+    // (ROT_REG_LUT: each codebook's magnitudes in registers; K8's K has none)
+    const LutR klr = ROT_REG_LUT && !K8 ? lutr_of<NLEV>(lut) : LutR{0u, 0u, 0u, 0u};
+    const LutR vlr = ROT_REG_LUT ? lutr_of<VNLEV>(lut + NLEV) : LutR{0u, 0u, 0u, 0u};
 #endif
 
     // ---- the query group as B fragments (k_channel's map): qf in f16 for the quantized
@@ -753,15 +796,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const int x = KB * c + 4 * w, hb = x / DHW;  // the high plane's word of these channels, its bit
             const u32 y0 = DH ? *reinterpret_cast<const u32*>(kr + gi * RSK + DP + x % DHW) : 0u;
             const u32 y1 = DH ? *reinterpret_cast<const u32*>(kr + (gi + 8) * RSK + DP + x % DHW) : 0u;
-            if constexpr (ROT_REG_LUT && KIVI_BITS == 3) {
-                u32 j0, n0, j1, n1;
-                reg3_prep(r0[w], y0, hb, j0, n0);
-                reg3_prep(r1[w], y1, hb, j1, n1);
+            if constexpr (ROT_REG_LUT) {
+                const CodeWord w0 = KIVI_BITS == 3 ? prep3(r0[w], y0, hb) : prep4(r0[w]);
+                const CodeWord w1 = KIVI_BITS == 3 ? prep3(r1[w], y1, hb) : prep4(r1[w]);
 #pragma unroll
-                for (int m = 0; m < PER; ++m)
-                    mma_f16(s, levels2_reg3(kmag0, kmag1, j0, n0, m), levels2_reg3(kmag0, kmag1, j1, n1, m),
-                            levels2_reg3(kmag0, kmag1, j0 >> 8, n0 >> 8, m),
-                            levels2_reg3(kmag0, kmag1, j1 >> 8, n1 >> 8, m), qf[w * PER + m][0], qf[w * PER + m][1]);
+                for (int m = 0; m < PER; ++m) {
+                    u32 a0, a1, a2, a3;  // rows gi and gi + 8, codes of bytes 0 and 2 then 1 and 3
+                    levels_field<KIVI_BITS>(klr, w0, m, a0, a2);
+                    levels_field<KIVI_BITS>(klr, w1, m, a1, a3);
+                    mma_f16(s, a0, a1, a2, a3, qf[w * PER + m][0], qf[w * PER + m][1]);
+                }
                 continue;
             }
             const u32 o0 = r0[w] >> 8, o1 = r1[w] >> 8, p0 = y0 >> 8, p1 = y1 >> 8;
@@ -816,15 +860,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
                 const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
                 const u32 yA = __byte_perm(h0[u], h1[u], sel), yB = __byte_perm(h8[u], h9[u], sel);
-                if constexpr (ROT_REG_LUT && V_BITS == 3) {
-                    u32 jA, nA, jB, nB;
-                    reg3_prep(tA, yA, hb, jA, nA);
-                    reg3_prep(tB, yB, hb, jB, nB);
+                if constexpr (ROT_REG_LUT) {
+                    const CodeWord wA = V_BITS == 3 ? prep3(tA, yA, hb) : prep4(tA);
+                    const CodeWord wB = V_BITS == 3 ? prep3(tB, yB, hb) : prep4(tB);
 #pragma unroll
-                    for (int m = 0; m < VPER; ++m)
-                        mma_f16(acc[(u * VPER + m) * 2 + e], levels2_reg3(vmag0, vmag1, jA, nA, m),
-                                levels2_reg3(vmag0, vmag1, jA >> 8, nA >> 8, m), levels2_reg3(vmag0, vmag1, jB, nB, m),
-                                levels2_reg3(vmag0, vmag1, jB >> 8, nB >> 8, m), pb0, pb1);
+                    for (int m = 0; m < VPER; ++m) {
+                        u32 a0, a1, a2, a3;
+                        levels_field<V_BITS>(vlr, wA, m, a0, a1);
+                        levels_field<V_BITS>(vlr, wB, m, a2, a3);
+                        mma_f16(acc[(u * VPER + m) * 2 + e], a0, a1, a2, a3, pb0, pb1);
+                    }
                     continue;
                 }
                 const u32 oA = tA >> 8, oB = tB >> 8, pA = yA >> 8, pB = yB >> 8;
