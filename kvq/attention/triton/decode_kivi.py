@@ -48,6 +48,9 @@ TILE_TOKENS = 64
 NUM_STAGES = 2
 #: Pages of the table the hp pass reads at once to skip those that hold no hp page.
 HP_PAGES = 64
+#: Codes made float16 by bit operations (the code in the mantissa of 1024.0, minus 1024) instead of an
+#: integer-to-float conversion instruction (A/B: ``probe_decode.py --kivi-f16-magic 0,1``).
+F16_MAGIC = False
 
 
 def serves(layer: LayerKV) -> bool:
@@ -73,6 +76,14 @@ def tile_tokens(layer: LayerKV) -> int:
     return max(TILE_TOKENS, base_tokens(layer))
 
 
+@triton.jit
+def codes_f16(code, MAGIC: tl.constexpr):
+    """Small non-negative integer codes (int32) as float16, exactly (:data:`F16_MAGIC`)."""
+    if MAGIC:
+        return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    return code.to(tl.float16)
+
+
 # the table width and split count change step to step, the table and length views' alignment too
 @triton.jit(do_not_specialize=["s_tb", "num_splits", "split_base", "split_total"],
             do_not_specialize_on_alignment=["table_ptr", "lens_ptr"])
@@ -88,7 +99,7 @@ def _decode_kivi_kernel(
     split_base, split_total,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr,
     HAS_HP: tl.constexpr, DOT: tl.constexpr, K_TOKEN: tl.constexpr, N: tl.constexpr, HN: tl.constexpr,
-    HP_PAGES: tl.constexpr,
+    HP_PAGES: tl.constexpr, MAGIC: tl.constexpr,
 ):
     b, h, sp, start, end = program_share(lens_ptr, num_splits, N)
 
@@ -117,7 +128,7 @@ def _decode_kivi_kernel(
             bids = tl.maximum(bids, 0)
         bq = bids.to(tl.int64)
         off = (t % PAGE).to(tl.int64)
-        code = unpack_natural(kd, bq * s_kdb + h * s_kdh + off * s_kdt, N, D, BITS).to(tl.float16)
+        code = codes_f16(unpack_natural(kd, bq * s_kdb + h * s_kdh + off * s_kdt, N, D, BITS), MAGIC)
         if K_TOKEN:  # scaled per token and 32 channels
             grow = bq * s_ksb + h * s_ksh + off * s_kst
             k = tl.fma(code, group_rows(ks, grow, live, N, D, 32), group_rows(kz, grow, live, N, D, 32))
@@ -131,7 +142,7 @@ def _decode_kivi_kernel(
             k = tl.fma(code, group_cols(ks, srow, N, D, 32), group_cols(kz, srow, N, D, 32))
         s = tl.dot(q_code, tl.trans(k))
         m_new, alpha, p, l_i = softmax_step(tl.where(live[None, :], s * qk_scale, float("-inf")), m_i, l_i)
-        code = unpack_natural(vd, bq * s_vdb + h * s_vdh + off * s_vdt, N, D, BITS).to(tl.float16)
+        code = codes_f16(unpack_natural(vd, bq * s_vdb + h * s_vdh + off * s_vdt, N, D, BITS), MAGIC)
         grow = bq * s_vsb + h * s_vsh + off * s_vst  # [N]: token rows of the scale planes
         v = tl.fma(code, group_rows(vs, grow, live, N, D, 32), group_rows(vz, grow, live, N, D, 32))
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
@@ -185,6 +196,6 @@ def launch(q, layer: LayerKV, tables, lens, has_hp: bool, po, plse, base: int, q
         tables, tables.stride(0), lens, po, plse, splits, qk_scale, base, po.shape[2],
         GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=layer.block_size,
         BITS=layer.fmt.k.bits, HAS_HP=bool(has_hp), DOT=dot, K_TOKEN=layer.fmt.k.scale == "token_group",
-        N=tile, HN=hn, HP_PAGES=HP_PAGES,
+        N=tile, HN=hn, HP_PAGES=HP_PAGES, MAGIC=F16_MAGIC,
         num_warps=num_warps, num_stages=num_stages,
     )
