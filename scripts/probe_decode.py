@@ -54,6 +54,8 @@ def main():
     ap.add_argument("--triton", default="1", help="0: skip the Triton sweep")
     ap.add_argument("--kivi-f16-magic", default="", help="Triton KIVI decode: also with these values of "
                     "decode_kivi.F16_MAGIC (0,1: both; codes made f16 by bit operations)")
+    ap.add_argument("--kivi-planes", default="", help="Triton KIVI decode: also with these values of "
+                    "decode_kivi.PLANES (0,1: both; one dot a bit plane)")
     ap.add_argument("--kivi-step32", default="0", help="CUDA kernel, KIVI: 0,1 = both variants (KIVI_STEP32)")
     ap.add_argument("--cuda-defines", default="",
                     help="CUDA kernel: also time it with these compile-time switches (e.g. ROT_REG_LUT=0; "
@@ -105,9 +107,12 @@ def main():
         from kvq.attention.triton import decode_kivi
 
         magics = [bool(int(m)) for m in args.kivi_f16_magic.split(",")] if args.kivi_f16_magic else [None]
-        for (bn, sp, nw, ns, gp), mg in itertools.product([] if args.triton == "0" else combos, magics):
+        planes = [bool(int(m)) for m in args.kivi_planes.split(",")] if args.kivi_planes else [None]
+        for (bn, sp, nw, ns, gp), mg, pl in itertools.product([] if args.triton == "0" else combos, magics, planes):
             if mg is not None:
                 decode_kivi.F16_MAGIC = mg
+            if pl is not None:
+                decode_kivi.PLANES = pl
             kw = dict(max_seq_len=L, has_hp=args.has_hp, block_n=bn, num_splits=sp or None, num_warps=nw, num_stages=ns,
                       g_pad=gp or None)
             try:
@@ -115,7 +120,8 @@ def main():
             except Exception as e:  # e.g. out of shared memory for a config
                 print(f"{fmt:20s} bn={bn} splits={sp} w={nw} s={ns}: failed {type(e).__name__}", flush=True)
                 continue
-            print(f"{fmt:20s} bn={bn:3d} splits={sp or 'auto':>4} w={nw} s={ns} gpad={gp} magic={mg}: {t:7.1f} us  "
+            print(f"{fmt:20s} bn={bn:3d} splits={sp or 'auto':>4} w={nw} s={ns} gpad={gp} magic={mg} planes={pl}: "
+                  f"{t:7.1f} us  "
                   f"{total / t / 1e3:6.0f} GB/s  err {err:.1e}", flush=True)
         if args.cuda:
             from kvq.attention.cuda import decode8

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton.splitk import finish, partial_rows, program_share, softmax_step
-from kvq.attention.triton.tiles import group_cols, group_rows, unpack_natural
+from kvq.attention.triton.decode_kivi_planes import decode_kivi_planes_kernel
+from kvq.attention.triton.tiles import codes_f16, group_cols, group_rows, unpack_natural
 from kvq.cache.pool import LayerKV
 
 #: Tokens a KIVI group (the kernel's per-channel scale rows are per group).
@@ -51,6 +52,9 @@ HP_PAGES = 64
 #: Codes made float16 by bit operations (the code in the mantissa of 1024.0, minus 1024) instead of an
 #: integer-to-float conversion instruction (A/B: ``probe_decode.py --kivi-f16-magic 0,1``).
 F16_MAGIC = False
+#: One dot a bit plane, the codes never reshaped to natural order (kvq.attention.triton.decode_kivi_planes;
+#: A/B: ``probe_decode.py --kivi-planes 0,1``).
+PLANES = False
 
 
 def serves(layer: LayerKV) -> bool:
@@ -74,14 +78,6 @@ def base_tokens(layer: LayerKV) -> int:
 def tile_tokens(layer: LayerKV) -> int:
     """Tokens a tile of the quantized pass by default: :data:`TILE_TOKENS` (a multiple of :func:`base_tokens`)."""
     return max(TILE_TOKENS, base_tokens(layer))
-
-
-@triton.jit
-def codes_f16(code, MAGIC: tl.constexpr):
-    """Small non-negative integer codes (int32) as float16, exactly (:data:`F16_MAGIC`)."""
-    if MAGIC:
-        return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    return code.to(tl.float16)
 
 
 # the table width and split count change step to step, the table and length views' alignment too
@@ -187,7 +183,7 @@ def launch(q, layer: LayerKV, tables, lens, has_hp: bool, po, plse, base: int, q
     group = Hq // H
     kp, vp = layer.k, layer.v
     ks, vs_ = kp["scale"].stride(), vp["scale"].stride()
-    _decode_kivi_kernel[(B, H, splits)](
+    (decode_kivi_planes_kernel if PLANES else _decode_kivi_kernel)[(B, H, splits)](
         q, q.stride(0), q.stride(1),
         kp["data"], kp["scale"], kp["zero"], layer.k_hp, vp["data"], vp["scale"], vp["zero"], layer.v_hp,
         *kp["data"].stride()[:3], ks[0], ks[1], ks[2],
