@@ -192,6 +192,10 @@ constexpr int VDP = D / VPER;
 constexpr int VDH = V_BITS == 3 ? D / 8 : 0;
 constexpr int VROWB = VDP + VDH;
 constexpr int VNLEV = 1 << V_BITS;
+// levels from registers (ROT_REG_LUT): 3-bit codes always, 4-bit ones up to head_dim 128 (their four table
+// words made head_dim 256 with hp pages spill); K8's K has no codebook
+constexpr bool K_REG = ROT && ROT_REG_LUT && !K8 && (KIVI_BITS == 3 || HEAD_DIM <= 128);
+constexpr bool V_REG = ROT && ROT_REG_LUT && (V_BITS == 3 || HEAD_DIM <= 128);
 constexpr int KW = KB / 4;
 constexpr bool NARROW = VDP < 32;        // 16-byte rows (int2 at head_dim 64): one PV m-tile a plane
 constexpr int NU = NARROW ? 1 : VDP / 32; // words of a V row that one lane reads (NARROW: a half word)
@@ -583,8 +587,8 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     if (threadIdx.x < NLEV + VNLEV) lut[threadIdx.x] = threadIdx.x < NLEV ? klut[threadIdx.x] : vlut[threadIdx.x - NLEV];
     __syncthreads();
     // (ROT_REG_LUT: each codebook's magnitudes in registers; K8's K has none)
-    const LutR klr = ROT_REG_LUT && !K8 ? lutr_of<NLEV>(lut) : LutR{0u, 0u, 0u, 0u};
-    const LutR vlr = ROT_REG_LUT ? lutr_of<VNLEV>(lut + NLEV) : LutR{0u, 0u, 0u, 0u};
+    const LutR klr = K_REG ? lutr_of<NLEV>(lut) : LutR{0u, 0u, 0u, 0u};
+    const LutR vlr = V_REG ? lutr_of<VNLEV>(lut + NLEV) : LutR{0u, 0u, 0u, 0u};
 #endif
 
     // ---- the query group as B fragments (k_channel's map): qf in f16 for the quantized
@@ -796,7 +800,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
             const int x = KB * c + 4 * w, hb = x / DHW;  // the high plane's word of these channels, its bit
             const u32 y0 = DH ? *reinterpret_cast<const u32*>(kr + gi * RSK + DP + x % DHW) : 0u;
             const u32 y1 = DH ? *reinterpret_cast<const u32*>(kr + (gi + 8) * RSK + DP + x % DHW) : 0u;
-            if constexpr (ROT_REG_LUT) {
+            if constexpr (K_REG) {
                 const CodeWord w0 = KIVI_BITS == 3 ? prep3(r0[w], y0, hb) : prep4(r0[w]);
                 const CodeWord w1 = KIVI_BITS == 3 ? prep3(r1[w], y1, hb) : prep4(r1[w]);
 #pragma unroll
@@ -860,7 +864,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 const u32 sel = (2 * e) | ((2 * e + 1) << 4) | ((2 * e + 4) << 8) | ((2 * e + 5) << 12);
                 const u32 tA = __byte_perm(v0[u], v1[u], sel), tB = __byte_perm(v8[u], v9[u], sel);
                 const u32 yA = __byte_perm(h0[u], h1[u], sel), yB = __byte_perm(h8[u], h9[u], sel);
-                if constexpr (ROT_REG_LUT) {
+                if constexpr (V_REG) {
                     const CodeWord wA = V_BITS == 3 ? prep3(tA, yA, hb) : prep4(tA);
                     const CodeWord wB = V_BITS == 3 ? prep3(tB, yB, hb) : prep4(tB);
 #pragma unroll
