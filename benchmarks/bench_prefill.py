@@ -149,7 +149,7 @@ def kvq_impls(device, smoke: bool, variants=(), no_triton: bool = False) -> dict
 def fill(fmt: str, kernels, B: int, past: int, chunk: int, H: int, D: int, group: int, device, gen):
     """A cache of ``B`` sequences holding ``past`` tokens, then a step writing ``chunk`` more: ->
     (harness, step metadata, q, k, v) for kvq.models.llama.attend."""
-    from paged_harness import kv_data, make_harness
+    from paged_harness import kv_data, make_harness, schedule
 
     from kvq.cache.step import apply_ops, each_to, host_step, stage_step
 
@@ -159,13 +159,7 @@ def fill(fmt: str, kernels, B: int, past: int, chunk: int, H: int, D: int, group
     layer, pol = h.layer, h.plan.window_policy
     sids = list(range(B))
     for n in ([past] if past else []) + [chunk]:
-        ops = []
-        for sid in sids:
-            if sid in h.manager:
-                ops += h.manager.append_slots(sid, [0] * n)
-            else:
-                h.manager.allocate_prompt(sid, list(range(n)))
-        apply_ops(h.pool, kernels, ops)
+        apply_ops(h.pool, kernels, schedule(h.manager, dict.fromkeys(sids, n)))
         meta, _ = stage_step(host_step(h.manager, sids, [n] * B), h.plan.block_size, each_to(device), policy=pol)
         k, v = (torch.cat(x) for x in zip(*(kv_data(gen, n, H, D, device) for _ in sids)))
         kernels.write_kv(layer, k, v, meta.slots, meta.full_blocks)

@@ -59,17 +59,23 @@ def kv_data(gen: torch.Generator, T: int, H: int, D: int, device) -> tuple[torch
     return k.bfloat16().to(device), v.bfloat16().to(device)
 
 
+def schedule(manager, new: dict) -> list:
+    """``new[seq]`` more tokens for each sequence of ``manager`` (a sequence it does not hold gets them as
+    its prompt): -> the block ops to apply to the pools."""
+    ops = []
+    for sid, n in new.items():
+        if sid in manager:
+            ops += manager.append_slots(sid, [0] * n)
+        else:
+            manager.allocate_prompt(sid, list(range(n)))
+    return ops
+
+
 def step(h: Harness, new: dict, gen: torch.Generator, q_dtype=torch.bfloat16, kv: dict | None = None):
     """Add ``new[seq] = number of tokens`` to each sequence (new sequences get a prompt),
     write their K/V and return (q, metadata, out) of attention over the cache."""
     H, D = h.layer.num_kv_heads, h.layer.head_dim
-    ops = []
-    for sid, k in new.items():
-        if sid not in h.exact_k:
-            h.manager.allocate_prompt(sid, list(range(k)))
-        else:
-            ops += h.manager.append_slots(sid, [0] * k)
-    apply_ops(h.pool, h.kernels, ops)
+    apply_ops(h.pool, h.kernels, schedule(h.manager, new))
     sids = list(new)
     meta = build_metadata(h.manager, sids, [new[s] for s in sids], h.device)
     ks, vs = [], []

@@ -22,7 +22,7 @@ from kvq.cache.step import apply_ops, each_to, host_step, stage_step
 from kvq.cache.window import WindowPolicy, block_state, exact_from, reads_exact
 from kvq.formats.reference import dequantize, quantize
 from kvq.models.llama import attend
-from tests.paged_harness import kv_data, make_harness
+from tests.paged_harness import kv_data, make_harness, schedule
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -150,13 +150,7 @@ def _check_windows(fmt, sink, res, backend, chunks, num_q: int = 96, group: int 
     exact = {}
     for chunk in chunks:
         sids = list(chunk)
-        ops = []
-        for sid in sids:
-            if sid in exact:
-                ops += h.manager.append_slots(sid, [0] * chunk[sid])
-            else:
-                h.manager.allocate_prompt(sid, list(range(chunk[sid])))
-        apply_ops(h.pool, kernels, ops)
+        apply_ops(h.pool, kernels, schedule(h.manager, chunk))
         hs = host_step(h.manager, sids, [chunk[s] for s in sids])
         meta, _ = stage_step(hs, bs, each_to(DEV), policy=pol)
         ks, vs = zip(*(kv_data(gen, chunk[s], layer.num_kv_heads, layer.head_dim, DEV) for s in sids))
@@ -260,13 +254,8 @@ def test_ragged_windowed_calls_equal_the_paged_calls(monkeypatch):
     # ("c": no key old enough for the bulk: the ragged call's dummy key)
     for chunk, fresh in (({"a": 200, "b": 130}, True), ({"a": 70}, False), ({"c": 40, "d": 150}, True)):
         sids = list(chunk)
-        ops = []
-        for sid in sids:
-            if fresh:
-                h.manager.allocate_prompt(sid, list(range(chunk[sid])))
-            else:
-                ops += h.manager.append_slots(sid, [0] * chunk[sid])
-        apply_ops(h.pool, paged, ops)
+        assert fresh == all(sid not in h.manager for sid in sids)
+        apply_ops(h.pool, paged, schedule(h.manager, chunk))
         meta, _ = stage_step(host_step(h.manager, sids, [chunk[s] for s in sids]), bs, each_to(DEV),
                              policy=h.plan.window_policy)
         k, v = (torch.cat(x) for x in zip(*(kv_data(gen, chunk[s], layer.num_kv_heads, layer.head_dim, DEV)
@@ -304,16 +293,10 @@ def test_layers_of_a_step_share_its_window_tensors(groups, monkeypatch):
     plan2 = make_plan(model, "int2_kivi", block_size=bs, sink_tokens=4, residual_tokens=32)
     pools = [h.pool, KVPool.create(h.plan, 96, 64, DEV), KVPool.create(plan2, 96, 64, DEV)]
     layers = [p.layers[0] for p in pools]  # int4_kivi twice (other K/V), then int2_kivi
-    seen, started = set(), set()
+    seen = set()
     for chunk in ({"a": 110, "b": 70}, {"a": 40, "c": 60}, {"a": 30, "b": 30}):
         sids = list(chunk)
-        ops = []
-        for sid in sids:
-            if sid in started:
-                ops += h.manager.append_slots(sid, [0] * chunk[sid])
-            else:
-                h.manager.allocate_prompt(sid, list(range(chunk[sid])))
-                started.add(sid)
+        ops = schedule(h.manager, chunk)
         for pool in pools:
             apply_ops(pool, shared, ops)
         meta, _ = stage_step(host_step(h.manager, sids, [chunk[s] for s in sids]), bs, each_to(DEV),
