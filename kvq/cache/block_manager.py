@@ -99,7 +99,10 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
         self._fresh: set[BlockRef] = set()  # blocks sealed this step: never moved in it
         self._landing: set[SeqBlocks] = set()  # swapped in this step: not registered before its copy ran
         self._cands = None  # pressure's scan of demotable blocks, reused for a few steps (kvq.cache.block_tiers)
-        self._cands_step = self._step = 0  # the step it was made in, the current step (begin_step counts)
+        # the step its walk began in, the step it took over in, the current step (begin_step counts)
+        self._cands_step = self._cands_at = self._step = 0
+        self._ahead = None  # the next scan, made a slice a step while pressure lasts
+        self._pressed = -(1 << 30)  # the last step make_room was asked for room
         self.num_scans = 0
         self.num_demotions = [0] * ((tiers.num_tiers if tiers else 0) + 1)  # by destination tier
         self._alloc = {
