@@ -295,6 +295,7 @@ def demotions(engine) -> dict:
         return {}
     clock = engine.runner.demote_clock
     return {"demotions_by_tier": list(bm.num_demotions[1:]), "pressure_demotions": engine.scheduler.num_demotions,
+            "pressure_scans": bm.num_scans,  # walks of the running sequences' blocks (whole or ahead, in slices)
             "demotion_s": round(clock.seconds, 4) if clock is not None else 0.0}
 
 

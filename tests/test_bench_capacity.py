@@ -181,4 +181,5 @@ def test_bench_engine_rows_carry_the_tiers(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     assert runs and all(r["kv_cache_dtype"] == "fp8_e4m3>int4_kivi" and r["kv_cache_tiers"] == ["int4_kivi"]
-                        and "preemptions" in r and "pressure_demotions" in r and "error" not in r for r in runs)
+                        and "preemptions" in r and "pressure_demotions" in r and "pressure_scans" in r
+                        and "error" not in r for r in runs)
