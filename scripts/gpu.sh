@@ -12,6 +12,7 @@
 #   bash scripts/gpu.sh bench-kv-transfer  # bf16 sender -> receiver format: cast ms, NIXL GB/s vs a device copy
 #   bash scripts/gpu.sh disagg-check       # prefill + decode servers vs colocated: greedy texts equal per format
 #   bash scripts/gpu.sh probe           # quick decode timing probe
+#   bash scripts/gpu.sh pipes [--out F] # lanes a clock per SM of the instructions that turn codes into levels
 #   bash scripts/gpu.sh ncu-decode FMT,... [PROBE ARGS]  # Nsight Compute of the CUDA decode at 4x131072, one
 #                                       # launch a format (stall reasons, pipes, occupancy): $OUT/ncu_FMT.txt
 #   bash scripts/gpu.sh probe-prefill   # quick prefill timing probe (--window --lib: the library split's band tiles)
@@ -66,6 +67,7 @@ case "$target" in
   bench-kv-transfer) python3 benchmarks/bench_kv_transfer.py "$@" ;;
   disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
+  pipes) python3 scripts/probe_pipes.py "$@" ;;  # issue rates of PRMT, LOP3, F2FP, HFMA2, HMMA (issue 44)
   ncu-decode) fmts="${1:?formats, comma-separated}"; shift || true
               for f in ${fmts//,/ }; do
                 # --clock-control none: the device notes (METHOD.md) ask to leave the clocks alone
@@ -85,5 +87,5 @@ case "$target" in
             mkdir -p "${OUT:-.}/fi"; tar czf - -C /tmp/fi-export . | split -b 15M - "${OUT:-.}/fi/ficache.tgz." ;;
   env-check) python3 scripts/cuda_extra_check.py "$@" ;;
   demo) t0=$(date +%s); python3 -m kvq.cli eval --model default "$@"; echo "kvq eval wall $(( $(date +%s) - t0 )) s" ;;
-  *) echo "unknown target $target (test, pytest, fi-build, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe, probe-prefill, ncu-decode)" >&2; exit 2 ;;
+  *) echo "unknown target $target (test, pytest, fi-build, test-tp, env-check, demo, bench-kernels, bench-prefill, bench-engine, bench-server, bench-offload, bench-kv-transfer, disagg-check, probe, pipes, probe-prefill, ncu-decode)" >&2; exit 2 ;;
 esac

@@ -88,6 +88,15 @@ def main() -> int:
             return 1
         regs = re.search(r"Used (\d+) registers", r.stderr)
         sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    total, n, ops = main_loop(sass)
+    print(f"{args.format}: {total} instructions, {regs.group(1) if regs else '?'} registers; "
+          f"main loop {n}: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
+    return 0
+
+
+def main_loop(sass: str) -> tuple[int, int, Counter]:
+    """(instructions, the main loop's length, its opcodes) of cuobjdump's SASS: the main loop is the largest
+    backward branch's body that holds no other loop's whole body."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in
            (re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
     index = {a: i for i, (a, _) in enumerate(ins)}
@@ -96,13 +105,10 @@ def main() -> int:
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < a:
             loops.append((i - index[int(m.group(1), 16)] + 1, index[int(m.group(1), 16)], i))
-    # the main loop: the largest body that is not an enclosing loop (holding another's whole body)
     inner = [lp for lp in loops if not any(o is not lp and lp[1] <= o[1] and o[2] <= lp[2] for o in loops)]
     n, first, last = max(inner)
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in ins[first:last + 1])
-    print(f"{args.format}: {len(ins)} instructions, {regs.group(1) if regs else '?'} registers; "
-          f"main loop {n}: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
-    return 0
+    return len(ins), n, ops
 
 
 if __name__ == "__main__":

@@ -111,3 +111,20 @@ def test_seal_serves_block_sealed_layers_only():
     assert seal.layer_reason(layer("fp8_per_block", block_size=32)) is None
     assert "fp8_e4m3" in seal.layer_reason(layer("fp8_e4m3", block_size=32))
     assert "groups of 64" in seal.layer_reason(layer("int4_kivi", group_size=64))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_pipe_probe_times_the_instruction_it_names():
+    """scripts/probe_pipes.py (issue 44's rates) builds for sm_90a, and each case's timed loop holds one of its
+    instructions a chain a round: the rate it prints is that instruction's."""
+    import sys
+
+    sys.path.insert(0, str(SRC.parents[3]))
+    from scripts import probe_pipes
+
+    loops = probe_pipes.loops()
+    want = {"prmt": "PRMT", "lop3": "LOP3", "shf": "SHF", "hfma2": "HFMA2", "cvt_e4m3x2_f16x2": "F2FP",
+            "mma_f16_m16n8k16": "HMMA"}
+    for op, opcode in want.items():
+        assert loops[op][opcode] == probe_pipes.CHAINS, (op, loops[op])
+    assert loops["prmt+cvt"]["PRMT"] == loops["prmt+cvt"]["F2FP"] == probe_pipes.CHAINS
