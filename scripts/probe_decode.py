@@ -52,10 +52,6 @@ def main():
     ap.add_argument("--cuda-stages", default="3", help="CUDA kernel: pipeline stages per warp")
     ap.add_argument("--cuda-min-blocks", default="3", help="CUDA kernel: CTAs per SM the registers allow")
     ap.add_argument("--triton", default="1", help="0: skip the Triton sweep")
-    ap.add_argument("--kivi-f16-magic", default="", help="Triton KIVI decode: also with these values of "
-                    "decode_kivi.F16_MAGIC (0,1: both; codes made f16 by bit operations)")
-    ap.add_argument("--kivi-planes", default="", help="Triton KIVI decode: also with these values of "
-                    "decode_kivi.PLANES (0,1: both; one dot a bit plane)")
     ap.add_argument("--kivi-step32", default="0", help="CUDA kernel, KIVI: 0,1 = both variants (KIVI_STEP32)")
     ap.add_argument("--cuda-defines", default="",
                     help="CUDA kernel: also time it with these compile-time switches (e.g. ROT_REG_LUT=0; "
@@ -104,15 +100,7 @@ def main():
         err = max(errs)
         combos = itertools.product(*(map(int, a.split(",")) for a in (
             args.block_n, args.splits, args.warps, args.stages, args.gpad)))
-        from kvq.attention.triton import decode_kivi
-
-        magics = [bool(int(m)) for m in args.kivi_f16_magic.split(",")] if args.kivi_f16_magic else [None]
-        planes = [bool(int(m)) for m in args.kivi_planes.split(",")] if args.kivi_planes else [None]
-        for (bn, sp, nw, ns, gp), mg, pl in itertools.product([] if args.triton == "0" else combos, magics, planes):
-            if mg is not None:
-                decode_kivi.F16_MAGIC = mg
-            if pl is not None:
-                decode_kivi.PLANES = pl
+        for bn, sp, nw, ns, gp in [] if args.triton == "0" else combos:
             kw = dict(max_seq_len=L, has_hp=args.has_hp, block_n=bn, num_splits=sp or None, num_warps=nw, num_stages=ns,
                       g_pad=gp or None)
             try:
@@ -120,7 +108,7 @@ def main():
             except Exception as e:  # e.g. out of shared memory for a config
                 print(f"{fmt:20s} bn={bn} splits={sp} w={nw} s={ns}: failed {type(e).__name__}", flush=True)
                 continue
-            print(f"{fmt:20s} bn={bn:3d} splits={sp or 'auto':>4} w={nw} s={ns} gpad={gp} magic={mg} planes={pl}: "
+            print(f"{fmt:20s} bn={bn:3d} splits={sp or 'auto':>4} w={nw} s={ns} gpad={gp}: "
                   f"{t:7.1f} us  "
                   f"{total / t / 1e3:6.0f} GB/s  err {err:.1e}", flush=True)
         if args.cuda:

@@ -191,12 +191,13 @@ def test_cuda_backend_choice():
         pytest.skip(decode8.unavailable_reason())
     _, choice = select_backend("auto", plan, "cuda", torch.bfloat16)
     assert choice.resolved == "cuda" and "1 of 2 layers" in choice.reason, choice
-    # a plan with no layer the CUDA decode reads still resolves to the same backend (Triton kernels
-    # throughout), so an evaluation's formats all resolve alike and only a real fallback stands out
-    for fmt in ("int4_per_token", "bfloat16"):
+    # the per-token sub-byte formats decode through CUDA too (issue 43); a plan with no layer the CUDA decode
+    # reads still resolves to the same backend (Triton kernels throughout), so an evaluation's formats all
+    # resolve alike and only a real fallback stands out
+    for fmt, why in (("int4_per_token", "CUDA decode on all 2 layers"), ("bfloat16", "Triton kernels on all 2 layers")):
         plan = make_plan(bare_model(2, 2, 128, num_attention_heads=8), fmt)
         _, choice = select_backend("auto", plan, "cuda", torch.bfloat16)
-        assert choice.resolved == "cuda" and "Triton kernels on all 2 layers" in choice.reason, choice
+        assert choice.resolved == "cuda" and why in choice.reason, choice
     plan = make_plan(bare_model(2, 2, 128, num_attention_heads=8), "fp8_e4m3fnuz")
     _, choice = select_backend("auto", plan, "cuda", torch.bfloat16)
     assert choice.resolved == "torch", choice

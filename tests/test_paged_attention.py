@@ -463,20 +463,16 @@ def test_decode_any_split_count_merges_to_the_reference(fmt):
 @pytest.mark.parametrize("fmt,D", [("int4_kivi", 64), ("int2_kivi", 64), ("int2_kivi", 128), ("int4_per_token", 64),
                                    ("int2_per_token", 128)])
 @pytest.mark.parametrize("tile,hp_pages", [(None, 64), (64, 2), (128, 1)])
-@pytest.mark.parametrize("planes,magic", [(False, False), (True, True)], ids=["natural", "planes-magic"])
-def test_kivi_decode_kernel_matches_the_reference(fmt, D, tile, hp_pages, planes, magic, monkeypatch):
+def test_kivi_decode_kernel_matches_the_reference(fmt, D, tile, hp_pages, monkeypatch):
     """The KIVI decode kernel (kvq.attention.triton.decode_kivi: a branch-free quantized pass, then the
     hp pages) over outlier channels, hp sink, window and mid-table pages, a partial last tile and two
     splits, with tiles of one page and of several, and the hp pass's table chunks of 64, 2 and 1 pages:
-    the reference's output.  Also its variant with a dot a bit plane and codes made f16 by bit operations
-    (decode_kivi.PLANES, F16_MAGIC)."""
+    the reference's output."""
     from kvq.attention.triton import decode, decode_kivi
     from kvq.cache.plan import bare_model, make_plan
     from kvq.cache.pool import KVPool
 
     monkeypatch.setattr(decode_kivi, "HP_PAGES", hp_pages)
-    monkeypatch.setattr(decode_kivi, "PLANES", planes)
-    monkeypatch.setattr(decode_kivi, "F16_MAGIC", magic)
     H, group = 2, 3
     plan = make_plan(bare_model(1, H, D, num_attention_heads=H * group), fmt, sink_tokens=32, residual_tokens=32)
     bs = plan.block_size

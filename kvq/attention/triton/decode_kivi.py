@@ -37,8 +37,7 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton.splitk import finish, partial_rows, program_share, softmax_step
-from kvq.attention.triton.decode_kivi_planes import decode_kivi_planes_kernel
-from kvq.attention.triton.tiles import codes_f16, group_cols, group_rows, unpack_natural
+from kvq.attention.triton.tiles import group_cols, group_rows, unpack_natural
 from kvq.cache.pool import LayerKV
 
 #: Tokens a KIVI group (the kernel's per-channel scale rows are per group).
@@ -49,12 +48,6 @@ TILE_TOKENS = 64
 NUM_STAGES = 2
 #: Pages of the table the hp pass reads at once to skip those that hold no hp page.
 HP_PAGES = 64
-#: Codes made float16 by bit operations (the code in the mantissa of 1024.0, minus 1024) instead of an
-#: integer-to-float conversion instruction (A/B: ``probe_decode.py --kivi-f16-magic 0,1``).
-F16_MAGIC = False
-#: One dot a bit plane, the codes never reshaped to natural order (kvq.attention.triton.decode_kivi_planes;
-#: A/B: ``probe_decode.py --kivi-planes 0,1``).
-PLANES = False
 
 
 def serves(layer: LayerKV) -> bool:
@@ -95,7 +88,7 @@ def _decode_kivi_kernel(
     split_base, split_total,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr,
     HAS_HP: tl.constexpr, DOT: tl.constexpr, K_TOKEN: tl.constexpr, N: tl.constexpr, HN: tl.constexpr,
-    HP_PAGES: tl.constexpr, MAGIC: tl.constexpr,
+    HP_PAGES: tl.constexpr,
 ):
     b, h, sp, start, end = program_share(lens_ptr, num_splits, N)
 
@@ -124,7 +117,7 @@ def _decode_kivi_kernel(
             bids = tl.maximum(bids, 0)
         bq = bids.to(tl.int64)
         off = (t % PAGE).to(tl.int64)
-        code = codes_f16(unpack_natural(kd, bq * s_kdb + h * s_kdh + off * s_kdt, N, D, BITS), MAGIC)
+        code = unpack_natural(kd, bq * s_kdb + h * s_kdh + off * s_kdt, N, D, BITS).to(tl.float16)
         if K_TOKEN:  # scaled per token and 32 channels
             grow = bq * s_ksb + h * s_ksh + off * s_kst
             k = tl.fma(code, group_rows(ks, grow, live, N, D, 32), group_rows(kz, grow, live, N, D, 32))
@@ -138,7 +131,7 @@ def _decode_kivi_kernel(
             k = tl.fma(code, group_cols(ks, srow, N, D, 32), group_cols(kz, srow, N, D, 32))
         s = tl.dot(q_code, tl.trans(k))
         m_new, alpha, p, l_i = softmax_step(tl.where(live[None, :], s * qk_scale, float("-inf")), m_i, l_i)
-        code = codes_f16(unpack_natural(vd, bq * s_vdb + h * s_vdh + off * s_vdt, N, D, BITS), MAGIC)
+        code = unpack_natural(vd, bq * s_vdb + h * s_vdh + off * s_vdt, N, D, BITS).to(tl.float16)
         grow = bq * s_vsb + h * s_vsh + off * s_vst  # [N]: token rows of the scale planes
         v = tl.fma(code, group_rows(vs, grow, live, N, D, 32), group_rows(vz, grow, live, N, D, 32))
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
@@ -183,7 +176,7 @@ def launch(q, layer: LayerKV, tables, lens, has_hp: bool, po, plse, base: int, q
     group = Hq // H
     kp, vp = layer.k, layer.v
     ks, vs_ = kp["scale"].stride(), vp["scale"].stride()
-    (decode_kivi_planes_kernel if PLANES else _decode_kivi_kernel)[(B, H, splits)](
+    _decode_kivi_kernel[(B, H, splits)](
         q, q.stride(0), q.stride(1),
         kp["data"], kp["scale"], kp["zero"], layer.k_hp, vp["data"], vp["scale"], vp["zero"], layer.v_hp,
         *kp["data"].stride()[:3], ks[0], ks[1], ks[2],
@@ -192,6 +185,6 @@ def launch(q, layer: LayerKV, tables, lens, has_hp: bool, po, plse, base: int, q
         tables, tables.stride(0), lens, po, plse, splits, qk_scale, base, po.shape[2],
         GROUP=group, G_PAD=g_pad or max(16, triton.next_power_of_2(group)), D=D, PAGE=layer.block_size,
         BITS=layer.fmt.k.bits, HAS_HP=bool(has_hp), DOT=dot, K_TOKEN=layer.fmt.k.scale == "token_group",
-        N=tile, HN=hn, HP_PAGES=HP_PAGES, MAGIC=F16_MAGIC,
+        N=tile, HN=hn, HP_PAGES=HP_PAGES,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -265,15 +265,6 @@ def unpack_natural(ptr, row, N: tl.constexpr, D: tl.constexpr, BITS: tl.constexp
 
 
 @triton.jit
-def codes_f16(code, MAGIC: tl.constexpr):
-    """Small non-negative integer codes (int32) as float16, exactly; ``MAGIC``: by bit operations (the
-    code in the mantissa of 1024.0, minus 1024) instead of an integer-to-float conversion instruction."""
-    if MAGIC:
-        return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    return code.to(tl.float16)
-
-
-@triton.jit
 def group_rows(ptr, grow, live, N: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
     """[N, D] (the plane's dtype): per-token values of each group of G channels at element offsets
     ``grow`` [N] (D / G of them a row; G a power of two up to D) broadcast over their channels; 0 on
