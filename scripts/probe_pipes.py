@@ -161,7 +161,7 @@ def measure(op: str, num_sms: int) -> dict:
         cupy.cuda.runtime.deviceSynchronize()
         c = cyc.get().astype(float)
         rounds = threads * ITERS * CHAINS  # lane rounds of the timed loop, one block
-        rates.append(BLOCKS_PER_SM * rounds / statistics.median(c))
+        rates.append(float(BLOCKS_PER_SM * rounds / statistics.median(c)))  # (a Python float: prints plainly)
     rate = statistics.median(rates)
     # each instruction of a round runs `rate` lanes a clock; the SM issues `rate x instructions a round`
     return {"op": op, "instructions_per_round": OPS[op][1], "each_per_clock_per_sm": round(rate, 2),
