@@ -12,6 +12,7 @@
 #   bash scripts/gpu.sh bench-kv-transfer  # bf16 sender -> receiver format: cast ms, NIXL GB/s vs a device copy
 #   bash scripts/gpu.sh disagg-check       # prefill + decode servers vs colocated: greedy texts equal per format
 #   bash scripts/gpu.sh probe           # quick decode timing probe
+#   bash scripts/gpu.sh profile-engine  # device kernels and host time of engine steps (scripts/profile_engine.py)
 #   bash scripts/gpu.sh pipes [--out F] # lanes a clock per SM of the instructions that turn codes into levels
 #   bash scripts/gpu.sh ncu-decode FMT,... [PROBE ARGS]  # Nsight Compute of the CUDA decode at 4x131072, one
 #                                       # launch a format (stall reasons, pipes, occupancy): $OUT/ncu_FMT.txt
@@ -67,6 +68,7 @@ case "$target" in
   bench-kv-transfer) python3 benchmarks/bench_kv_transfer.py "$@" ;;
   disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;
+  profile-engine) python3 scripts/profile_engine.py "$@" ;;  # where an engine step's time goes (--prefill: the prompt's)
   pipes) python3 scripts/probe_pipes.py "$@" ;;  # issue rates of PRMT, LOP3, F2FP, HFMA2, HMMA (issue 44)
   ncu-decode) fmts="${1:?formats, comma-separated}"; shift || true
               for f in ${fmts//,/ }; do
