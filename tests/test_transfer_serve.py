@@ -412,9 +412,12 @@ def test_tiered_servers_on_both_sides_of_a_transfer():
     dt, durl, _ = _start_with(KVRoleOptions(role="decode", peer=purl, fallback="fail"), **TIERED)
     ct, curl, _ = _start_with(**TIERED)
     try:
-        for p in PROMPTS:  # short: nothing ages while it is prefilled
-            want = _complete(curl, p, max_tokens=56).json()["choices"][0]["text"]
-            r = _complete(durl, p, max_tokens=56)
+        # short: nothing ages while it is prefilled.  The second prompt (85 tokens) has a block demoted at
+        # about 130 tokens, then decodes over it; the first (5 tokens) ages no block even in 56 tokens:
+        # 16 check its transfer
+        for p, n in zip(PROMPTS, (16, 56)):
+            want = _complete(curl, p, max_tokens=n).json()["choices"][0]["text"]
+            r = _complete(durl, p, max_tokens=n)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want
         assert _demotions(purl) == 0 and _demotions(durl) > 0 and _demotions(durl) == _demotions(curl)
