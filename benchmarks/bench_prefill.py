@@ -104,9 +104,6 @@ VARIANTS = {
     "band-unpacked": (dict(band_gqa=False), "the windowed band kernel with a program per query head instead of "
                       "each KV head's query heads packed into its rows (kvq.attention.triton.band.PACK_GQA)",
                       _windowed),
-    "window-runs": (dict(window_runs=True), "windowed layers through one paged call whose requests are the runs "
-                    "of queries sharing their exact window's start, instead of two calls and the band kernel "
-                    "(split_prefill.WINDOW_RUNS)", _windowed),
     "fp8": (dict(fp8=True), "fp8_e4m3 read as stored through FA3's FP8 tensor cores (--prefill-backend "
             "flashinfer-fp8)", lambda fmt: fmt == "fp8_e4m3"),
 }

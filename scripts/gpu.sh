@@ -53,7 +53,7 @@ case "$target" in
   # FlashInfer's modules first, in one ninja run (a no-op where .ficache brought them)
   test) python3 scripts/flashinfer_cache.py build --fp8 || echo "flashinfer prebuild failed: FlashInfer compiles on first use" >&2
         python3 -m pytest -q -p no:cacheprovider -n "${GPU_TEST_WORKERS:-6}" tests/test_paged_attention.py tests/test_reference_quant.py tests/test_fused.py tests/test_cuda_graphs.py tests/test_cuda_decode.py \
-          tests/test_prefill_window.py tests/test_window_runs.py tests/test_staging.py tests/test_host_pool.py \
+          tests/test_prefill_window.py tests/test_staging.py tests/test_host_pool.py \
           tests/test_formats_spec.py tests/test_connectors.py tests/test_sampler.py tests/test_sampling_kernel.py \
           tests/test_no_recompile.py tests/test_split_prefill.py tests/test_codebook.py tests/test_demote.py \
           tests/test_tiered_attention.py "$@" ;;

@@ -22,9 +22,7 @@ three ways by layer:
   over the exact pages with a sliding window of ``R``; the sinks and the ``P`` keys between, where
   queries differ, go through kvq.attention.triton.band, which merges both calls' results by
   their log-sum-exps (with :data:`RAGGED_WINDOWED`, fresh prompts' two calls are ragged calls over
-  the keys copied from the scratch into rows: the default); or (:data:`WINDOW_RUNS`) one paged call
-  whose requests are the runs of queries that share their window's start, each reading every one
-  of its blocks from the exact or the quantized page as the run reads it (:func:`run_plan`).
+  the keys copied from the scratch into rows: the default).
 
 Each library call is planned once per step (host work: page lists, the library's own plan) and
 reused by every layer; the per-step key is the step's host metadata object (``host``).
@@ -39,7 +37,6 @@ from kvq.attention.triton import dequant
 from kvq.attention.triton.band import band_attention
 from kvq.attention.triton.decode import layer_args
 from kvq.attention.triton.prefill import _dense_args, scratch_groups, window_scratch
-from kvq.cache.window import exact_runs
 
 
 #: Dequantize quantized pages into the queries' dtype (bf16 for a bf16 model) instead of f16, so that
@@ -67,15 +64,6 @@ RAGGED_FRESH = True
 #: 1.13, 8K 1.90 -> 1.72, 4 x 4096 2.49 -> 2.31; 8 x 1024 4.60 -> 5.24, where the GPU's work is a little
 #: less (556 against 574 us of kernels) and the host's enqueueing (1.3 ms) is what the call waits for.
 RAGGED_WINDOWED = True
-
-#: A quantized layer under the window rule as one paged library call over the page scratch instead of two
-#: calls and the band kernel: the window's start (kvq.cache.window.exact_from) is a multiple of the block
-#: size and the same for a run of up to a block of consecutive queries, so each run is a request of its
-#: own whose pages are its sequence's blocks up to its last query, each block read exact or quantized as
-#: the whole run reads it; causal at the bottom right, the library's mask is each query's (:func:`run_plan`).
-#: No merge and no band, and a request of ``P`` queries fills ``P x group`` rows of the library's tile
-#: (KIVI: 32 x 4 = 128 for Llama-3-8B).  ``bench_prefill.py --window-runs`` times it.
-WINDOW_RUNS = False
 
 #: FP8 tensor cores (``--prefill-backend flashinfer-fp8``): queries cast to e4m3 as they are (query
 #: scale 1.0, vLLM's default for FP8 attention; clamped to e4m3's range), so a request's result never
@@ -106,14 +94,12 @@ class SplitPrefill:
     kvq.attention.flashinfer_lib.FlashInferLib)."""
 
     def __init__(self, lib, model_dtype_scratch: bool = MODEL_DTYPE_SCRATCH, ragged_fresh: bool = RAGGED_FRESH,
-                 fp8: bool = False, ragged_windowed: bool = RAGGED_WINDOWED, band_gqa: bool | None = None,
-                 window_runs: bool = WINDOW_RUNS):
+                 fp8: bool = False, ragged_windowed: bool = RAGGED_WINDOWED, band_gqa: bool | None = None):
         self.lib = lib
         self.model_dtype_scratch = model_dtype_scratch
         self.ragged_fresh = ragged_fresh
         self.ragged_windowed = ragged_windowed
         self.band_gqa = band_gqa  # None: kvq.attention.triton.band.PACK_GQA
-        self.window_runs = window_runs
         self.fp8 = fp8  # fp8_e4m3 layers read as stored through the library's FP8 tensor-core kernel
         self._step = None  # the host metadata object the cached plans belong to
         self._plans: dict = {}
@@ -208,15 +194,6 @@ class SplitPrefill:
         memo = lambda key, build: self._plan(host, key, build)  # noqa: E731  (the step's layers share them)
         for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, window, k_new, v_new, dtype=dtype,
                                               memo=memo)):
-            if self.window_runs:  # one call, a request per run of queries that share their window
-                Hq, D = q.shape[1], q.shape[2]
-                handle = self._plan(host, ("runs", gi, P, H, D, dtype), lambda: self.lib.prepare(
-                    run_plan(window, g, P), Hq, H, D, dtype, sm_scale))
-                if dtype == q.dtype:
-                    self.lib.run(handle, q[g.r0:g.r1], g.k, g.v, out=out[g.r0:g.r1])
-                else:
-                    out[g.r0:g.r1] = self.lib.run(handle, q[g.r0:g.r1].to(dtype), g.k, g.v)[0]
-                continue
             lens = window.lens[g.b0:g.b1]
             qo = [window.cu[b + 1] - window.cu[b] for b in range(g.b0, g.b1)]
             bulk = [n - split - sink for n in lens]  # keys [sink, p - split] of the last query
@@ -269,29 +246,3 @@ class SplitPrefill:
             k[dummy] = 0
             v[dummy] = 0
         return self.lib.run_ragged(handle, qg, k, v)
-
-
-def run_plan(window, g, page_size: int) -> paged_lib.LibPlan:
-    """The paged call of :data:`WINDOW_RUNS` for group ``g`` of kvq.attention.triton.prefill.window_scratch:
-    a request per run of kvq.cache.window.exact_runs over each sequence's new positions, in the rows' order.
-    A run of positions ``[a, b)`` reads keys ``[0, b)``: blocks from its exact_from on through ``g.tab_exact``,
-    the others through ``g.tab_q`` (the sink blocks are hp, never sealed: both tables give their exact page);
-    causal at the bottom right, so each query sees the keys up to its own position."""
-    P = page_size
-    qo, kv_lens, kv_indptr, seq, first_exact = [], [], [0], [], []
-    for b in range(g.b0, g.b1):
-        n, t = window.lens[b], window.cu[b + 1] - window.cu[b]
-        for a, stop, e in exact_runs(n - t, n, window.policy):
-            qo.append(stop - a)
-            kv_lens.append(stop)
-            kv_indptr.append(kv_indptr[-1] + -(-stop // P))
-            seq.append(b - g.b0)
-            first_exact.append(e // P)
-    dev, total = g.tab_q.device, kv_indptr[-1]
-    pages = torch.tensor([c - a for a, c in zip(kv_indptr, kv_indptr[1:])], device=dev)
-    run = torch.repeat_interleave(torch.arange(len(qo), device=dev), pages, output_size=total)
-    j = torch.arange(total, device=dev) - torch.tensor(kv_indptr[:-1], device=dev)[run]  # block of each entry
-    s = torch.tensor(seq, device=dev)[run]
-    exact = j >= torch.tensor(first_exact, device=dev)[run]
-    ids = torch.where(exact, g.tab_exact[s, j], g.tab_q[s, j]).to(torch.int32).contiguous()
-    return paged_lib.LibPlan(paged_lib.indptr(qo), tuple(kv_indptr), tuple(kv_lens), ids, P)

@@ -155,22 +155,3 @@ def exact_from(p: int, policy: WindowPolicy) -> int:
 def reads_exact(j: int, p: int, policy: WindowPolicy) -> bool:
     """Whether a query at position ``p`` reads key ``j <= p`` exact (:func:`exact_from`)."""
     return j // policy.block_size < policy.sink_blocks or j >= exact_from(p, policy)
-
-
-def exact_runs(start: int, end: int, policy: WindowPolicy) -> list[tuple[int, int, int]]:
-    """Query positions ``[start, end)`` cut where :func:`exact_from` changes: ``(first, stop, exact_from)``
-    for each run of consecutive positions that read the same keys exact.  With a window the value is a
-    multiple of the block size and moves once every ``block_size`` positions (at ``p - residual_tokens``
-    a multiple of it), so a run is up to a block long, but for positions below ``residual_tokens +
-    block_size`` (all exact from 0); formats written directly with no window give every position its
-    own run."""
-    runs, p = [], start
-    while p < end:
-        if can_seal(policy):
-            bs, res = policy.block_size, policy.residual_tokens
-            stop = min(end, res + max(1, (p - res) // bs + 1) * bs)  # the first position whose value is larger
-        else:
-            stop = p + 1
-        runs.append((p, stop, exact_from(p, policy)))
-        p = stop
-    return runs
