@@ -65,6 +65,16 @@ RAGGED_FRESH = True
 #: less (556 against 574 us of kernels) and the host's enqueueing (1.3 ms) is what the call waits for.
 RAGGED_WINDOWED = True
 
+#: Requests with a cached past (a long prompt's later chunks, a prefix hit) go through the library's ragged
+#: call too: each request's keys, the past's and the chunk's, copied (16-bit pages) or dequantized into
+#: contiguous rows first, one launch a scratch group, instead of its paged call over the pool's pages or
+#: the page scratch.  FlashInfer's FA3 loads contiguous K/V by TMA and gathers pages with cp.async: on an
+#: H100 (session 34, docs/results/s34_h100/) one 131072-token prompt's attention ran at 648 TFLOP/s
+#: through the ragged call and 542 through the paged one, and the paged calls were 521 of the 552 ms of
+#: attention in a 32K-token prompt's four 8192-token chunks.  ``bench_prefill.py --paged-past`` times
+#: the other side.
+RAGGED_PAST = True
+
 #: FP8 tensor cores (``--prefill-backend flashinfer-fp8``): queries cast to e4m3 as they are (query
 #: scale 1.0, vLLM's default for FP8 attention; clamped to e4m3's range), so a request's result never
 #: depends on the other requests of its step.
@@ -94,12 +104,14 @@ class SplitPrefill:
     kvq.attention.flashinfer_lib.FlashInferLib)."""
 
     def __init__(self, lib, model_dtype_scratch: bool = MODEL_DTYPE_SCRATCH, ragged_fresh: bool = RAGGED_FRESH,
-                 fp8: bool = False, ragged_windowed: bool = RAGGED_WINDOWED, band_gqa: bool | None = None):
+                 fp8: bool = False, ragged_windowed: bool = RAGGED_WINDOWED, band_gqa: bool | None = None,
+                 ragged_past: bool = RAGGED_PAST):
         self.lib = lib
         self.model_dtype_scratch = model_dtype_scratch
         self.ragged_fresh = ragged_fresh
         self.ragged_windowed = ragged_windowed
         self.band_gqa = band_gqa  # None: kvq.attention.triton.band.PACK_GQA
+        self.ragged_past = ragged_past
         self.fp8 = fp8  # fp8_e4m3 layers read as stored through the library's FP8 tensor-core kernel
         self._step = None  # the host metadata object the cached plans belong to
         self._plans: dict = {}
@@ -154,20 +166,23 @@ class SplitPrefill:
                                                                                        q.device))
                 self.lib.run_ragged(handle, q, k_new, v_new, out=out)
                 return out
-            handle = self._plan(host, ("direct",), lambda: self.lib.prepare(
-                paged_lib.make_plan(qo, lens, [0] * len(lens), block_tables, P), Hq, H, D, q.dtype, sm_scale))
-            self.lib.run(handle, q, layer.k["data"], layer.v["data"], out=out)
-            return out
+            if not self.ragged_past:
+                handle = self._plan(host, ("direct",), lambda: self.lib.prepare(
+                    paged_lib.make_plan(qo, lens, [0] * len(lens), block_tables, P), Hq, H, D, q.dtype, sm_scale))
+                self.lib.run(handle, q, layer.k["data"], layer.v["data"], out=out)
+                return out
         dtype = scratch_dtype(q.dtype, self.model_dtype_scratch) if layer.fmt.is_quantized else layer.k_hp.dtype
         args, meta = layer_args(layer)
         for gi, (b0, b1, width) in enumerate(scratch_groups(lens, H, P, D)):
             r0, r1 = cu[b0], cu[b1]
-            if fresh:  # fresh prompts: their keys dequantized into the rows of their queries, one ragged call
-                starts = (cu_seqlens_q[b0:b1] - r0).to(torch.int32)
+            if fresh or self.ragged_past:  # each request's keys (dequantized, or copied) into rows, one ragged call
+                kv = paged_lib.indptr(lens[b0:b1])  # fresh prompts: the rows of their queries
+                starts = self._plan(host, ("rows", gi, H, P, D), lambda: torch.tensor(kv[:-1], dtype=torch.int32).to(
+                    q.device, non_blocking=True))
                 k, v = dequant.dequantize_rows(args, meta, block_tables[b0:b1, :width], seq_lens[b0:b1], starts,
-                                               r1 - r0, width, H, P, D, dtype=dtype)
-                handle = self._plan(host, ("ragged-scratch", gi, dtype), lambda: self.lib.prepare_ragged(
-                    qo[b0:b1], Hq, H, D, dtype, sm_scale, q.device))
+                                               kv[-1], width, H, P, D, dtype=dtype)
+                handle = self._plan(host, ("ragged-scratch", gi, H, P, D, dtype), lambda: self.lib.prepare_ragged(
+                    qo[b0:b1], Hq, H, D, dtype, sm_scale, q.device, kv_lens=lens[b0:b1]))
                 run = self.lib.run_ragged
             else:
                 k, v, ident = dequant.dequantize_pages(args, meta, block_tables[b0:b1, :width], seq_lens[b0:b1], width,
