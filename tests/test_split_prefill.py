@@ -259,13 +259,14 @@ def test_fresh_prompts_read_their_keys_in_the_rows_of_their_queries(name, fmt, m
     """A step whose requests are all fresh prompts (no cached past) goes through the library's ragged
     call: a 16-bit layer over the K/V it computed (kvq.models.llama.attend passes them), which the pool
     holds bit for bit, a quantized one over its pages dequantized into the rows of their queries
-    (``dequant.dequantize_rows``).  A step with a past goes through the ragged call too, each request's
-    keys copied or dequantized into rows (split_prefill.RAGGED_PAST).  The output is the paged calls' (bit
-    for bit through the torch library)."""
+    (``dequant.dequantize_rows``).  With ``ragged_past`` (split_prefill.RAGGED_PAST) a step with a past
+    goes through the ragged call too, each request's keys copied or dequantized into rows.  The output
+    is the paged calls' (bit for bit through the torch library)."""
     gen = torch.Generator().manual_seed(5)
     from kvq.attention.triton import kernels as triton_kernels
 
-    split, paged_split = SplitPrefill(lib(name)), SplitPrefill(lib(name), ragged_fresh=False, ragged_past=False)
+    split = SplitPrefill(lib(name), ragged_past=True)
+    paged_split = SplitPrefill(lib(name), ragged_fresh=False, ragged_past=False)
     kernels = with_prefill(triton_kernels, split.paged_attention)
     h = make_harness(fmt, kernels, device=DEV, **({} if fmt != "int4_kivi" else dict(sink=0, residual=0)))
     calls = []
