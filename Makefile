@@ -27,7 +27,8 @@ demo: install
 # Lint (the repo's ruff config) and the test suite: what CI runs.  One pytest worker per core
 # (pytest-xdist; work stealing, with the longest tests collected first by tests/conftest.py's LONG_FIRST,
 # keeps both busy to the end), one torch thread each (tests/conftest.py pins it too); a running
-# percentage, the 15 slowest tests at the end; pytest's exit code 5 ("no tests ran") fails the target.  TEST_WORKERS=0 runs everything in this process.
+# percentage, the 15 slowest tests at the end; pytest's exit code 5 ("no tests ran") fails the target.
+# TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= auto
 test: install-test
 	$(PY) -m ruff check .
