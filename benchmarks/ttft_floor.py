@@ -140,12 +140,27 @@ def _flashinfer(backend: str):
     return make
 
 
+def _flashinfer_ragged(backend: str):
+    """FlashInfer's batch ragged prefill with one request: the call kvq's prefill makes for a fresh prompt
+    (kvq.attention.flashinfer_lib), whose modules travel prebuilt where the single-request API's may not."""
+    def make(q, k, v, shape):
+        import flashinfer
+
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=q.device),
+                                                            kv_layout="NHD", backend=backend)
+        ind = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        w.plan(ind, ind.clone(), shape.heads, shape.kv_heads, shape.head_dim, causal=True, q_data_type=q.dtype,
+               kv_data_type=k.dtype)
+        return lambda: w.run(q, k, v)
+    return make
+
+
 def attention_kernels(device: torch.device) -> dict:
     """name -> make(q, k, v, shape) -> call: the library causal kernels tried on this device."""
     if device.type == "cuda":
         return {"sdpa_cudnn": _sdpa("CUDNN_ATTENTION"), "sdpa_flash": _sdpa("FLASH_ATTENTION"),
                 "sdpa_efficient": _sdpa("EFFICIENT_ATTENTION"), "flashinfer_fa3": _flashinfer("fa3"),
-                "flashinfer_fa2": _flashinfer("fa2")}
+                "flashinfer_fa3_ragged": _flashinfer_ragged("fa3"), "flashinfer_fa2": _flashinfer("fa2")}
     return {"sdpa_flash": _sdpa("FLASH_ATTENTION"), "sdpa_math": _sdpa("MATH"), "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
             "flashinfer_fa3": _flashinfer("fa3")}
 
