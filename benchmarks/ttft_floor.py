@@ -141,17 +141,15 @@ def _flashinfer(backend: str):
 
 
 def _flashinfer_ragged(backend: str):
-    """FlashInfer's batch ragged prefill with one request: the call kvq's prefill makes for a fresh prompt
-    (kvq.attention.flashinfer_lib), whose modules travel prebuilt where the single-request API's may not."""
+    """FlashInfer's batch ragged prefill with one request, through kvq's own wrapper: the call kvq's prefill
+    makes for a fresh prompt, whose modules travel prebuilt where the single-request API's may not."""
     def make(q, k, v, shape):
-        import flashinfer
+        from kvq.attention.flashinfer_lib import FlashInferLib
 
-        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=q.device),
-                                                            kv_layout="NHD", backend=backend)
-        ind = torch.tensor([0, q.shape[0]], dtype=torch.int32)
-        w.plan(ind, ind.clone(), shape.heads, shape.kv_heads, shape.head_dim, causal=True, q_data_type=q.dtype,
-               kv_data_type=k.dtype)
-        return lambda: w.run(q, k, v)
+        lib = FlashInferLib(q.device, backend)
+        handle = lib.prepare_ragged([q.shape[0]], shape.heads, shape.kv_heads, shape.head_dim, q.dtype,
+                                    shape.head_dim ** -0.5, q.device)
+        return lambda: lib.run_ragged(handle, q, k, v)
     return make
 
 
