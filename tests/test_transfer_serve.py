@@ -413,8 +413,8 @@ def test_tiered_servers_on_both_sides_of_a_transfer():
     ct, curl, _ = _start_with(**TIERED)
     try:
         # short: nothing ages while it is prefilled.  The second prompt (85 tokens) has a block demoted at
-        # about 130 tokens, then decodes over it; the first (5 tokens) ages no block even in 56 tokens:
-        # 16 check its transfer
+        # about 130 tokens and decodes over it; the first (5 tokens) ages no block in 56 tokens either, so
+        # 16 tokens check its transfer
         for p, n in zip(PROMPTS, (16, 56)):
             want = _complete(curl, p, max_tokens=n).json()["choices"][0]["text"]
             r = _complete(durl, p, max_tokens=n)
