@@ -98,9 +98,9 @@ VARIANTS = {
     "paged-fresh": (dict(ragged_fresh=False), "16-bit layers' fresh prompts through the library's paged call over "
                     "the pool instead of its ragged call over the new K/V (split_prefill.RAGGED_FRESH)",
                     lambda fmt: not _quantized(fmt)),
-    "ragged-past": (dict(ragged_past=True), "requests with a cached past through the library's ragged call over "
-                    "their keys copied (or dequantized) into rows instead of its paged call over the pool or the "
-                    "page scratch (split_prefill.RAGGED_PAST)", lambda fmt: True),
+    "paged-past": (dict(ragged_past=False), "requests with a cached past through the library's paged call over the "
+                   "pool or the page scratch instead of its ragged call over their keys copied (or dequantized) into "
+                   "rows (split_prefill.RAGGED_PAST)", lambda fmt: True),
     "paged-windowed": (dict(ragged_windowed=False), "windowed fresh prompts' bulk and exact tail through the "
                        "library's paged call over the page scratch instead of its ragged call over the keys copied "
                        "into rows (split_prefill.RAGGED_WINDOWED)", _windowed),

@@ -71,10 +71,10 @@ RAGGED_WINDOWED = True
 #: the page scratch.  FlashInfer's FA3 loads contiguous K/V by TMA and gathers pages with cp.async: on an
 #: H100 (session 34, docs/results/s34_h100/) one 131072-token prompt's attention ran at 648 TFLOP/s
 #: through the ragged call and 542 through the paged one, and the paged calls were 521 of the 552 ms of
-#: attention in a 32K-token prompt's four 8192-token chunks.  Off until kvq's own A/B has run on a GPU
-#: (``bench_prefill.py --ragged-past``; one call over runs of queries, as well founded on paper, measured
-#: 4.5x slower): the next device call times it, then the default follows the numbers.
-RAGGED_PAST = False
+#: attention in a 32K-token prompt's four 8192-token chunks.  kvq's A/B on an H100 (session 35,
+#: docs/results/s35_h100/; ``bench_prefill.py --paged-past`` times the other side): 1 x 122880 + 8192
+#: bf16 29.7 -> 25.2 ms, fp8_e4m3 28.9 -> 24.0 ms; one 131071-token prompt's TTFT (bf16) 11.29 -> 10.06 s.
+RAGGED_PAST = True
 
 #: FP8 tensor cores (``--prefill-backend flashinfer-fp8``): queries cast to e4m3 as they are (query
 #: scale 1.0, vLLM's default for FP8 attention; clamped to e4m3's range), so a request's result never
