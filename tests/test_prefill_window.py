@@ -238,21 +238,24 @@ def test_logits_do_not_depend_on_the_prefill_chunk(spec, capsys):
 
 
 def test_ragged_windowed_calls_equal_the_paged_calls(monkeypatch):
-    """Fresh prompts under the window rule with split_prefill.RAGGED_WINDOWED: the bulk and the exact
-    tail go through the library's ragged call over keys copied into rows (two calls a layer), and
-    the output is the paged calls' bit for bit (the torch library); a chunk with a past goes through
-    the pages."""
+    """Prompts under the window rule with split_prefill.RAGGED_WINDOWED: the bulk and the exact tail go
+    through the library's ragged call over keys copied into rows (two calls a layer), and the output is
+    the paged calls' bit for bit (the torch library).  A chunk with a past does too (RAGGED_PAST), or
+    through the pages without it."""
     from kvq.attention import paged_lib
+    from tests.test_split_prefill import split_kernels
 
     calls = []
     real = paged_lib.TorchLib.run_ragged
     monkeypatch.setattr(paged_lib.TorchLib, "run_ragged", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     paged, ragged = _kernels("split"), _kernels("split-ragged")
+    fresh_only = split_kernels("torch", ragged_windowed=True, ragged_past=False)
     gen = torch.Generator().manual_seed(9)
     h = make_harness("int4_kivi", paged, sink=4, residual=32, num_q=96, num_hp=64, device=DEV)
     layer, bs = h.layer, h.plan.block_size
     # ("c": no key old enough for the bulk: the ragged call's dummy key)
-    for chunk, fresh in (({"a": 200, "b": 130}, True), ({"a": 70}, False), ({"c": 40, "d": 150}, True)):
+    for chunk, fresh in (({"a": 200, "b": 130}, True), ({"a": 70}, False), ({"c": 40, "d": 150}, True),
+                         ({"a": 50, "c": 90, "e": 20}, False)):
         sids = list(chunk)
         assert fresh == all(sid not in h.manager for sid in sids)
         apply_ops(h.pool, paged, schedule(h.manager, chunk))
@@ -266,8 +269,11 @@ def test_ragged_windowed_calls_equal_the_paged_calls(monkeypatch):
         want = attend(paged, q, layer, meta, layer.head_dim ** -0.5, k, v)
         assert not calls
         got = attend(ragged, q, layer, meta, layer.head_dim ** -0.5, k, v)
-        assert len(calls) == (2 if fresh else 0)
+        assert len(calls) == 2
         assert torch.equal(got, want)
+        calls.clear()
+        assert torch.equal(attend(fresh_only, q, layer, meta, layer.head_dim ** -0.5, k, v), want)
+        assert len(calls) == (2 if fresh else 0)
 
 
 @pytest.mark.parametrize("groups", [False, True], ids=["one-group", "group-a-sequence"])

@@ -44,16 +44,18 @@ LIBS = ["torch", pytest.param("flashinfer", marks=pytest.mark.skipif(
     bool(_flashinfer_reason()), reason=str(_flashinfer_reason())))]
 
 
-def split_kernels(lib_name, model_dtype_scratch=False, ragged_windowed=False, band_gqa=None):
-    """The library prefill as the kernels' prefill (fresh windowed prompts through the paged calls unless
-    ``ragged_windowed``: split_prefill.RAGGED_WINDOWED's other side).  Quantized pages dequantize into f16 here, not the
+def split_kernels(lib_name, model_dtype_scratch=False, ragged_windowed=False, band_gqa=None, ragged_past=True):
+    """The library prefill as the kernels' prefill (windowed prompts through the paged calls unless
+    ``ragged_windowed``: split_prefill.RAGGED_WINDOWED's other side; with it, chunks with a past too unless
+    not ``ragged_past``).  Quantized pages dequantize into f16 here, not the
     default's bf16 (MODEL_DTYPE_SCRATCH): the window and chunk tests bound the error against the
     definition tighter than bf16's 8 significant bits allow, so that one key read from the wrong tier
     shows; the bf16 scratch has its own test (test_model_dtype_scratch_reads_queries_in_place)."""
     from kvq.attention.triton import kernels
 
     return with_prefill(kernels, SplitPrefill(lib(lib_name), model_dtype_scratch=model_dtype_scratch,
-                                              ragged_windowed=ragged_windowed, band_gqa=band_gqa).paged_attention)
+                                              ragged_windowed=ragged_windowed, band_gqa=band_gqa,
+                                              ragged_past=ragged_past).paged_attention)
 
 
 def _per_row(q, k, v, qo, lens, sm, window_left=-1):

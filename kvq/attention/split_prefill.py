@@ -206,7 +206,8 @@ class SplitPrefill:
         split = pol.residual_tokens + P
         sink = window.sink_tokens
         dtype = scratch_dtype(q.dtype, self.model_dtype_scratch)
-        fresh = self.ragged_windowed and all(n == b - a for n, a, b in zip(window.lens, window.cu, window.cu[1:]))
+        fresh = all(n == b - a for n, a, b in zip(window.lens, window.cu, window.cu[1:]))  # no cached past
+        ragged = self.ragged_windowed and (fresh or self.ragged_past)
         memo = lambda key, build: self._plan(host, key, build)  # noqa: E731  (the step's layers share them)
         for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, window, k_new, v_new, dtype=dtype,
                                               memo=memo)):
@@ -218,10 +219,10 @@ class SplitPrefill:
             o_bulk = o_tail = None
             if max(bulk) > 0:  # keys [sink, n - split) of each sequence, read quantized
                 o_bulk = self._over_scratch(host, ("window", gi), g, qg, qo, sm_scale, g.tab_q, sink, pol.sink_blocks,
-                                            bulk, fresh)
+                                            bulk, ragged)
             if pol.residual_tokens and max(tail) > 0:  # keys [sink, n) exact, each query's last R of them
                 o_tail = self._over_scratch(host, ("tail", gi), g, qg, qo, sm_scale, g.tab_exact, sink, pol.sink_blocks,
-                                            tail, fresh, window_left=pol.residual_tokens - 1)
+                                            tail, ragged, window_left=pol.residual_tokens - 1)
             band_attention(q[g.r0:g.r1], out[g.r0:g.r1], g, P, H, sm_scale, max_q_len, sink, pol.residual_tokens,
                            o_bulk, o_tail, pack_gqa=self.band_gqa)
 
