@@ -7,7 +7,10 @@ import sys
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from kvq.attention.triton.tiles import _rot_table, hadamard_rows, rot_signs
 from kvq.formats import codebook
 from kvq.formats.reference import dequantize, pack, quantize, unpack
 from kvq.formats.registry import ROTATION_SEED, resolve_format
@@ -21,6 +24,39 @@ def test_rotation_is_orthogonal_and_its_inverse_exact(D):
     x = torch.randn(7, D) * 5
     assert torch.allclose(codebook.unrotate(codebook.rotate(x, 11), 11), x, atol=1e-5)
     assert not torch.allclose(codebook.rotate(x, 11), codebook.rotate(x, 12))  # the seed matters
+
+
+@triton.jit
+def _rotation_kernel(x_ptr, out_ptr, table_ptr, R: tl.constexpr, D: tl.constexpr, INVERSE: tl.constexpr):
+    off = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
+    v = tl.load(x_ptr + off)
+    sign = rot_signs(table_ptr, D)[None, :]
+    if INVERSE:
+        v = hadamard_rows(v, table_ptr, R, D)
+        v = tl.where(sign, v, -v)
+    else:
+        v = hadamard_rows(tl.where(sign, v, -v), table_ptr, R, D)
+    tl.store(out_ptr + off, v)
+
+
+def _triton_rotation(x, seed, inverse):
+    """[R, D] float32 through the kernels' butterflies (tiles.hadamard_rows and the signs), on x's device."""
+    out = torch.empty_like(x)
+    _rotation_kernel[(1,)](x, out, _rot_table(2, seed, x.shape[1], str(x.device)), R=x.shape[0], D=x.shape[1],
+                           INVERSE=inverse)
+    return out
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_kernel_butterflies_are_the_references_bit_for_bit(D):
+    """The write, seal and dequantization kernels rotate with the reference's butterflies in the same
+    order (tiles.hadamard_rows): the same float32 values, not values within rounding, both ways."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(16, D, generator=g) * 3).to(dev)
+    x[:, 5] += 40.0  # an outlier channel
+    assert torch.equal(_triton_rotation(x, ROTATION_SEED, False), codebook.rotate(x, ROTATION_SEED))
+    assert torch.equal(_triton_rotation(x, ROTATION_SEED, True), codebook.unrotate(x, ROTATION_SEED))
 
 
 def test_rotation_spreads_an_outlier_channel():
@@ -131,9 +167,10 @@ def test_rotated_formats_read_each_querys_window_exact(fmt, sink, res, backend):
 @pytest.mark.parametrize("name", ["turboquant_4bit_nc", "turboquant_3bit_nc", "rot3_kc", "rot4_kc", "turboquant_k8v4"])
 def test_triton_writes_and_seals_store_the_references_codes(name):
     """Token writes (norm per token), block seals from hp blocks and from new tokens (centred K): the
-    Triton kernels store the reference's planes.  The rotation is one float32 product there and a
-    butterfly here, so a coordinate within rounding of a threshold may code one level apart: at most
-    one data byte in a thousand may differ (none did on the CPU interpreter), norms and means to fp16."""
+    Triton kernels store the reference's planes.  Both rotate by the same float32 butterflies
+    (tiles.hadamard_rows), but a GPU's square root and division may round the norm's scaling the other
+    way, so a coordinate within rounding of a threshold may code one level apart: at most one data
+    byte in a thousand may differ (none did on the CPU interpreter), norms and means to fp16."""
     from kvq.attention import reference
     from kvq.attention.triton import kernels
     from tests.paged_harness import make_harness

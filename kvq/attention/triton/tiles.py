@@ -136,16 +136,42 @@ def rot_codes(data_ptr, row, D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def hadamard_rows(x, table_ptr, R: tl.constexpr, D: tl.constexpr):
+    """kvq.formats.codebook.hadamard over the rows of an [R, D] float32 tile: the same butterflies in the
+    same order (stage h: ``a + b`` and ``a - b`` of channels ``j`` and ``j + h`` of each 2h-channel
+    block), then one multiply by ``1 / sqrt(D)`` (read from the format's table, :func:`rot_table`, whose
+    ``R^T[0, 0]`` is that float32 constant with the first sign): the reference's values bit for bit, in
+    ``D log2 D`` additions a row where the ``[D, D]`` product took ``2 D^2`` (three times over in tf32x3)
+    and a 64 KiB table per program."""
+    two = tl.arange(0, 2)
+    flip = (1 - 2 * two).to(tl.float32)[None, None, :, None]  # [1, -1]
+    first = (two == 0)[None, None, :, None]
+    for i in tl.static_range(9):  # head dims up to 512
+        if (1 << i) < D:
+            y = tl.reshape(x, (R, D // (2 << i), 2, 1 << i))
+            total = tl.sum(y, axis=2)[:, :, None, :]  # a + b (one addition: exact order)
+            diff = tl.sum(y * flip, axis=2)[:, :, None, :]  # a + (-b)
+            x = tl.reshape(tl.where(first, total, diff), (R, D))
+    return x * tl.abs(tl.load(table_ptr))
+
+
+@triton.jit
+def rot_signs(table_ptr, D: tl.constexpr):
+    """[D] bool: the rotation's sign of each channel is +1 (``R^T[c, 0]`` is ``s_c / sqrt(D)``)."""
+    return tl.load(table_ptr + tl.arange(0, D) * D) > 0
+
+
+@triton.jit
 def rot_values(data_ptr, norm_ptr, mean_ptr, table_ptr, row, nrow, mrow, D: tl.constexpr, FMT: tl.constexpr):
     """[N, D] float32 values of a rotated codebook tile in natural channel order: levels times the
-    row's norm, rotated back (one [N, D] x [D, D] product), plus the group mean of a centred K
+    row's norm, rotated back (:func:`hadamard_rows`, then the signs), plus the group mean of a centred K
     (``mrow``: element offsets of each row's mean row)."""
     BITS: tl.constexpr = (FMT - ROT) % 3 + 2
     codes = rot_codes(data_ptr, row, D, BITS)
     u = tl.load(table_ptr + 2 * D * D + codes) * tl.load(norm_ptr + nrow).to(tl.float32)[:, None]
     c = tl.arange(0, D)
-    inv = tl.load(table_ptr + D * D + c[:, None] * D + c[None, :])
-    x = tl.dot(u, inv, input_precision="tf32x3")
+    x = hadamard_rows(u, table_ptr, u.shape[0], D)  # codebook.unrotate: H y, then the signs
+    x = tl.where(rot_signs(table_ptr, D)[None, :], x, -x)
     if FMT >= ROT_C:
         x = x + tl.load(mean_ptr + mrow[:, None] + c[None, :]).to(tl.float32)
     return x
