@@ -318,6 +318,10 @@ def measure_ttft_floors(args, cfg: dict, workloads, concs, device, max_len: int)
         print(f"TTFT floor {inp} tokens: {fl['ttft_floor_s'] or 0:.3f} s = GEMMs {fl['gemm_s'] or 0:.3f} s "
               f"({fl['gemm_tflops'] or 0:.0f} TFLOP/s) + attention {fl['attention_s'] or 0:.3f} s "
               f"({fl['attention_kernel']}, TFLOP/s per kernel {ran}) [{time.perf_counter() - t:.0f}s]", flush=True)
+        if fl["gemm_sequence"]:
+            sq = fl["gemm_sequence"]
+            print(f"  the prompt's {sq['gemms']} GEMMs back to back: {sq['s']:.3f} s ({sq['tflops']:.0f} TFLOP/s); "
+                  f"with them, floor {fl['ttft_floor_sequence_s'] or 0:.3f} s", flush=True)
     return floors
 
 

@@ -22,11 +22,17 @@ What is counted, for a prompt of L tokens served in chunks of M = max_num_batche
 Timing: the median of ``iters`` calls after ``warmup`` calls, a 256 MiB buffer zeroed before each
 (L2 flushed) and, on CUDA, a short GPU spin so launch overhead stays out of the events; CUDA events
 on a GPU, ``time.perf_counter`` on the CPU.
+
+Beside the floor (not in it): the prompt's projections run back to back in the engine's order and
+timed as one span (``gemm_sequence``, ``ttft_floor_sequence_s``).  Single calls after an idle spin
+run at the clocks of a short burst; a prompt keeps the tensor cores busy for seconds, at the power
+cap's clocks, and every engine's GEMMs pay that.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -116,6 +122,46 @@ def measure_gemms(shape: PrefillShape, chunk: int, device: torch.device, dtype: 
     return out
 
 
+def measure_gemm_sequence(shape: PrefillShape, prompt_len: int, chunk: int, device: torch.device, dtype: torch.dtype,
+                          warmup_layers: int = 2) -> dict:
+    """The prompt's projections in the engine's order, back to back, timed as one span: every chunk step
+    (the last one at its own rows), every layer, qkv, o, gate_up and down (one layer's weights for all
+    layers: each matrix is larger than the L2, so nothing is reused across layers that the engine would
+    not reuse).  The floor's rates come from single calls after an idle GPU spin, at the clocks a short
+    burst gets; this is the rate cuBLAS keeps over the whole prompt, at the clocks and power a second of
+    tensor-core work gets.  Reported beside the floor, not in it.  -> {"s", "tflops", "gemms"}."""
+    g = torch.Generator(device=device).manual_seed(2)
+    names = ("qkv", "o", "gate_up", "down")
+    dims = {n: shape.gemms(chunk)[n][1:] for n in names}
+    w = {n: torch.randn(n_, k, device=device, dtype=dtype, generator=g) / math.sqrt(k) for n, (k, n_) in dims.items()}
+    rows = [min(chunk, prompt_len - s) for s in range(0, prompt_len, chunk)]
+    x = {k: torch.randn(max(rows), k, device=device, dtype=dtype, generator=g) for k in {k for k, _ in dims.values()}}
+
+    def layers(m: int, count: int):
+        for _ in range(count):
+            for n in names:
+                F.linear(x[dims[n][0]][:m], w[n])
+
+    with torch.inference_mode():
+        layers(rows[0], warmup_layers)
+        cuda = device.type == "cuda"
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+        t0 = time.perf_counter()
+        for m in rows:
+            layers(m, shape.layers)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            s = start.elapsed_time(end) / 1e3
+        else:
+            s = time.perf_counter() - t0
+    flops = sum(2 * m * k * n for m in rows for k, n in dims.values()) * shape.layers
+    return {"s": s, "tflops": flops / s / 1e12, "gemms": len(rows) * shape.layers * len(names), "flops": flops}
+
+
 def _sdpa(backend_name: str):
     def make(q, k, v, shape):  # q [L, Hq, D], k/v [L, Hkv, D] -> a call on [1, Hq, L, D]
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -186,13 +232,16 @@ def measure_attention(shape: PrefillShape, n: int, device: torch.device, dtype: 
 
 def ttft_floor(shape: PrefillShape, prompt_len: int, chunk: int, device: torch.device | str | None = None,
                dtype: torch.dtype | None = None, attention_len: int | None = None, kernels: dict | None = None,
-               flush_bytes: int | None = None, gemm_iters: int = 10, attention_iters: int = 5) -> dict:
+               flush_bytes: int | None = None, gemm_iters: int = 10, attention_iters: int = 5,
+               sequence: bool = True) -> dict:
     """The floor of one prompt's TTFT (module docstring) and every rate it came from.
 
     ``attention_len``: the length the attention rate is measured at (default: the prompt's own);
     ``dtype``: bf16 on CUDA, float32 on the CPU (the engine's defaults); ``kernels``: attention
     candidates (default :func:`attention_kernels`).  ``ttft_floor_s`` is None when no GEMM or no
-    attention kernel ran."""
+    attention kernel ran.  ``sequence``: also time the prompt's projections back to back
+    (:func:`measure_gemm_sequence`; ``gemm_sequence``, and ``ttft_floor_sequence_s`` with them in place of
+    the per-shape GEMM time, for context beside the floor)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     attention_len = attention_len or prompt_len
@@ -201,6 +250,7 @@ def ttft_floor(shape: PrefillShape, prompt_len: int, chunk: int, device: torch.d
     gemm = measure_gemms(shape, min(chunk, prompt_len), device, dtype, timer, iters=gemm_iters)
     attn = measure_attention(shape, attention_len, device, dtype, timer, kernels, iters=attention_iters)
     timer = None
+    sequence = measure_gemm_sequence(shape, prompt_len, chunk, device, dtype) if sequence else None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     gemm_ok = all("tflops" in r for r in gemm.values())
@@ -218,6 +268,8 @@ def ttft_floor(shape: PrefillShape, prompt_len: int, chunk: int, device: torch.d
         "attention_flops": flops["attention"], "attention_len": attention_len, "attention": attn,
         "attention_kernel": best, "attention_tflops": ran[best]["tflops"] if best else None, "attention_s": attn_s,
         "ttft_floor_s": gemm_s + attn_s if gemm_s is not None and attn_s is not None else None,
+        "gemm_sequence": sequence,
+        "ttft_floor_sequence_s": sequence["s"] + attn_s if sequence and attn_s is not None else None,
         "counts": "GEMMs: qkv, o, gate_up, down per layer and token at M=chunk rows + lm_head on one row per "
                   "chunk step, each shape at its own measured rate; attention: 4*Hq*D*L^2/2 per layer (causal, "
                   "chunked or not), at the fastest library kernel's rate measured at attention_len",

@@ -78,6 +78,19 @@ def test_floor_is_the_sum_of_flops_over_rates_with_the_fastest_kernel():
     assert r["attention_s"] == pytest.approx(f["attention"] / (r["attention_tflops"] * 1e12))
     assert r["ttft_floor_s"] == pytest.approx(r["gemm_s"] + r["attention_s"])
     assert r["attention_len"] == L and r["device"] == "cpu" and r["dtype"] == "float32"
+    sq = r["gemm_sequence"]  # beside the floor: the projections back to back (3 steps of 32 rows, 2 layers)
+    assert sq["gemms"] == 3 * TINY.layers * 4
+    assert sq["flops"] == sum(f["gemm"][n] for n in ("qkv", "o", "gate_up", "down"))
+    assert sq["tflops"] == pytest.approx(sq["flops"] / sq["s"] / 1e12)
+    assert r["ttft_floor_sequence_s"] == pytest.approx(sq["s"] + r["attention_s"])
+
+
+def test_gemm_sequence_counts_a_short_last_chunk_at_its_rows():
+    from benchmarks.ttft_floor import measure_gemm_sequence
+
+    sq = measure_gemm_sequence(TINY, 80, 32, torch.device("cpu"), torch.float32)  # chunks of 32, 32, 16 rows
+    per_row = sum(2 * k * n for _, k, n in (TINY.gemms(1)[g] for g in ("qkv", "o", "gate_up", "down")))
+    assert sq["flops"] == 80 * TINY.layers * per_row and sq["gemms"] == 3 * TINY.layers * 4
 
 
 def test_default_kernels_on_cpu_record_absent_libraries():
