@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvq.attention.triton.tiles import _rot_table, hadamard_rows, rot_signs
+from kvq.attention.triton.tiles import _rot_table, rotate_rows, unrotate_rows
 from kvq.formats import codebook
 from kvq.formats.reference import dequantize, pack, quantize, unpack
 from kvq.formats.registry import ROTATION_SEED, resolve_format
@@ -30,17 +30,15 @@ def test_rotation_is_orthogonal_and_its_inverse_exact(D):
 def _rotation_kernel(x_ptr, out_ptr, table_ptr, R: tl.constexpr, D: tl.constexpr, INVERSE: tl.constexpr):
     off = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
     v = tl.load(x_ptr + off)
-    sign = rot_signs(table_ptr, D)[None, :]
     if INVERSE:
-        v = hadamard_rows(v, table_ptr, R, D)
-        v = tl.where(sign, v, -v)
+        v = unrotate_rows(v, table_ptr, R, D)
     else:
-        v = hadamard_rows(tl.where(sign, v, -v), table_ptr, R, D)
+        v = rotate_rows(v, table_ptr, R, D)
     tl.store(out_ptr + off, v)
 
 
 def _triton_rotation(x, seed, inverse):
-    """[R, D] float32 through the kernels' butterflies (tiles.hadamard_rows and the signs), on x's device."""
+    """[R, D] float32 through the kernels' rotation (tiles.rotate_rows / unrotate_rows), on x's device."""
     out = torch.empty_like(x)
     _rotation_kernel[(1,)](x, out, _rot_table(2, seed, x.shape[1], str(x.device)), R=x.shape[0], D=x.shape[1],
                            INVERSE=inverse)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kvq.attention.triton.tiles import (
-    BLOCK_SCALE, DENSE, FP8_STATIC, KIVI_K, ROT, ROT_C, TOKEN_SCALE, format_code, hadamard_rows, rot_signs, to_fp8,
+    BLOCK_SCALE, DENSE, FP8_STATIC, KIVI_K, ROT, ROT_C, TOKEN_SCALE, format_code, rotate_rows, to_fp8,
 )
 from kvq.attention.triton.decode import static_arg
 from kvq.cache.pool import LayerKV
@@ -86,7 +86,7 @@ def _rot_store(x, data_ptr, norm_ptr, mean_ptr, table_ptr, d_row, s_row, m_row, 
                R: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr):
     """A rotated codebook tile (kvq.formats.reference's rule): K of ROT_C loses its per-channel group
     mean (fp16, stored at the block's mean rows from element ``m_row`` on), then each row is rotated
-    (the signs, then :func:`~kvq.attention.triton.tiles.hadamard_rows`), coded against the thresholds,
+    (:func:`~kvq.attention.triton.tiles.rotate_rows`), coded against the thresholds,
     and its norm corrected."""
     BITS: tl.constexpr = (FMT - ROT) % 3 + 2
     m2 = rmask[:, None]
@@ -97,7 +97,7 @@ def _rot_store(x, data_ptr, norm_ptr, mean_ptr, table_ptr, d_row, s_row, m_row, 
         gi = tl.arange(0, R // G)
         tl.store(mean_ptr + m_row + gi[:, None] * D + c[None, :], mean)
         x = tl.reshape(g - mean.to(tl.float32)[:, None, :], (R, D))
-    r = hadamard_rows(tl.where(rot_signs(table_ptr, D)[None, :], x, -x), table_ptr, R, D)  # codebook.rotate
+    r = rotate_rows(x, table_ptr, R, D)
     n = tl.sqrt(tl.sum(r * r, axis=1))
     u = r / _safe(n)[:, None] * tl.sqrt(D * 1.0)
     codes = tl.zeros((R, D), tl.int32)

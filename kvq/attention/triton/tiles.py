@@ -162,16 +162,28 @@ def rot_signs(table_ptr, D: tl.constexpr):
 
 
 @triton.jit
+def rotate_rows(x, table_ptr, R: tl.constexpr, D: tl.constexpr):
+    """``codebook.rotate`` of each row of an [R, D] float32 tile: the signs, then the butterflies."""
+    return hadamard_rows(tl.where(rot_signs(table_ptr, D)[None, :], x, -x), table_ptr, R, D)
+
+
+@triton.jit
+def unrotate_rows(y, table_ptr, R: tl.constexpr, D: tl.constexpr):
+    """``codebook.unrotate`` of each row of an [R, D] float32 tile: the butterflies, then the signs."""
+    x = hadamard_rows(y, table_ptr, R, D)
+    return tl.where(rot_signs(table_ptr, D)[None, :], x, -x)
+
+
+@triton.jit
 def rot_values(data_ptr, norm_ptr, mean_ptr, table_ptr, row, nrow, mrow, D: tl.constexpr, FMT: tl.constexpr):
     """[N, D] float32 values of a rotated codebook tile in natural channel order: levels times the
-    row's norm, rotated back (:func:`hadamard_rows`, then the signs), plus the group mean of a centred K
+    row's norm, rotated back (:func:`unrotate_rows`), plus the group mean of a centred K
     (``mrow``: element offsets of each row's mean row)."""
     BITS: tl.constexpr = (FMT - ROT) % 3 + 2
     codes = rot_codes(data_ptr, row, D, BITS)
     u = tl.load(table_ptr + 2 * D * D + codes) * tl.load(norm_ptr + nrow).to(tl.float32)[:, None]
     c = tl.arange(0, D)
-    x = hadamard_rows(u, table_ptr, u.shape[0], D)  # codebook.unrotate: H y, then the signs
-    x = tl.where(rot_signs(table_ptr, D)[None, :], x, -x)
+    x = unrotate_rows(u, table_ptr, u.shape[0], D)
     if FMT >= ROT_C:
         x = x + tl.load(mean_ptr + mrow[:, None] + c[None, :]).to(tl.float32)
     return x
