@@ -62,6 +62,7 @@ def build_model(model: str | ModelSource = "default", *, load_format: str = "aut
         for name, p in lm.named_parameters():
             if name.endswith("norm.weight"):
                 p.data.fill_(1.0)
+        lm.use_cpu_gemm_layout()
         tok = None
         try:
             from kvq.models.loader import load_tokenizer
@@ -76,7 +77,9 @@ def build_model(model: str | ModelSource = "default", *, load_format: str = "aut
     with torch.device(device), weights_from_checkpoint():  # no random init: every weight is loaded next
         lm = LlamaForCausalLM(cfg, _partition(cfg, tp), tp)
     lm.load_hf_state_dict(state)
-    return lm.to(dtype=dtype).eval(), tok
+    lm = lm.to(dtype=dtype)
+    lm.use_cpu_gemm_layout()
+    return lm.eval(), tok
 
 
 def _partition(cfg: LlamaConfig, tp):
