@@ -233,9 +233,10 @@ def test_model_dtype_scratch_reads_queries_in_place(fmt, win, name, monkeypatch)
     split = SplitPrefill(lib(name), model_dtype_scratch=True)
     h = make_harness(fmt, with_prefill(kernels, split.paged_attention), device=DEV, **win)
     seen = []
-    real_run = split.lib.run
-    monkeypatch.setattr(split.lib, "run", lambda handle, q, k, v, out=None: (
-        seen.append((q.dtype, k.dtype, out.dtype if out is not None else None)), real_run(handle, q, k, v, out=out))[1])
+    for call in ("run", "run_ragged"):  # the paged calls, and the ragged calls over rows (split_prefill.RAGGED_PAST)
+        real = getattr(split.lib, call)
+        monkeypatch.setattr(split.lib, call, lambda handle, q, k, v, out=None, real=real: (
+            seen.append((q.dtype, k.dtype, out.dtype if out is not None else None)), real(handle, q, k, v, out=out))[1])
     errs = _step_errors(h, gen)
     assert max(errs) < 1e-2, (fmt, errs)
     assert seen and all(d in (torch.bfloat16, None) for call in seen for d in call), seen
