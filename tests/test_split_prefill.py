@@ -330,6 +330,7 @@ def test_fp8_prefill_is_an_explicit_opt_in():
     assert "set both windows to 0" in _fp8_prefill_reason(make_plan(model, "fp8_e4m3", sink_tokens=4,
                                                                      residual_tokens=32))
     assert _fp8_prefill_reason(make_plan(model, "fp8_e4m3")) is None
+    assert "tiered cache" in _fp8_prefill_reason(make_plan(model, "fp8_e4m3", tiers="int4_kivi"))
 
 
 @pytest.mark.parametrize("name", LIBS)

@@ -241,13 +241,45 @@ def test_split_tiers_keeps_order_and_lengths():
     assert split_tiers(np.array([[-1, 4]], np.int32), [20], 16) is None
 
 
-@pytest.mark.parametrize("ladder", [LADDER, CENTRED[0]], ids=["kivi", "centred"])
-@pytest.mark.parametrize("windowed", [False, True])
-def test_triton_prefill_reads_each_page_in_its_tier(windowed, ladder, kv):
+def _prefill(impl):
+    """The prefill under test: the Triton kernel, or the library prefill (kvq.attention.split_prefill) over
+    the torch library (FlashInfer's calls' definition; FlashInfer itself on a GPU that has it), its calls
+    paged or ragged."""
+    if impl == "triton":
+        return triton_prefill.paged_attention
+    from kvq.attention import paged_lib
+    from kvq.attention.split_prefill import SplitPrefill
+
+    if "flashinfer" in impl:
+        from kvq.attention.flashinfer_lib import FlashInferLib
+
+        lib = FlashInferLib(DEV)
+    else:
+        lib = paged_lib.TorchLib()
+    ragged = impl.endswith("ragged")
+    # f16 scratch, as the window tests: the bound below then shows one key read through the wrong tier
+    return SplitPrefill(lib, model_dtype_scratch=False, ragged_windowed=ragged, ragged_past=ragged).paged_attention
+
+
+def _flashinfer_missing() -> bool:
+    from kvq.attention import flashinfer_lib
+
+    return not torch.cuda.is_available() or flashinfer_lib.unavailable_reason(torch.device(DEV), D) is not None
+
+
+PREFILLS = ["triton", "split", "split-ragged"] + ([] if _flashinfer_missing() else
+                                                  ["split-flashinfer", "split-flashinfer-ragged"])
+
+
+@pytest.mark.parametrize("impl", PREFILLS)
+@pytest.mark.parametrize("windowed,ladder", [(False, LADDER), (True, LADDER), (False, CENTRED[0]), (True, CENTRED[0]),
+                                             (False, ("bfloat16", "fp8_e4m3"))],  # (a bf16 tier reads hp blocks exact)
+                         ids=["kivi", "kivi-window", "centred", "centred-window", "bf16"])
+def test_prefill_reads_each_page_in_its_tier(windowed, ladder, impl, kv):
     """A chunk of 40 new tokens after a tiered past; with ``windowed`` the block before the chunk is
     still hp, and the chunk's first queries read it exact, its last ones quantized (the per-query
-    window rule)."""
-    layout = ["hp", "q1", "q", "q2", "q1", "hp", "hp", "hp"]
+    window rule).  The Triton prefill and the library prefill (FlashInfer's in the engine) both."""
+    layout = ["hp", "q1", "q", "q2" if "," in ladder[1] else "q1", "q1", "hp", "hp", "hp"]
     layer, table, _, _ = tiered_layer(*ladder, kv, layout, DEV)
     bs = layer.block_size
     n = len(layout) * bs - 5
@@ -266,6 +298,5 @@ def test_triton_prefill_reads_each_page_in_its_tier(windowed, ladder, kv):
     win = dict(window=meta.window, k_new=k_new, v_new=v_new) if windowed else {}
     args = (q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, D ** -0.5)
     want = reference.paged_attention(*args, **win).float()
-    got = triton_prefill.paged_attention(*args, max_q_len=T, max_seq_len=n, host=meta.prefill_host, tiered=True,
-                                         **win).float()
+    got = _prefill(impl)(*args, max_q_len=T, max_seq_len=n, host=meta.prefill_host, tiered=True, **win).float()
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)

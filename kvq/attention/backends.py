@@ -317,8 +317,6 @@ def select_prefill(name: str, choice: BackendChoice, plan: CachePlan, device: to
     device = torch.device(device)
     own = _own_prefill(choice.resolved)
     why = (f"the {choice.resolved} attention backend runs its own prefill" if own == "torch"
-           else "a tiered cache (--kv-cache-tiers) prefills through the Triton kernel, which reads each block "
-                "in its tier" if plan.tiers
            else flashinfer_lib.unavailable_reason(device, plan.model.head_dim))
     if name == "flashinfer":
         if why is not None:
@@ -357,6 +355,9 @@ def _fp8_prefill_reason(plan: CachePlan) -> str | None:
 
     if all(fp8_tensor_cores_reason(f) for f in plan.layers):
         return "no layer is fp8_e4m3 (K and V, static scales); valid KV cache dtypes: fp8_e4m3 (fp8, e4m3)"
+    if plan.tiers:
+        return ("FP8 tensor cores read the pool's e4m3 codes in place; a tiered cache (--kv-cache-tiers) "
+                "holds other formats' blocks in its tables, read through the page scratch (use 'flashinfer')")
     pol = plan.window_policy
     if pol.sink_blocks or pol.residual_tokens:
         return (f"FP8 tensor cores read the cache as stored; this plan keeps {pol.sink_blocks} sink block(s) and "

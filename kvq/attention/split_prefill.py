@@ -130,9 +130,11 @@ class SplitPrefill:
         return self._plans[key]
 
     def paged_attention(self, q, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len=None, has_hp=None,
-                        max_seq_len=None, window=None, k_new=None, v_new=None, host=None):
+                        max_seq_len=None, window=None, k_new=None, v_new=None, host=None, tiered=False):
         """``host``: ``(cu, lens)`` of these sequences as host tuples (kvq.cache.step.StepMetadata's
-        ``prefill_host``); without it they are read from the device (one sync)."""
+        ``prefill_host``); without it they are read from the device (one sync).  ``tiered``: the tables
+        hold lower tiers' tagged blocks (elastic precision, kvq.cache.pool.TIER_BASE): every page read
+        through its own tier into the scratch (the per-query windows as before), never in place."""
         T, Hq, D = q.shape
         out = torch.empty_like(q)
         if T == 0:
@@ -146,13 +148,13 @@ class SplitPrefill:
             has_hp = bool((block_tables < 0).any())
         if window is not None and layer.fmt.is_quantized and (window.exact_rows or window.sealed_rows):
             self._windowed(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, max_q_len, window, k_new,
-                           v_new, host)
+                           v_new, host, tiered)
             return out
         H, P = layer.num_kv_heads, layer.block_size
         qo = [b - a for a, b in zip(cu, cu[1:])]
         data = layer.k.get("data")
         fresh = self.ragged_fresh and all(n == t for n, t in zip(lens, qo))  # no request has a cached past
-        if self.fp8 and not has_hp and fp8_tensor_cores_reason(layer.fmt) is None:
+        if self.fp8 and not has_hp and not tiered and fp8_tensor_cores_reason(layer.fmt) is None:
             # the e4m3 codes in place (per-head static scales), the queries cast to e4m3, P in e4m3 inside
             handle = self._plan(host, ("fp8",), lambda: self.lib.prepare(
                 paged_lib.make_plan(qo, lens, [0] * len(lens), block_tables, P), Hq, H, D, torch.float8_e4m3fn,
@@ -167,12 +169,16 @@ class SplitPrefill:
                                                                                        q.device))
                 self.lib.run_ragged(handle, q, k_new, v_new, out=out)
                 return out
-            if not self.ragged_past:
+            if not self.ragged_past and not tiered:
                 handle = self._plan(host, ("direct",), lambda: self.lib.prepare(
                     paged_lib.make_plan(qo, lens, [0] * len(lens), block_tables, P), Hq, H, D, q.dtype, sm_scale))
                 self.lib.run(handle, q, layer.k["data"], layer.v["data"], out=out)
                 return out
         dtype = scratch_dtype(q.dtype, self.model_dtype_scratch) if layer.fmt.is_quantized else layer.k_hp.dtype
+        if tiered:
+            self._tiered(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, dtype, host,
+                         fresh or self.ragged_past)
+            return out
         args, meta = layer_args(layer)
         for gi, (b0, b1, width) in enumerate(scratch_groups(lens, H, P, D)):
             r0, r1 = cu[b0], cu[b1]
@@ -200,7 +206,21 @@ class SplitPrefill:
                 out[r0:r1] = run(handle, qs, k, v, out=torch.empty_like(qs))[0]
         return out
 
-    def _windowed(self, q, out, layer, cu_t, tables, lens_t, sm_scale, max_q_len, window, k_new, v_new, host):
+    def _tiered(self, q, out, layer, cu_t, tables, lens_t, sm_scale, dtype, host, ragged):
+        """A tiered layer read as stored: the step's pages, each through its tier, into the scratch
+        (:func:`window_scratch` without a window, as the Triton prefill reads them), then one library call
+        a scratch group over all of each request's keys."""
+        cu, lens = host
+        memo = lambda key, build: self._plan(host, key, build)  # noqa: E731  (the step's layers share them)
+        for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, None, None, None, dtype=dtype, host=host,
+                                              tiered=True, memo=memo)):
+            qo = [cu[b + 1] - cu[b] for b in range(g.b0, g.b1)]
+            o, _ = self._over_scratch(host, ("tiered", gi), g, q[g.r0:g.r1].to(dtype), qo, sm_scale, g.tab_exact, 0,
+                                      0, list(lens[g.b0:g.b1]), ragged)
+            out[g.r0:g.r1] = o
+
+    def _windowed(self, q, out, layer, cu_t, tables, lens_t, sm_scale, max_q_len, window, k_new, v_new, host,
+                  tiered=False):
         H, P = layer.num_kv_heads, layer.block_size
         pol = window.policy
         split = pol.residual_tokens + P
@@ -210,7 +230,7 @@ class SplitPrefill:
         ragged = self.ragged_windowed and (fresh or self.ragged_past)
         memo = lambda key, build: self._plan(host, key, build)  # noqa: E731  (the step's layers share them)
         for gi, g in enumerate(window_scratch(layer, cu_t, tables, lens_t, window, k_new, v_new, dtype=dtype,
-                                              memo=memo)):
+                                              tiered=tiered, memo=memo)):
             lens = window.lens[g.b0:g.b1]
             qo = [window.cu[b + 1] - window.cu[b] for b in range(g.b0, g.b1)]
             bulk = [n - split - sink for n in lens]  # keys [sink, p - split] of the last query
