@@ -207,6 +207,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ages = f" (ages {', '.join(map(str, tr['ages']))} tokens)" if tr["ages"] else ""
         print(f"tiers            {'+'.join(tr['policies'])}{ages}; {tr['slabs']} slabs of "
               f"{format_bytes(tr['bytes_per_slab'])}")
+        rule = plan.tier_rule
+        if rule.sink_blocks or rule.residual_tokens:
+            print(f"  never moved     {rule.sink_blocks} sink block(s) and the blocks of the last "
+                  f"{rule.residual_tokens} tokens stay in tier 0 or the windows")
         for row in tr["ladder"]:
             print(f"  tier {row['tier']:<10} {row['format']:<20} {row['bytes_per_block']} bytes a block, "
                   f"{row['blocks_per_slab']} a slab ({100 * row['slab_unused']:.1f}% unused): "

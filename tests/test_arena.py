@@ -28,14 +28,22 @@ LLAMA8B = bare_model(32, 8, 128)
 
 @pytest.mark.parametrize("base,tiers", [("fp8_e4m3", "int4_kivi"), ("fp8_e4m3", "int4_kivi,int2_kivi"),
                                         ("bf16", "fp8_e4m3"), ("int8_per_token_head", "turboquant_3bit_nc")])
-def test_tier_bytes_shrink_and_windows_come_from_the_lowest_rung(base, tiers):
+def test_tier_bytes_shrink_and_windows_stay_out_of_the_lower_tiers(base, tiers):
     plan = make_plan(LLAMA8B, base, tiers=tiers)
     sizes = [plan.tier_bytes_per_block(t) for t in range(plan.num_tiers + 1)]
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
     assert plan.tier_names() == [make_plan(LLAMA8B, base).layers[0].name, *tiers.split(",")]
     assert plan.tier_rule.pressure and not plan.tier_rule.ages
-    if "kivi" in tiers:  # KIVI's 4 sinks and 128-token window, though fp8_e4m3 alone asks for none
-        assert (plan.sink_tokens, plan.residual_tokens) == (4, 128)
+    alone = make_plan(LLAMA8B, base)
+    if "kivi" in tiers:  # KIVI's 4 sinks and 128-token window never move down, but stay in fp8_e4m3: it asks for
+        # no high-precision window, and a ladder's windows in bf16 cost more than fp8_e4m3 alone held
+        assert (plan.tier_rule.sink_blocks, plan.tier_rule.residual_tokens) == (1, 128)
+        assert (plan.sink_tokens, plan.residual_tokens) == (alone.sink_tokens, alone.residual_tokens) == (0, 0)
+        assert plan.hp_bytes_per_block == 0 or not plan.window_policy.sink_blocks
+    given = make_plan(LLAMA8B, base, tiers=tiers, sink_tokens=4, residual_tokens=64)  # given windows: both
+    assert (given.tier_rule.sink_blocks, given.tier_rule.residual_tokens) == (1, 64)
+    if base != "bf16":
+        assert (given.sink_tokens, given.residual_tokens) == (4, 64)
 
 
 def test_tier_options_are_checked():
