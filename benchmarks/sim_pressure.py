@@ -30,13 +30,15 @@ from benchmarks.bench_host_step import TINY  # noqa: E402
 H100_FP8_TOKENS_AT_384 = 863904
 
 
-def simulate(spec: str, concurrency: int, input_len: int, output_len: int, model_dir: str) -> dict:
+def simulate(spec: str, concurrency: int, input_len: int, output_len: int, model_dir: str,
+             h100_requests: int = 384) -> dict:
     from kvq.cache.plan import KVCacheConfig
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.engine.sampling_params import SamplingParams
 
     fp8_token_bytes = 2 * TINY["num_hidden_layers"] * TINY["num_key_value_heads"] * TINY["head_dim"]
-    memory = int(H100_FP8_TOKENS_AT_384 * concurrency / 384 * fp8_token_bytes)
+    # the H100's pool shared by h100_requests requests: the same bytes per request here
+    memory = int(H100_FP8_TOKENS_AT_384 * concurrency / h100_requests * fp8_token_bytes)
     eng = LLMEngine(EngineConfig(model=model_dir, load_format="dummy", device="cpu", dtype="bfloat16",
                                  kv_cache=KVCacheConfig().with_spec(spec), max_num_seqs=concurrency,
                                  max_num_batched_tokens=8192, kv_cache_memory=memory, progress=False))
@@ -58,7 +60,8 @@ def simulate(spec: str, concurrency: int, input_len: int, output_len: int, model
         preempted += sum(o.metrics.get("num_preemptions", 0) for o in eng.step() if o.finished)
         steps += 1
     pool = eng.info["kv_pool"]
-    return {"config": spec, "concurrency": concurrency, "input_len": input_len, "output_len": output_len,
+    return {"config": spec, "concurrency": concurrency, "h100_requests": h100_requests, "input_len": input_len,
+            "output_len": output_len,
             "steps": steps, "preemptions": preempted, "running_max": max(running),
             "running_mean": sum(running) / len(running), "pool_q_blocks": pool["q_blocks"],
             "pool_hp_blocks": pool["hp_blocks"], "wall_s": time.perf_counter() - t0}
@@ -69,6 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=48)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=2048)
+    ap.add_argument("--h100-requests", type=int, default=384,
+                    help="the pool per request is the H100's (52.7 GB of KV) shared by this many requests")
     ap.add_argument("--configs", default="fp8_e4m3,fp8_e4m3>int4_kivi,int4_kivi",
                     help="format specs as bench_engine.py takes them, comma-separated")
     ap.add_argument("--out", default=None, help="write the rows here as JSON")
@@ -79,13 +84,17 @@ def main(argv=None) -> int:
     (Path(model_dir) / "config.json").write_text(json.dumps({**TINY, "torch_dtype": "bfloat16"}))
     rows = []
     for spec in args.configs.split(","):
-        r = simulate(spec, args.concurrency, args.input_len, args.output_len, model_dir)
+        r = simulate(spec, args.concurrency, args.input_len, args.output_len, model_dir, args.h100_requests)
         rows.append(r)
         print(f"{spec:28s} c={r['concurrency']}: {r['steps']} steps, {r['preemptions']} preemptions, running "
               f"max {r['running_max']} mean {r['running_mean']:.1f}; pool {r['pool_q_blocks']} + "
               f"{r['pool_hp_blocks']} hp blocks [{r['wall_s']:.0f} s]", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    if args.out:  # rows of earlier runs with other settings are kept
+        out = Path(args.out)
+        old = json.loads(out.read_text())["rows"] if out.is_file() else []
+        key = lambda r: (r["config"], r["concurrency"], r.get("h100_requests", 384), r["input_len"], r["output_len"])  # noqa: E731
+        new = {key(r) for r in rows}
+        out.write_text(json.dumps({"rows": [r for r in old if key(r) not in new] + rows}, indent=1) + "\n")
     return 0
 
 
