@@ -417,16 +417,18 @@ def make_plan(
     # format.  High-precision windows for the whole ladder cost an fp8_e4m3 cache with an int4_kivi tier
     # 11.5 of its 52.7 GB at 384 requests on an H100 (docs/engine.md), more than fp8_e4m3 alone before a
     # single block moved down.  Given windows are both.
-    d_sink, d_res = default_window(fmt)
-    w_sink, w_res = (max(w) for w in zip(*(default_window(f) for f in (fmt, *(t[0] for t in ladder)))))
-    if sink_tokens is not None:
-        d_sink = w_sink = int(sink_tokens)
-    if residual_tokens is not None:
-        d_res = w_res = int(residual_tokens)
-    sink_tokens, residual_tokens = d_sink, d_res
-    if min(w_sink, w_res, d_sink, d_res) < 0:
+    keep_sink, keep_res = (max(w) for w in zip(*(default_window(f) for f in (fmt, *(t[0] for t in ladder)))))
+    if sink_tokens is None:
+        sink_tokens = default_window(fmt)[0]
+    else:
+        sink_tokens = keep_sink = int(sink_tokens)
+    if residual_tokens is None:
+        residual_tokens = default_window(fmt)[1]
+    else:
+        residual_tokens = keep_res = int(residual_tokens)
+    if sink_tokens < 0 or residual_tokens < 0:
         raise ValueError(f"sink and residual tokens must be >= 0 (got {sink_tokens}, {residual_tokens})")
-    rule = _tier_rule(ladder, block_size, w_sink, w_res, parse_ages(tier_age),
+    rule = _tier_rule(ladder, block_size, keep_sink, keep_res, parse_ages(tier_age),
                       parse_policies(tier_policy, bool(tier_age)) if ladder else ())
     if not any(f.is_quantized for f in layers):
         sink_tokens = residual_tokens = 0  # everything is already high precision (a tier's windows: its rule)
