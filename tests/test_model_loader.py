@@ -83,3 +83,26 @@ def test_converted_copy_is_the_gguf_load_exactly(tmp_path, monkeypatch):
     assert cc.cached_folder(src) is None
     monkeypatch.setenv(cc.CACHE_ENV, "off")
     assert cc.entry_dir(src) is None and cc.cached_folder(src) is None
+
+
+def test_cpu_models_keep_their_layers_weights_column_major(tmp_path):
+    """kvq.models.llama.LlamaForCausalLM.use_cpu_gemm_layout: the decoder layers' projections column-major
+    (same values), the LM head as loaded; the row padding is measured per layout, not reused across them."""
+    import json
+
+    from kvq.models import llama
+    from kvq.models.builder import build_model
+
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
+               intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False,
+               torch_dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    lm, _ = build_model(str(tmp_path), load_format="dummy", progress=False)
+    projections = [m for m in lm.model.layers.modules() if isinstance(m, llama.Linear)]
+    assert projections and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in projections)
+    assert lm.lm_head.weight.is_contiguous()
+    w = projections[0].weight
+    llama.cpu_row_multiple(w)
+    llama.cpu_row_multiple(w.contiguous())
+    assert {k[1] for k in llama._row_multiple if k[0] == tuple(w.shape)} >= {w.stride(), w.contiguous().stride()}
