@@ -116,13 +116,14 @@ bench-pressure:
 	  bash scripts/gpu.sh bench-engine --formats $$f --workloads $$w --out $(PRESSURE_OUT) || exit 1; done; done
 	python3 scripts/capacity_report.py --json $(PRESSURE_OUT)
 
-# elastic precision (issue 45), one process per configuration: fp8_e4m3 with an int4_kivi tier (pressure) at 768
-# requests beside fp8_e4m3 and int4_kivi alone; bf16 with an fp8_e4m3 tier at 512 beside bf16 alone.  Each takes
-# more than 130 s on the H200 (session 23), so a device call takes a few:
+# elastic precision (issue 45), one process per configuration: fp8_e4m3 with an int4_kivi tier (pressure alone, and
+# with blocks 256 tokens behind the head aged too) at 768 requests beside fp8_e4m3 and int4_kivi alone; bf16 with an
+# fp8_e4m3 tier at 512 beside bf16 alone.  Each takes more than 130 s on the H200 (session 23), so a device call
+# takes a few (an H100 holds about half the H200's pool: 384 and 256 stand for 768 and 512 there):
 #   make bench-elastic ELASTIC_768="fp8_e4m3 'fp8_e4m3>int4_kivi'" ELASTIC_512=
 ELASTIC_OUT = docs/results/bench_engine_elastic_h200.json
-ELASTIC_768 ?= fp8_e4m3 'fp8_e4m3>int4_kivi' int4_kivi
-ELASTIC_512 ?= bfloat16 'bfloat16>fp8_e4m3'
+ELASTIC_768 ?= fp8_e4m3 'fp8_e4m3>int4_kivi' 'fp8_e4m3>int4_kivi@256+pressure' int4_kivi
+ELASTIC_512 ?= bfloat16 'bfloat16>fp8_e4m3' 'bfloat16>fp8_e4m3@256+pressure'
 bench-elastic:
 	for f in $(ELASTIC_768); do bash scripts/gpu.sh bench-engine --formats "$$f" \
 	  --workloads 1024x2048 --concurrency 768 --out $(ELASTIC_OUT) || exit 1; done
@@ -141,6 +142,13 @@ soak:
 
 # the same soak at a 2048-request scale on one GPU with int4_kivi (what docs/results/soak_h200.json ran; needs the
 # default model installed, see docs/eval.md "On the H200", and NIXL for the nixl phase; tp needs two GPUs)
+# the soak's elastic phase at that scale (fp8_e4m3 > int4_kivi in a 48 MiB pool, swap with failing copies)
+.PHONY: soak-gpu-elastic
+soak-gpu-elastic:
+	bash scripts/gpu.sh soak --phases elastic --elastic-pool 48MiB --cpu-offload-gb 1 --long-chars 4000 12000 \
+	  --max-requests 2048 --concurrency 32 --duration 200 --time-limit 400 --startup-timeout 180 \
+	  --out docs/results/soak_elastic_h200.json -- --max-model-len 8192 --max-num-seqs 32 --max-queue-len 64
+
 .PHONY: soak-gpu
 soak-gpu:
 	$(PY) benchmarks/soak.py --phases mixed,sigterm,preempt,host_faults,nixl --pool 8GiB --small-pool 48MiB \

