@@ -146,12 +146,19 @@ def test_demoting_frees_room_for_the_resident_tier():
         t0.free(b)
     arena.check_integrity()
     assert arena.num_unowned == 1 and t0.num_free == 0 and t1.num_free == 3
+    # the slab holds fp8 bytes that this step's demotions read: it goes to the int4 tier only from the
+    # next step on (then wiped first)
+    assert t1.available(True) == 3 and arena.take_wipes() == ()
+    arena.begin_step()
+    assert t1.available(True) == 3 + 8
     # once more: the second slab goes into the rest of the int4 slab and one new one
     for b in [b for b in blocks if b // 5 == 1]:
         t1.allocate(reserve_ok=True)
         t0.free(b)
     arena.check_integrity()
     assert t1.num_used == 10 and arena.slabs_of(1) == 2 and arena.num_unowned == 1
+    assert arena.take_wipes() == (0,)  # the fp8 slab, now int4_kivi's
+    arena.begin_step()
     # a third slab: fifteen fp8 blocks now sit in two int4 slabs, and a whole slab (5 fp8 blocks) is free
     for b in [b for b in blocks if b // 5 == 2]:
         t1.allocate(reserve_ok=True)
@@ -167,10 +174,14 @@ def test_cached_slabs_are_reclaimed_by_another_tier():
         b = t1.allocate()
         assert t1.register(b, hash_block_tokens(None, [tag, tag]), [tag, tag])
         t1.free(b)  # cached-free: the slab is idle
-    assert t1.num_cached == 2 and arena.slabs_of(1) == 1 and t0.num_free == 2
+    # the idle slab's blocks were written this step: another tier reclaims it from the next step on
+    assert t1.num_cached == 2 and arena.slabs_of(1) == 1 and t0.num_free == 1
+    arena.begin_step()
+    assert t0.num_free == 2
     x, y = t0.allocate(), t0.allocate()  # the free slab, then the idle one (its cache evicted)
     arena.check_integrity()
     assert t1.num_cached == 0 and arena.slabs_of(0) == 2 and {x, y} == {0, 1}
+    assert arena.take_wipes() == (0,)  # tier 1's slab, zeroed before tier 0 writes it
     assert t1.lookup(hash_block_tokens(None, [0, 0]), [0, 0]) is None
 
 
@@ -187,6 +198,19 @@ class ArenaMachine(RuleBasedStateMachine):
         self.held: list[tuple[int, int]] = []  # (tier, block) references we hold
         self.tag = 0
         self.touched: set[int] = set()  # slabs where this step's demotions freed a source
+        self.read_now: set[int] = set()  # slabs where this step freed, demoted or hit a block (it read them)
+        self.bytes_of: list[int | None] = [None] * slabs  # the tier whose bytes each slab holds (None: zeros)
+
+    def took(self, tier: int, block: int) -> None:
+        """Tier ``tier`` handed out ``block``: its slab holds this tier's bytes, or is wiped now (and was
+        not read in this step: the wipe runs before the step's reads)."""
+        wiped = set(self.arena.take_wipes())
+        for s in wiped:
+            assert s not in self.read_now, (s, self.read_now)
+            self.bytes_of[s] = None
+        s = self.arena.tiers[tier].slab_of(block)
+        assert self.bytes_of[s] in (None, tier), (s, self.bytes_of[s], tier, wiped)
+        self.bytes_of[s] = tier
 
     @rule(tier=st.integers(0, 2), reserve_ok=st.booleans(), register=st.booleans())
     def allocate(self, tier, reserve_ok, register):
@@ -200,6 +224,7 @@ class ArenaMachine(RuleBasedStateMachine):
             assert can == 0
             return
         assert can > 0 and t.refcount(b) == 1
+        self.took(tier, b)
         self.held.append((tier, b))
         if register:
             self.tag += 1
@@ -210,6 +235,7 @@ class ArenaMachine(RuleBasedStateMachine):
     def free(self, i):
         tier, b = self.held.pop(i % len(self.held))
         self.arena.tiers[tier].free(b)
+        self.read_now.add(self.arena.tiers[tier].slab_of(b))
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 10_000))
@@ -237,15 +263,18 @@ class ArenaMachine(RuleBasedStateMachine):
             return
         # a slab it takes for it (not one it held) is none where this step's demotions freed a source
         assert can > 0 and (below.slab_of(new) in held or below.slab_of(new) not in self.touched)
+        self.took(tier + 1, new)
         self.held.remove((tier, b))
         src.discard(b)
         self.touched.add(src.slab_of(b))
+        self.read_now.add(src.slab_of(b))
         self.held.append((tier + 1, new))
 
     @rule()
     def next_step(self):
         self.arena.begin_step()
         self.touched.clear()
+        self.read_now.clear()
 
     @rule(tag=st.integers(1, 30), tier=st.integers(0, 2))
     def hit(self, tag, tier):
@@ -254,6 +283,7 @@ class ArenaMachine(RuleBasedStateMachine):
         b = self.arena.tiers[tier].lookup(hash_block_tokens(None, [tag, tier]), [tag, tier])
         if b is not None:
             self.held.append((tier, b))
+            self.read_now.add(self.arena.tiers[tier].slab_of(b))
 
     @invariant()
     def consistent(self):

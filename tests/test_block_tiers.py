@@ -258,6 +258,7 @@ def test_swap_in_waits_while_the_tiers_cannot_take_its_blocks():
     grow(m, 0, 30)
     before = [r.pool for r in m.block_table(0)]
     m.swap_out(0)
+    m.begin_step()  # (the slabs it left go to another tier from the next step on: kvq.cache.arena)
     m.allocate_prompt(1, list(range(24)))  # another sequence takes slabs: 2 are left, the tiers need 3
     m.mark_computed(1, 24)
     state = (m.num_free_blocks("q"), m.num_free_blocks("q1"), m.arena.num_unowned, list(m.arena.owner))
@@ -267,6 +268,7 @@ def test_swap_in_waits_while_the_tiers_cannot_take_its_blocks():
     with pytest.raises(NoFreeBlocksError):
         m.swap_in(0)
     m.free(1)
+    m.begin_step()
     assert m.can_swap_in(0)
     m.swap_in(0)
     assert [r.pool for r in m.block_table(0)] == before
@@ -310,9 +312,11 @@ def _aged_and_offered(m: BlockManager, n: int = 30) -> tuple[list[int], list[str
     stores = m.take_host_ops()
     assert len(stores) == 1 and dict(stores[0].tier_pairs())["q1"]  # demoted blocks offered as stored
     m.host_copy_done(stores[0])
+    m.begin_step()  # (its slabs go to another tier from the next step on: kvq.cache.arena)
     m.allocate_prompt("flush", [900 + i for i in range(4 * m.num_free_blocks("q"))])
     m.free("flush")
     m.take_host_ops()  # (its own store: not completed, it holds its blocks until then)
+    m.begin_step()
     assert len(m._plan_prompt(tokens, use_host=False).hits) < (len(tokens) - 1) // 4, "the device holds the prefix"
     return tokens, pools
 

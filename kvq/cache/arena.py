@@ -20,6 +20,19 @@ fullest slab first, so the others can empty), a free slab of the arena (never th
 ``reserve_slabs`` unless the caller demotes: demotion needs room to start), the tier's own
 least recently used cached block, and last a slab of another tier that holds only cached
 blocks (evicted).  ``num_free`` counts exactly what that order can give.
+
+Bytes a tier did not write.  A block's rows past its sequence's end are never written, and kernels
+read whole rows of 16 or 32 tokens, masking the scores of those past the end: a masked row's value
+still enters the sum as 0 x value, which is NaN where the stale bytes decode to NaN or infinity.  In a
+slab another tier wrote they may (an int4_kivi byte read as fp8_e4m3: 0x7f and 0xff are NaN; a code
+word read as an f16 scale).  So a slab handed to a tier other than the one whose bytes it holds is
+*wiped* (zeroed) first: :meth:`Arena.take_wipes` lists them for the engine, which zeroes them
+before anything of the step reads or writes the cache (``WipeOp``, kvq.cache.step.apply_ops).  For
+that order to be safe nothing of the step may read the slab's old bytes: a slab that left its tier,
+or became idle, in the current step (a demotion's or a swap-out's source read in it, a demoted block
+freed again by a preemption) goes to another tier only from the next step on.  (A fresh arena is
+zeros; a slab returning to the tier that wrote it keeps that tier's bytes, whose stale rows are codes
+of real K/V, finite.)
 """
 
 from __future__ import annotations
@@ -144,11 +157,22 @@ class Arena:
         self.num_slabs = num_slabs
         self.reserve_slabs = max(0, int(reserve_slabs))
         self.owner: list[int | None] = [None] * num_slabs
+        self.written: list[int | None] = [None] * num_slabs  # the tier whose bytes a slab holds (None: zeros)
         self._unowned: list[int] = list(range(num_slabs - 1, -1, -1))  # a stack: slab 0 handed out first
+        T = len(self.per_slab)
+        # the step each slab last left its tier or became idle in: until the next step it goes to its
+        # writer's tier only (module docstring); counted by writer (free) and by owner (idle)
+        self._step = 0
+        self._stamp = [-1] * num_slabs
+        self._new_free = [0] * T
+        self._new_idle = [0] * T
         # slabs where a demotion freed its source this step: no demotion's destination may land there
-        # before the next step (the step's demotions read their sources while they write)
+        # before the next step (the step's demotions read their sources while they write); the free
+        # ones counted by writer
         self._touched: set[int] = set()
-        self._touched_free = 0  # how many of them are unowned (free slabs a demotion may not take)
+        self._touched_free = [0] * T
+        self._wipes: list[int] = []  # slabs handed to a tier other than their writer's, to zero
+        self._log: list[tuple[int, int | None, int]] | None = None  # (slab, written, stamp) since checkpoint()
         self.tiers = [TierAllocator(self, t, n, block_size, enable_prefix_caching) for t, n in enumerate(per_slab)]
 
     # -- slabs --------------------------------------------------------------------------------
@@ -165,54 +189,128 @@ class Arena:
         return sum(1 for o in self.owner if o == tier)
 
     def begin_step(self) -> None:
-        """A new step: the slabs this one's demotions freed sources in may take demoted blocks again."""
+        """A new step: the slabs this one's demotions freed sources in may take demoted blocks again, and
+        those that left a tier in it may go to any tier."""
+        self._step += 1
         self._touched.clear()
-        self._touched_free = 0
+        for counts in (self._new_free, self._new_idle, self._touched_free):
+            counts[:] = [0] * len(counts)
 
     def touch(self, slab: int) -> None:
         """A demotion freed its source in ``slab``: no demotion's destination lands there this step."""
         if slab not in self._touched:
             self._touched.add(slab)
-            self._touched_free += self.owner[slab] is None
+            if self.owner[slab] is None:
+                self._touched_free[self.written[slab]] += 1
 
-    def _set_owner(self, slab: int, tier: int | None) -> None:
-        if slab in self._touched:
-            self._touched_free += (tier is None) - (self.owner[slab] is None)
-        self.owner[slab] = tier
+    def take_wipes(self) -> tuple[int, ...]:
+        """The slabs handed to a tier other than their writer's since the last call, to zero before the
+        step that takes them reads or writes the cache (module docstring)."""
+        out, self._wipes = tuple(dict.fromkeys(self._wipes)), []
+        return out
 
-    def grantable(self, reserve_ok: bool, demotion: bool = False) -> int:
-        """Free slabs a tier may take now (the reserve only for demotion; a demotion's destination not
-        where the step's demotions freed a source)."""
+    def checkpoint(self) -> int:
+        """Start a tentative allocation (blocks that may all be given back); -> a mark for
+        :meth:`rollback`.  End it with :meth:`commit` or :meth:`rollback`."""
+        assert self._log is None, "arena: a checkpoint is already open"
+        self._log = []
+        return len(self._wipes)
+
+    def commit(self) -> None:
+        self._log = None
+
+    def rollback(self, mark: int) -> None:
+        """Every block taken since :meth:`checkpoint` was given back: the slabs it granted hold the bytes
+        they held, and those it released or idled were read or written by nothing, so none needs a
+        wipe nor waits for the next step because of it (a cached block evicted on the way stays
+        evicted)."""
+        log, self._log = self._log, None
+        slabs = list(dict.fromkeys(s for s, _, _ in log))
+        for s in slabs:
+            self._count(s, -1)
+        for s, w, st in reversed(log):
+            self.written[s], self._stamp[s] = w, st
+        for s in slabs:
+            self._count(s, +1)
+        del self._wipes[mark:]
+
+    def _count(self, s: int, sign: int) -> None:
+        """Add (``sign`` 1) or take out (-1) slab ``s``'s share of the step's counters."""
+        if self._stamp[s] != self._step:
+            return
+        o, w = self.owner[s], self.written[s]
+        if o is None:
+            self._new_free[w] += sign
+            if s in self._touched:
+                self._touched_free[w] += sign
+        elif s in self.tiers[o]._idle:
+            self._new_idle[o] += sign
+
+    def _note(self, s: int) -> None:
+        if self._log is not None:
+            self._log.append((s, self.written[s], self._stamp[s]))
+
+    def grantable(self, reserve_ok: bool, demotion: bool = False, tier: int | None = None) -> int:
+        """Free slabs ``tier`` may take now (the reserve only for demotion; not those another tier left
+        in this step; a demotion's destination not where the step's demotions freed a source); without
+        ``tier`` the free slabs any tier may take by the next step."""
         n = max(0, len(self._unowned) - (0 if reserve_ok else self.reserve_slabs))
-        if demotion and self._touched_free:  # (a counter: a pressure event asks this for each of ~10^3 moves)
-            n = min(n, len(self._unowned) - self._touched_free)
-        return n
+        if tier is None:
+            return n
+        # (counters: a pressure event asks this for each of ~10^3 moves)
+        blocked = sum(self._new_free) - self._new_free[tier] + (self._touched_free[tier] if demotion else 0)
+        return min(n, len(self._unowned) - blocked) if blocked else n
 
     def reclaimable(self, tier: int, demotion: bool = False) -> int:
-        """Slabs of other tiers that hold only cached blocks (evictable)."""
-        if not (demotion and self._touched):
-            return sum(len(t._idle) for t in self.tiers if t.tier != tier)
-        return sum(sum(1 for s in t._idle if s not in self._touched) for t in self.tiers if t.tier != tier)
+        """Slabs of other tiers that hold only cached blocks (evictable), but for those that became idle
+        in this step.  (``demotion``: the same; a slab where a demotion freed its source is one of them.)"""
+        return sum(len(t._idle) - self._new_idle[t.tier] for t in self.tiers if t.tier != tier)
+
+    def _free_for(self, s: int, tier: int, demotion: bool) -> bool:
+        if self._stamp[s] != self._step:
+            return True
+        return self.written[s] == tier and not (demotion and s in self._touched)
 
     def _grant(self, tier: int, reserve_ok: bool, demotion: bool = False) -> int | None:
-        if self.grantable(reserve_ok, demotion):
+        if self.grantable(reserve_ok, demotion, tier):
             i = len(self._unowned) - 1
-            if demotion:
-                while self._unowned[i] in self._touched:
-                    i -= 1
+            while not self._free_for(self._unowned[i], tier, demotion):
+                i -= 1
             s = self._unowned.pop(i)
+            if self._stamp[s] == self._step:
+                self._new_free[self.written[s]] -= 1
+                if s in self._touched:
+                    self._touched_free[self.written[s]] -= 1
         else:
-            victims = [(t, s) for t in self.tiers if t.tier != tier for s in t._idle
-                       if not (demotion and s in self._touched)]
+            victims = [(t, s) for t in self.tiers if t.tier != tier for s in t._idle if self._stamp[s] != self._step]
             if not victims:
                 return None
             s = victims[0][0]._surrender(victims[0][1])
-        self._set_owner(s, tier)
+        self.owner[s] = tier
+        if self.written[s] not in (None, tier):
+            self._wipes.append(s)
+        self._note(s)
+        self.written[s] = tier
         return s
 
     def _release(self, slab: int) -> None:
-        self._set_owner(slab, None)
+        self.owner[slab] = None
         self._unowned.append(slab)
+        self._note(slab)
+        self._stamp[slab] = self._step
+        self._new_free[self.written[slab]] += 1
+        if slab in self._touched:
+            self._touched_free[self.written[slab]] += 1
+
+    def _idle_changed(self, slab: int, tier: int, idle: bool) -> None:
+        """Slab ``slab`` of ``tier`` became idle (``idle``) or left idle (in use again, released or
+        surrendered)."""
+        if idle:
+            self._note(slab)
+            self._stamp[slab] = self._step
+            self._new_idle[tier] += 1
+        elif self._stamp[slab] == self._step:
+            self._new_idle[tier] -= 1
 
     def check_integrity(self) -> None:
         owned = {s for s, o in enumerate(self.owner) if o is not None}
@@ -220,8 +318,16 @@ class Arena:
             raise AssertionError("arena: slabs are neither owned nor free, or both")
         if len(set(self._unowned)) != len(self._unowned):
             raise AssertionError("arena: a slab is free twice")
-        if self._touched_free != sum(1 for s in self._touched if self.owner[s] is None):
-            raise AssertionError("arena: the count of free slabs a demotion freed a source in is off")
+        T, now = len(self.per_slab), self._step
+        by = lambda pick: [sum(1 for s in pick if self.written[s] == t) for t in range(T)]  # noqa: E731
+        if self._new_free != by([s for s in self._unowned if self._stamp[s] == now]):
+            raise AssertionError("arena: the counts of free slabs that left a tier this step are off")
+        if self._touched_free != by([s for s in self._touched if self.owner[s] is None]):
+            raise AssertionError("arena: the counts of free slabs a demotion freed a source in are off")
+        if self._new_idle != [sum(1 for s in t._idle if self._stamp[s] == now) for t in self.tiers]:
+            raise AssertionError("arena: the counts of slabs that became idle this step are off")
+        if any(o is not None and w != o for o, w in zip(self.owner, self.written)):
+            raise AssertionError("arena: a slab holds a tier's blocks but not its bytes (a wipe was missed)")
         for t in self.tiers:
             t.check_integrity()
 
@@ -257,7 +363,7 @@ class TierAllocator(BlockAllocator):
         demotion's destination, which avoids the slabs the step's demotions freed sources in)."""
         a = self.arena
         return (self._num_free_ids + len(self._cached)
-                + (a.grantable(reserve_ok, demotion) + a.reclaimable(self.tier, demotion)) * self.per_slab)
+                + (a.grantable(reserve_ok, demotion, self.tier) + a.reclaimable(self.tier, demotion)) * self.per_slab)
 
     @property
     def num_slabs(self) -> int:
@@ -289,14 +395,18 @@ class TierAllocator(BlockAllocator):
         idle while no block of it is in use (another tier may reclaim it), back to the arena empty."""
         for bucket in self._by_used:
             bucket.pop(s, None)
-        self._idle.pop(s, None)
+        was_idle = self._idle.pop(s, 0) is None
         used, free = self._used_in[s], len(self._slab_free.get(s, ()))
         if used == 0 and self._cached_in[s] == 0:
+            if was_idle:
+                self.arena._idle_changed(s, self.tier, False)
             self._num_free_ids -= len(self._slab_free.pop(s, ()))
             self.arena._release(s)
             return
         if free:
             self._by_used[used][s] = None
+        if was_idle != (used == 0):
+            self.arena._idle_changed(s, self.tier, used == 0)
         if used == 0:
             self._idle[s] = None
 
@@ -318,10 +428,11 @@ class TierAllocator(BlockAllocator):
                 self._drop_hash(b)
         self._cached_in[s] = 0
         self._idle.pop(s)
+        self.arena._idle_changed(s, self.tier, False)
         for bucket in self._by_used:
             bucket.pop(s, None)
         self._num_free_ids -= len(self._slab_free.pop(s, ()))
-        self.arena._set_owner(s, None)
+        self.arena.owner[s] = None
         return s
 
     # -- allocation -----------------------------------------------------------------------------
@@ -329,7 +440,7 @@ class TierAllocator(BlockAllocator):
         """A block with refcount 1 (order: module docstring; ``demotion``: :meth:`available`);
         NoFreeBlocksError when none."""
         bucket = next((b for b in reversed(self._by_used) if b), None)
-        if bucket is None and not self.arena.grantable(reserve_ok, demotion) and self._cached:
+        if bucket is None and not self.arena.grantable(reserve_ok, demotion, self.tier) and self._cached:
             b = next(iter(self._cached))  # this tier's least recently freed cached block
             del self._cached[b]
             self._drop_hash(b)

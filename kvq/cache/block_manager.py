@@ -57,7 +57,8 @@ from kvq.cache.block_prefix import PrefixMixin
 from kvq.cache.block_swap import SwapMixin
 from kvq.cache.block_tiers import TiersMixin
 from kvq.cache.block_types import (PENDING_TOKEN, BlockRef, CopyOp, DemoteOp, HostLoadOp, HostOp,  # noqa: F401
-                                   HostStoreOp, Op, PrefixHit, RemoteLoadOp, SealOp, SeqBlocks, SeqId, SwapOp)
+                                   HostStoreOp, Op, PrefixHit, RemoteLoadOp, SealOp, SeqBlocks, SeqId, SwapOp,
+                                   WipeOp)
 from kvq.cache.tiers import TierRule
 from kvq.cache.host_tier import HostHit, HostPrefixTier
 from kvq.cache.window import POOLS, Pool, WindowPolicy, block_state  # noqa: F401 (re-exported)
@@ -300,6 +301,7 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
         then the blocks it computes.  All or nothing: on NoFreeBlocksError every block taken is given
         back and the hit counters restored (a cached block evicted on the way stays evicted)."""
         bs, L, table = self.block_size, plan.L, []
+        mark = self.arena.checkpoint() if self.arena is not None else None
         try:
             for i, (pool, want) in enumerate(plan.hits):
                 got = self._alloc[pool].lookup(plan.hashes[i], self._block_tokens(token_ids, i))
@@ -315,7 +317,11 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
                 self._alloc[ref.pool].free(ref.block_id)
             for pool, _ in plan.hits:
                 self._alloc[pool].num_hits -= 1
+            if mark is not None:
+                self.arena.rollback(mark)
             raise
+        if mark is not None:
+            self.arena.commit()
         return table
 
 

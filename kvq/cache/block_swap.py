@@ -59,6 +59,7 @@ class SwapMixin:
         copy between them.  The table keeps each block's pool, so a swapped-in block returns to its tier."""
         pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
         table = []
+        mark = self.arena.checkpoint() if self.arena is not None and direction == "in" else None
         try:
             for ref in seq.table:
                 b = dst(ref.pool).allocate()
@@ -67,7 +68,11 @@ class SwapMixin:
         except NoFreeBlocksError:  # all or nothing: give back what was taken, the source stays as it was
             for ref in reversed(table):
                 dst(ref.pool).free(ref.block_id)
+            if mark is not None:
+                self.arena.rollback(mark)
             raise
+        if mark is not None:
+            self.arena.commit()
         for ref in reversed(seq.table):
             src(ref.pool).free(ref.block_id)
         seq.table = table
@@ -89,6 +94,7 @@ class SwapMixin:
         if need.get("hp", 0) > self._alloc["hp"].num_free:
             return False
         taken: list[tuple[str, int]] = []
+        mark = self.arena.checkpoint()
         try:
             for p, n in need.items():
                 if p != "hp":
@@ -100,6 +106,7 @@ class SwapMixin:
         finally:
             for p, b in reversed(taken):
                 self._alloc[p].free(b)
+            self.arena.rollback(mark)
 
     def swap_in(self, seq_id: SeqId) -> SwapOp:
         """Bring a swapped sequence back into fresh device blocks (whole table, so a mirror

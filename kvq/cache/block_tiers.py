@@ -59,6 +59,10 @@ class TiersMixin:
             self.arena.begin_step()
             self._scan_ahead()
 
+    def take_wipes(self) -> tuple[int, ...]:
+        """Slabs of the arena to zero before the step runs (:meth:`kvq.cache.arena.Arena.take_wipes`)."""
+        return self.arena.take_wipes() if self.arena is not None else ()
+
     @property
     def num_tiers(self) -> int:
         return 0 if self.tiers is None else self.tiers.num_tiers

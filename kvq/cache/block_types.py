@@ -43,6 +43,15 @@ class DemoteOp:
 
 
 @dataclass(frozen=True)
+class WipeOp:
+    """Zero ``slabs`` of a tiered arena in every layer: each was handed to a tier other than the one
+    whose bytes it holds (kvq.cache.arena, "Bytes a tier did not write").  Run before anything of the
+    step reads or writes the cache, connectors' copies included (:meth:`Arena.take_wipes`)."""
+
+    slabs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class CopyOp:
     """Copy ``src`` to ``dst`` (same pool) before writing into ``dst`` (copy-on-write)."""
 

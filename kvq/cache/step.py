@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvq.cache.block_manager import BlockManager, CopyOp, DemoteOp, SealOp, SwapOp
+from kvq.cache.block_manager import BlockManager, CopyOp, DemoteOp, SealOp, SwapOp, WipeOp
 from kvq.cache.tiers import pool_tier
 from kvq.cache.pool import TIER_BASE, KVPool, encode_slots, encode_table
 from kvq.cache.window import WindowPolicy, can_seal, exact_from
@@ -370,6 +370,11 @@ def apply_ops(pool: KVPool, kernels, ops: Sequence, swap=None) -> None:
                 t = torch.tensor(pairs, dtype=torch.int64, device=pool.device)
                 for layer in pool.layers:
                     kernels.demote_pairs(layer, t, s_, d_)
+        elif isinstance(run[0], WipeOp):
+            idx = torch.tensor(sorted({s for op in run for s in op.slabs}), dtype=torch.int64, device=pool.device)
+            for layer in pool.layers:  # (each layer's arena: num_slabs rows of its slab bytes)
+                if layer.arena is not None and layer.arena.numel():
+                    layer.arena.view(pool.num_slabs, -1).index_fill_(0, idx, 0)
         elif isinstance(run[0], SwapOp):
             if swap is None:
                 raise RuntimeError("a swap op without a host tier (preemption_mode='swap' needs cpu_offload_gb)")

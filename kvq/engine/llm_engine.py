@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvq.attention.backends import compact_layers
-from kvq.cache.block_manager import BlockManager, SwapOp
+from kvq.cache.block_manager import BlockManager, SwapOp, WipeOp
 from kvq.engine.config import EngineConfig
 from kvq.engine.connector import ConnectorContext, ConnectorOutput, KVConnector, make_connector
 from kvq.engine.detokenizer import IncrementalDetokenizer
@@ -347,6 +347,10 @@ class LLMEngine:
     def _launch(self) -> _Launched | None:
         """Schedule a step and enqueue its forward and sampling; nothing here waits for the device."""
         sched = self.scheduler.schedule()
+        if sched.wipes:  # slabs another tier's bytes fill: zeroed before any of the step's writes and copies
+            self.executor.apply_ops((WipeOp(sched.wipes),))
+            if sched.remote_ops and self.device.type == "cuda":  # a transfer writes outside the stream's order
+                torch.cuda.synchronize(self.device)
         for c in self.connectors:
             c.before_forward(sched)
         if any(isinstance(op, SwapOp) for op in sched.ops):  # in order, before the forward: a failed copy's

@@ -427,7 +427,7 @@ class Scheduler(LoadsMixin, ChecksMixin, SwapFailuresMixin):
         released = tuple(dict.fromkeys(self._released))  # a sequence preempted, rescheduled and finished: once
         self._released.clear()
         out = SchedulerOutput(tuple(scheduled), tuple(ops), tuple(preempted), sum(s.num_new_tokens for s in scheduled),
-                              released, tuple(bm.take_host_ops()), tuple(remote_ops))
+                              released, tuple(bm.take_host_ops()), tuple(remote_ops), bm.take_wipes())
         self._check_output(out)
         if scheduled:
             self._inflight.append((out, {s.seq_id: self._seqs[s.seq_id] for s in scheduled}))

@@ -102,3 +102,6 @@ class SchedulerOutput:
     # prompts admitted to be filled by a prefill peer: start each fill, report its end with
     # Scheduler.remote_done
     remote_ops: tuple[RemoteLoadOp, ...] = ()
+    # slabs of a tiered arena that changed hands between tiers: zero them (WipeOp) before anything of the
+    # step, the connectors' copies included, reads or writes the cache (kvq.cache.arena)
+    wipes: tuple[int, ...] = ()
