@@ -115,25 +115,32 @@ def plot(data: dict, path: Path) -> None:
     tok = {(r["scenario"], r["kv_cache_dtype"]): r["output_tok_per_s"] for r in runs}
     relative = all((x, BASELINE) in tok for x in loads)
     fmts = list(dict.fromkeys(r["kv_cache_dtype"] for r in runs))
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    width = 0.8 / max(1, len(fmts))
-    for j, f in enumerate(fmts):
-        xs = [i + j * width for i, x in enumerate(loads) if (x, f) in tok]
-        vals = [tok[(x, f)] for x in loads if (x, f) in tok]
-        ys = [v / tok[(x, BASELINE)] for x, v in zip([x for x in loads if (x, f) in tok], vals)] if relative else vals
+    # each load's formats side by side, no slots for formats it did not run; the legend beside the plot
+    present = {x: [f for f in fmts if (x, f) in tok] for x in loads}
+    width = 0.8 / max(1, max(len(v) for v in present.values()))
+    fig, ax = plt.subplots(figsize=(8 + 2.5 * (len(fmts) > 4), 3.6))
+    for f in fmts:
+        on = [(i, x) for i, x in enumerate(loads) if (x, f) in tok]
+        xs = [i + (present[x].index(f) - (len(present[x]) - 1) / 2) * width for i, x in on]
+        vals = [tok[(x, f)] for _, x in on]
+        ys = [v / tok[(x, BASELINE)] for (_, x), v in zip(on, vals)] if relative else vals
         bars = ax.bar(xs, ys, width, label=f)
         ax.bar_label(bars, [f"{v:.0f}" for v in vals], fontsize=6, rotation=90, padding=2)
-    ax.set_xticks([i + width * (len(fmts) - 1) / 2 for i in range(len(loads))], loads)
+    ax.set_xticks(range(len(loads)), loads)
     if relative:
         ax.axhline(1.0, color="#888888", lw=0.8)
         ax.set_ylabel("output tokens/s, x bf16")
         ax.set_ylim(0, max(tok[k] / tok[(k[0], BASELINE)] for k in tok) * 1.25)
     else:
         ax.set_ylabel("output tokens/s")
+        ax.set_ylim(0, max(tok.values()) * 1.12)
     meta = data.get("meta", {})
     ax.set_title(f"Capacity-bound serving, {meta.get('model', '?')} on {meta.get('device', '?')} "
                  f"(bar labels: tokens/s)", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    if len(fmts) > 4:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
