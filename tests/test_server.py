@@ -701,6 +701,41 @@ def test_failing_step_fails_its_requests_and_the_engine_recovers(server, monkeyp
     assert st["recoveries"] == 1 and st["alive"]
 
 
+def test_an_output_json_cannot_carry_is_a_clear_500_and_the_server_goes_on(server, monkeypatch):
+    """A NaN in an output (a fault upstream: the soak's elastic phase on a GPU met one, from stale KV
+    bytes) is never sent as a bare 500 nor as "NaN" in an event: the JSON answer is an OpenAI-style 500,
+    the stream ends with an error event and [DONE]; later requests are served and nothing leaks."""
+    import kvq.server.app as app_module
+    url, _ = server
+    real = app_module.completion_logprobs
+
+    def with_nan(*a, **k):
+        out = real(*a, **k)
+        if out["token_logprobs"]:
+            out["token_logprobs"][0] = float("nan")
+        return out
+
+    monkeypatch.setattr(app_module, "completion_logprobs", with_nan)
+    body = {"prompt": PROMPT, "max_tokens": 3, "logprobs": 1, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 500 and err["type"] == "server_error" and "NaN" in err["message"], r.text
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+        events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+    assert "NaN" not in "".join(events[:-2]) and events[-1] == "[DONE]", events
+    assert json.loads(events[-2])["error"]["type"] == "server_error", events
+    def broken(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(app_module, "completion_logprobs", broken)  # any other fault: OpenAI-shaped too
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 500 and "RuntimeError" in r.json()["error"]["message"], r.text
+    monkeypatch.undo()
+    ok = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["token_logprobs"]) == 3
+    _assert_clean(url)
+
+
 def test_unrecoverable_engine_gives_503(server, monkeypatch):  # last: it stops the module's engine
     url, engine = server
     monkeypatch.setattr(engine.engine.runner, "execute", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("gpu")))

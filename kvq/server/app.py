@@ -100,8 +100,23 @@ def _fill_stats(engine) -> dict:
     return connector.stats() if connector is not None else dict(FILL_STATS)
 
 
+class NotJSON(ValueError):
+    """An output holds a value JSON cannot carry (NaN or infinity: a fault upstream, e.g. in the KV cache)."""
+
+
+#: What a client is told when its output cannot be encoded (the server's log has the value's place).
+NOT_JSON = "the output holds a value JSON cannot carry (NaN or infinity); this is a server fault"
+
+
+def _json(obj, ascii: bool = True) -> str:
+    try:
+        return json.dumps(obj, separators=(',', ':'), allow_nan=False, ensure_ascii=ascii)
+    except ValueError as e:  # never "NaN" on the wire: it is not JSON, and clients parse it differently
+        raise NotJSON(str(e)) from e
+
+
 def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {obj if isinstance(obj, str) else _json(obj)}\n\n"
 
 
 async def _until_disconnect(request: Request, coro):
@@ -183,6 +198,11 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
     async def http_error(request: Request, exc: StarletteHTTPException):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # (Starlette logs the traceback after it)
+        return error_response(500, f"{request.method} {request.url.path}: internal server error "
+                              f"({type(exc).__name__}); the server's log has the traceback", "server_error")
 
     @app.exception_handler(RequestValidationError)
     async def invalid_query(request: Request, exc: RequestValidationError):
@@ -295,8 +315,14 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
             return error_response(500 if isinstance(e, EngineError) else 503, str(e), "server_error")
         finally:
             engine.release(group)
+        try:
+            out = Response(_json(body, ascii=False), media_type="application/json")  # (as JSONResponse)
+        except NotJSON as e:
+            metrics.outcome("error")
+            log.error("an output could not be encoded: %s", e)
+            return error_response(500, NOT_JSON, "server_error")
         metrics.outcome("success")
-        return body
+        return out
 
     def prompt_tokens(group, n: int) -> int:
         return sum(len(ids) for ids in group.prompt_token_ids[::n])  # each prompt once, not once per sample
@@ -369,6 +395,11 @@ def build_app(engine: AsyncEngine, metrics: ServerMetrics, served_model_names: l
         except (EngineError, EngineDeadError) as e:
             outcome = "error"
             yield _sse(error_body(str(e), "server_error"))
+            yield _sse("[DONE]")
+        except NotJSON as e:
+            outcome = "error"
+            log.error("a streamed output could not be encoded: %s", e)
+            yield _sse(error_body(NOT_JSON, "server_error"))
             yield _sse("[DONE]")
         finally:
             metrics.outcome(outcome)
