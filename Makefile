@@ -142,7 +142,9 @@ soak:
 
 # the same soak at a 2048-request scale on one GPU with int4_kivi (what docs/results/soak_h200.json ran; needs the
 # default model installed, see docs/eval.md "On the H200", and NIXL for the nixl phase; tp needs two GPUs)
-# the soak's elastic phase at that scale (fp8_e4m3 > int4_kivi in a 48 MiB pool, swap with failing copies)
+# the soak's elastic phase at that scale (fp8_e4m3 > int4_kivi in a 48 MiB pool, swap with failing copies); the
+# device lacks the server's packages and the model: scripts/gpu_prepare.sh server and model, then two calls carry
+# .model1 and .model2 (`cp .model1/* /tmp/`), a third [.whl-slim, .ficache, .whl-server] runs this
 .PHONY: soak-gpu-elastic
 soak-gpu-elastic:
 	bash scripts/gpu.sh soak --phases elastic --elastic-pool 48MiB --cpu-offload-gb 1 --long-chars 4000 12000 \

