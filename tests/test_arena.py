@@ -198,7 +198,8 @@ class ArenaMachine(RuleBasedStateMachine):
         self.held: list[tuple[int, int]] = []  # (tier, block) references we hold
         self.tag = 0
         self.touched: set[int] = set()  # slabs where this step's demotions freed a source
-        self.read_now: set[int] = set()  # slabs where this step freed, demoted or hit a block (it read them)
+        # slabs the step reads or writes: a block handed out or hit in it, a demotion's source freed from it
+        self.read_now: set[int] = set()
         self.bytes_of: list[int | None] = [None] * slabs  # the tier whose bytes each slab holds (None: zeros)
 
     def took(self, tier: int, block: int) -> None:
@@ -211,6 +212,7 @@ class ArenaMachine(RuleBasedStateMachine):
         s = self.arena.tiers[tier].slab_of(block)
         assert self.bytes_of[s] in (None, tier), (s, self.bytes_of[s], tier, wiped)
         self.bytes_of[s] = tier
+        self.read_now.add(s)  # (the step writes it)
 
     @rule(tier=st.integers(0, 2), reserve_ok=st.booleans(), register=st.booleans())
     def allocate(self, tier, reserve_ok, register):
@@ -235,7 +237,6 @@ class ArenaMachine(RuleBasedStateMachine):
     def free(self, i):
         tier, b = self.held.pop(i % len(self.held))
         self.arena.tiers[tier].free(b)
-        self.read_now.add(self.arena.tiers[tier].slab_of(b))
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 10_000))

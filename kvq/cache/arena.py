@@ -28,11 +28,13 @@ slab another tier wrote they may (an int4_kivi byte read as fp8_e4m3: 0x7f and 0
 word read as an f16 scale).  So a slab handed to a tier other than the one whose bytes it holds is
 *wiped* (zeroed) first: :meth:`Arena.take_wipes` lists them for the engine, which zeroes them
 before anything of the step reads or writes the cache (``WipeOp``, kvq.cache.step.apply_ops).  For
-that order to be safe nothing of the step may read the slab's old bytes: a slab that left its tier,
-or became idle, in the current step (a demotion's or a swap-out's source read in it, a demoted block
-freed again by a preemption) goes to another tier only from the next step on.  (A fresh arena is
-zeros; a slab returning to the tier that wrote it keeps that tier's bytes, whose stale rows are codes
-of real K/V, finite.)
+that order to be safe nothing of the step may touch the slab's old bytes: a slab the step reads or
+writes (a demotion's or a swap-out's source freed from it, :meth:`Arena.touch`; a block handed out
+or hit in it, :meth:`Arena.hand`: an op or the forward writes or reads it, even if its sequence is
+preempted later in the step) and that leaves its tier or becomes idle in the step goes to another
+tier only from the next step on.  Blocks freed by requests that ended or were preempted are read by
+nothing of the step, so their slabs go at once.  (A fresh arena is zeros; a slab returning to the
+tier that wrote it keeps that tier's bytes, whose stale rows are codes of real K/V, finite.)
 """
 
 from __future__ import annotations
@@ -173,6 +175,10 @@ class Arena:
         self._touched_free = [0] * T
         self._wipes: list[int] = []  # slabs handed to a tier other than their writer's, to zero
         self._log: list[tuple[int, int | None, int]] | None = None  # (slab, written, stamp) since checkpoint()
+        # slabs where this step handed out a block (ops or the forward write it; a prefix hit is read): with
+        # the touched ones, what a release or an idle slab of this step keeps from other tiers until the next
+        self._handed: set[int] = set()
+        self._log_handed: list[int] = []
         self.tiers = [TierAllocator(self, t, n, block_size, enable_prefix_caching) for t, n in enumerate(per_slab)]
 
     # -- slabs --------------------------------------------------------------------------------
@@ -193,15 +199,22 @@ class Arena:
         those that left a tier in it may go to any tier."""
         self._step += 1
         self._touched.clear()
+        self._handed.clear()
         for counts in (self._new_free, self._new_idle, self._touched_free):
             counts[:] = [0] * len(counts)
 
     def touch(self, slab: int) -> None:
-        """A demotion freed its source in ``slab``: no demotion's destination lands there this step."""
-        if slab not in self._touched:
-            self._touched.add(slab)
-            if self.owner[slab] is None:
-                self._touched_free[self.written[slab]] += 1
+        """A demotion (or a swap-out) freed its source in ``slab``, which the step reads: no demotion's
+        destination lands there this step, nor does another tier take it."""
+        if slab in self._touched:
+            return
+        self._count(slab, -1)
+        self._touched.add(slab)
+        o = self.owner[slab]
+        if o is None or slab in self.tiers[o]._idle:  # released or idle already (free before touch)
+            self._note(slab)
+            self._stamp[slab] = self._step
+        self._count(slab, +1)
 
     def take_wipes(self) -> tuple[int, ...]:
         """The slabs handed to a tier other than their writer's since the last call, to zero before the
@@ -213,7 +226,7 @@ class Arena:
         """Start a tentative allocation (blocks that may all be given back); -> a mark for
         :meth:`rollback`.  End it with :meth:`commit` or :meth:`rollback`."""
         assert self._log is None, "arena: a checkpoint is already open"
-        self._log = []
+        self._log, self._log_handed = [], []
         return len(self._wipes)
 
     def commit(self) -> None:
@@ -232,6 +245,7 @@ class Arena:
             self.written[s], self._stamp[s] = w, st
         for s in slabs:
             self._count(s, +1)
+        self._handed.difference_update(self._log_handed)
         del self._wipes[mark:]
 
     def _count(self, s: int, sign: int) -> None:
@@ -245,6 +259,17 @@ class Arena:
                 self._touched_free[w] += sign
         elif s in self.tiers[o]._idle:
             self._new_idle[o] += sign
+
+    def hand(self, s: int) -> None:
+        """A block of slab ``s`` was handed out (or revived by a prefix hit) in this step."""
+        if s not in self._handed:
+            self._handed.add(s)
+            if self._log is not None:
+                self._log_handed.append(s)
+
+    def _read_now(self, s: int) -> bool:
+        """Whether the step reads or writes slab ``s``'s bytes (module docstring)."""
+        return s in self._touched or s in self._handed
 
     def _note(self, s: int) -> None:
         if self._log is not None:
@@ -297,8 +322,10 @@ class Arena:
         self.owner[slab] = None
         self._unowned.append(slab)
         self._note(slab)
-        self._stamp[slab] = self._step
-        self._new_free[self.written[slab]] += 1
+        if self._read_now(slab):
+            self._stamp[slab] = self._step
+        if self._stamp[slab] == self._step:
+            self._new_free[self.written[slab]] += 1
         if slab in self._touched:
             self._touched_free[self.written[slab]] += 1
 
@@ -307,8 +334,10 @@ class Arena:
         surrendered)."""
         if idle:
             self._note(slab)
-            self._stamp[slab] = self._step
-            self._new_idle[tier] += 1
+            if self._read_now(slab):
+                self._stamp[slab] = self._step
+            if self._stamp[slab] == self._step:
+                self._new_idle[tier] += 1
         elif self._stamp[slab] == self._step:
             self._new_idle[tier] -= 1
 
@@ -461,6 +490,7 @@ class TierAllocator(BlockAllocator):
         self._refcount[b] = 1
         self._num_used += 1
         self._used_in[s] += 1
+        self.arena.hand(s)
         self._file(s)
         return b
 
@@ -502,6 +532,8 @@ class TierAllocator(BlockAllocator):
         block_id = self.probe(block_hash, token_ids)
         revived = block_id is not None and self._refcount[block_id] == 0
         got = super().lookup(block_hash, token_ids)
+        if got is not None:
+            self.arena.hand(self._slab(got))  # (the step's forward reads it)
         if revived:
             s = self._slab(got)
             self._cached_in[s] -= 1

@@ -75,6 +75,8 @@ class SwapMixin:
             self.arena.commit()
         for ref in reversed(seq.table):
             src(ref.pool).free(ref.block_id)
+            if direction == "out" and self.arena is not None and ref.pool != "hp":  # the op reads it this step
+                self.arena.touch(self._alloc[ref.pool].slab_of(ref.block_id))
         seq.table = table
         tiers = tuple((p, tuple(pairs[p])) for p in self.pools[2:] if pairs.get(p))
         return SwapOp(seq_id, direction, tuple(pairs["q"]), tuple(pairs["hp"]), tiers)
