@@ -40,6 +40,7 @@ tier that wrote it keeps that tier's bytes, whose stale rows are codes of real K
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -174,7 +175,7 @@ class Arena:
         self._touched: set[int] = set()
         self._touched_free = [0] * T
         self._wipes: list[int] = []  # slabs handed to a tier other than their writer's, to zero
-        self._log: list[tuple[int, int | None, int]] | None = None  # (slab, written, stamp) since checkpoint()
+        self._log: list[tuple[int, int | None, int]] | None = None  # (slab, written, stamp) in tentative()
         # slabs where this step handed out a block (ops or the forward write it; a prefix hit is read): with
         # the touched ones, what a release or an idle slab of this step keeps from other tiers until the next
         self._handed: set[int] = set()
@@ -222,20 +223,27 @@ class Arena:
         out, self._wipes = tuple(dict.fromkeys(self._wipes)), []
         return out
 
-    def checkpoint(self) -> int:
-        """Start a tentative allocation (blocks that may all be given back); -> a mark for
-        :meth:`rollback`.  End it with :meth:`commit` or :meth:`rollback`."""
-        assert self._log is None, "arena: a checkpoint is already open"
-        self._log, self._log_handed = [], []
-        return len(self._wipes)
+    @contextmanager
+    def tentative(self, keep: bool = True):
+        """A tentative allocation: blocks taken inside that may all be given back.  Left by an exception
+        (after the caller gave everything back), or with ``keep=False`` (a trial), it is undone
+        (:meth:`_rollback`); else it stands."""
+        assert self._log is None, "arena: a tentative allocation is already open"
+        self._log, self._log_handed, mark = [], [], len(self._wipes)
+        try:
+            yield
+        except BaseException:
+            self._rollback(mark)
+            raise
+        if keep:
+            self._log = None
+        else:
+            self._rollback(mark)
 
-    def commit(self) -> None:
-        self._log = None
-
-    def rollback(self, mark: int) -> None:
-        """Every block taken since :meth:`checkpoint` was given back: the slabs it granted hold the bytes
-        they held, and those it released or idled were read or written by nothing, so none needs a
-        wipe nor waits for the next step because of it (a cached block evicted on the way stays
+    def _rollback(self, mark: int) -> None:
+        """Every block taken since :meth:`tentative` began was given back: the slabs it granted hold the
+        bytes they held, and those it released or idled were read or written by nothing, so none needs
+        a wipe nor waits for the next step because of it (a cached block evicted on the way stays
         evicted)."""
         log, self._log = self._log, None
         slabs = list(dict.fromkeys(s for s, _, _ in log))
@@ -301,11 +309,8 @@ class Arena:
             i = len(self._unowned) - 1
             while not self._free_for(self._unowned[i], tier, demotion):
                 i -= 1
+            self._count(self._unowned[i], -1)
             s = self._unowned.pop(i)
-            if self._stamp[s] == self._step:
-                self._new_free[self.written[s]] -= 1
-                if s in self._touched:
-                    self._touched_free[self.written[s]] -= 1
         else:
             victims = [(t, s) for t in self.tiers if t.tier != tier for s in t._idle if self._stamp[s] != self._step]
             if not victims:
@@ -324,10 +329,7 @@ class Arena:
         self._note(slab)
         if self._read_now(slab):
             self._stamp[slab] = self._step
-        if self._stamp[slab] == self._step:
-            self._new_free[self.written[slab]] += 1
-        if slab in self._touched:
-            self._touched_free[self.written[slab]] += 1
+        self._count(slab, +1)
 
     def _idle_changed(self, slab: int, tier: int, idle: bool) -> None:
         """Slab ``slab`` of ``tier`` became idle (``idle``) or left idle (in use again, released or

@@ -48,6 +48,7 @@ prefill has reserved but not yet written.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from kvq.cache.arena import Arena
 from kvq.cache.block_allocator import BlockAllocator, NoFreeBlocksError, hash_block_tokens
@@ -301,28 +302,28 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
         then the blocks it computes.  All or nothing: on NoFreeBlocksError every block taken is given
         back and the hit counters restored (a cached block evicted on the way stays evicted)."""
         bs, L, table = self.block_size, plan.L, []
-        mark = self.arena.checkpoint() if self.arena is not None else None
-        try:
-            for i, (pool, want) in enumerate(plan.hits):
-                got = self._alloc[pool].lookup(plan.hashes[i], self._block_tokens(token_ids, i))
-                assert got == want, (pool, got, want)
-                table.append(BlockRef(pool, got))
-            for b in plan.loads:
-                table.append(BlockRef(b.pool, self._alloc[b.pool].allocate()))
-            for i in range(len(plan.hits) + len(plan.loads), -(-L // bs)):
-                pool = block_state(i, L, self.policy)
-                table.append(BlockRef(pool, self._alloc[pool].allocate()))
-        except NoFreeBlocksError:
-            for ref in reversed(table):
-                self._alloc[ref.pool].free(ref.block_id)
-            for pool, _ in plan.hits:
-                self._alloc[pool].num_hits -= 1
-            if mark is not None:
-                self.arena.rollback(mark)
-            raise
-        if mark is not None:
-            self.arena.commit()
+        with self._tentative():
+            try:
+                for i, (pool, want) in enumerate(plan.hits):
+                    got = self._alloc[pool].lookup(plan.hashes[i], self._block_tokens(token_ids, i))
+                    assert got == want, (pool, got, want)
+                    table.append(BlockRef(pool, got))
+                for b in plan.loads:
+                    table.append(BlockRef(b.pool, self._alloc[b.pool].allocate()))
+                for i in range(len(plan.hits) + len(plan.loads), -(-L // bs)):
+                    pool = block_state(i, L, self.policy)
+                    table.append(BlockRef(pool, self._alloc[pool].allocate()))
+            except NoFreeBlocksError:
+                for ref in reversed(table):
+                    self._alloc[ref.pool].free(ref.block_id)
+                for pool, _ in plan.hits:
+                    self._alloc[pool].num_hits -= 1
+                raise
         return table
+
+    def _tentative(self, keep: bool = True):
+        """The arena's tentative allocation (:meth:`kvq.cache.arena.Arena.tentative`); nothing without tiers."""
+        return self.arena.tentative(keep) if self.arena is not None else nullcontext()
 
 
     # -- appends ----------------------------------------------------------------------------

@@ -59,20 +59,16 @@ class SwapMixin:
         copy between them.  The table keeps each block's pool, so a swapped-in block returns to its tier."""
         pairs: dict[str, list[tuple[int, int]]] = {"q": [], "hp": []}
         table = []
-        mark = self.arena.checkpoint() if self.arena is not None and direction == "in" else None
-        try:
-            for ref in seq.table:
-                b = dst(ref.pool).allocate()
-                pairs.setdefault(ref.pool, []).append((ref.block_id, b))
-                table.append(BlockRef(ref.pool, b))
-        except NoFreeBlocksError:  # all or nothing: give back what was taken, the source stays as it was
-            for ref in reversed(table):
-                dst(ref.pool).free(ref.block_id)
-            if mark is not None:
-                self.arena.rollback(mark)
-            raise
-        if mark is not None:
-            self.arena.commit()
+        with self._tentative():
+            try:
+                for ref in seq.table:
+                    b = dst(ref.pool).allocate()
+                    pairs.setdefault(ref.pool, []).append((ref.block_id, b))
+                    table.append(BlockRef(ref.pool, b))
+            except NoFreeBlocksError:  # all or nothing: give back what was taken, the source stays as it was
+                for ref in reversed(table):
+                    dst(ref.pool).free(ref.block_id)
+                raise
         for ref in reversed(seq.table):
             src(ref.pool).free(ref.block_id)
             if direction == "out" and self.arena is not None and ref.pool != "hp":  # the op reads it this step
@@ -96,19 +92,18 @@ class SwapMixin:
         if need.get("hp", 0) > self._alloc["hp"].num_free:
             return False
         taken: list[tuple[str, int]] = []
-        mark = self.arena.checkpoint()
-        try:
-            for p, n in need.items():
-                if p != "hp":
-                    for _ in range(n):
-                        taken.append((p, self._alloc[p].allocate()))
-            return True
-        except NoFreeBlocksError:
-            return False
-        finally:
-            for p, b in reversed(taken):
-                self._alloc[p].free(b)
-            self.arena.rollback(mark)
+        with self.arena.tentative(keep=False):  # a trial: undone whatever it finds
+            try:
+                for p, n in need.items():
+                    if p != "hp":
+                        for _ in range(n):
+                            taken.append((p, self._alloc[p].allocate()))
+                return True
+            except NoFreeBlocksError:
+                return False
+            finally:
+                for p, b in reversed(taken):
+                    self._alloc[p].free(b)
 
     def swap_in(self, seq_id: SeqId) -> SwapOp:
         """Bring a swapped sequence back into fresh device blocks (whole table, so a mirror
