@@ -188,3 +188,37 @@ def test_a_decode_graph_runs_the_steps_demotions_from_its_static_lists(kv):
     many = HostStep(slots=[0], tables=[[0]], seq_lens=[1], num_new=[1],
                     demotes=((0, 1, [(i, 100 + i) for i in range(DEMOTES_PER_PAIR + 1)]),))
     assert not graphs.serves(twice) and not graphs.serves(many)
+
+
+def test_apply_ops_wipes_and_demotes_without_waiting_for_the_device(kv):
+    """The cache ops the engine runs outside the staged step (the slab wipe before every other op of the
+    step, demotions among swaps) build their index lists without a host sync (kvq.cache.step.host_ids:
+    on CUDA a pinned, asynchronous copy).  ``torch.tensor(ids, device=cuda)`` copied from pageable memory
+    and synchronized the stream, i.e. waited for the previous step's forward under asynchronous
+    scheduling; on a GPU this runs in torch's sync debug mode "error", where such a copy raises.  Here and
+    on the CPU: the wipe zeroes exactly its slabs in every layer and the demotion writes the reference's
+    bytes."""
+    from kvq.cache.block_types import BlockRef, DemoteOp, WipeOp
+    from kvq.cache.step import apply_ops
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base, tiers = "fp8_e4m3", "int4_kivi"
+    expect, pool = filled(base, tiers, kv), filled(base, tiers, kv, dev)
+    d = ids_from(expect, 1, DEST)
+    for layer in expect.layers:
+        reference.demote_pairs(layer, torch.tensor([(0, d[0]), (2, d[1])]), 0, 1)
+        layer.arena.view(SLABS, -1)[[1, 8]] = 0
+    ops = [DemoteOp(0, 0, BlockRef("q", 0), BlockRef("q1", d[0])),
+           DemoteOp(0, 2, BlockRef("q", 2), BlockRef("q1", d[1])), WipeOp((8, 1))]
+    kernels = reference if dev.type == "cpu" else triton_demote
+    if dev.type == "cuda":
+        apply_ops(filled(base, tiers, kv, dev), kernels, ops)  # (Triton's first launch compiles)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        apply_ops(pool, kernels, ops)
+    finally:
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(arena_bytes(pool), arena_bytes(expect)):
+        assert torch.equal(a.cpu(), b)

@@ -37,6 +37,7 @@ from kvq.attention.triton import dequant
 from kvq.attention.triton.band import band_attention
 from kvq.attention.triton.decode import layer_args
 from kvq.attention.triton.prefill import _dense_args, scratch_groups, window_scratch
+from kvq.cache.step import host_ids
 
 
 #: Dequantize quantized pages into the queries' dtype (bf16 for a bf16 model) instead of f16, so that
@@ -267,9 +268,8 @@ class SplitPrefill:
             dev = g.k.device
             first = paged_lib.indptr(n)
             dummy = [first[r] for r, c in enumerate(counts) if c <= 0]
-            return (torch.tensor(first[:-1], dtype=torch.int32, device=dev),
-                    torch.tensor([max(c, 0) for c in counts], dtype=torch.int32, device=dev),
-                    torch.tensor(dummy, dtype=torch.int64, device=dev) if dummy else None,
+            return (host_ids(first[:-1], torch.int32, dev), host_ids([max(c, 0) for c in counts], torch.int32, dev),
+                    host_ids(dummy, torch.int64, dev) if dummy else None,
                     self.lib.prepare_ragged(qo, Hq, H, D, g.k.dtype, sm_scale, qg.device, kv_lens=n,
                                             window_left=window_left))
         starts, lens, dummy, handle = self._plan(host, key + ("ragged",), plan)

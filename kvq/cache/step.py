@@ -246,6 +246,17 @@ def table_array(tables: list[list[int]] | np.ndarray) -> np.ndarray:
     return out
 
 
+def host_ids(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` (ints, or tuples of ints) as a tensor on ``device`` without waiting for the device: on
+    CUDA through pinned memory and an asynchronous copy.  ``torch.tensor(values, device=cuda)`` copies
+    from pageable memory and then synchronizes the stream, i.e. waits for every launch queued before it
+    (under asynchronous scheduling, the previous step's forward), which serializes the host's work for
+    the step with the device's."""
+    t = torch.tensor(values, dtype=dtype)
+    dev = torch.device(device)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+
 def each_to(device: torch.device | str):
     """A stager that copies each array on its own (pinned on CUDA): tests and one-off drivers.
     The engine's runner stages a step's arrays through one copy (kvq.engine.staging)."""
@@ -356,22 +367,22 @@ def apply_ops(pool: KVPool, kernels, ops: Sequence, swap=None) -> None:
             j += 1
         run = ops[i:j]
         if isinstance(run[0], SealOp):
-            src = torch.tensor([op.src_hp_block for op in run], dtype=torch.int64, device=pool.device)
-            dst = torch.tensor([op.dst_q_block for op in run], dtype=torch.int64, device=pool.device)
+            src = host_ids([op.src_hp_block for op in run], torch.int64, pool.device)
+            dst = host_ids([op.dst_q_block for op in run], torch.int64, pool.device)
             for layer in pool.layers:
                 kernels.seal_blocks(layer, src, dst)
         elif isinstance(run[0], CopyOp):
             for op in run:  # rare (forked sequences); one block at a time keeps pools apart
-                src = torch.tensor([op.src.block_id], dtype=torch.int64, device=pool.device)
-                dst = torch.tensor([op.dst.block_id], dtype=torch.int64, device=pool.device)
+                src = host_ids([op.src.block_id], torch.int64, pool.device)
+                dst = host_ids([op.dst.block_id], torch.int64, pool.device)
                 pool.copy_blocks(op.src.pool, src, dst)
         elif isinstance(run[0], DemoteOp):
             for s_, d_, pairs in demote_runs(run):
-                t = torch.tensor(pairs, dtype=torch.int64, device=pool.device)
+                t = host_ids(pairs, torch.int64, pool.device)
                 for layer in pool.layers:
                     kernels.demote_pairs(layer, t, s_, d_)
         elif isinstance(run[0], WipeOp):
-            idx = torch.tensor(sorted({s for op in run for s in op.slabs}), dtype=torch.int64, device=pool.device)
+            idx = host_ids(sorted({s for op in run for s in op.slabs}), torch.int64, pool.device)
             for layer in pool.layers:  # (each layer's arena: num_slabs rows of its slab bytes)
                 if layer.arena is not None and layer.arena.numel():
                     layer.arena.view(pool.num_slabs, -1).index_fill_(0, idx, 0)

@@ -26,6 +26,7 @@ from kvq.attention.triton.decode import _LOG2E, INTERPRET, _dot_dtype, layer_arg
 from kvq.attention.triton.splitk import softmax_step
 from kvq.attention.triton.tiles import DENSE, load_tile, tile_channel
 from kvq.cache.pool import LayerKV
+from kvq.cache.step import host_ids
 
 #: The launch's tiles per kind of read: queries per program (block_m), keys per loop iteration
 #: (block_n), warps, pipeline stages.  "dense": 16-bit pages read as they are (bf16, or a format
@@ -370,8 +371,8 @@ def _group_rows(window, cu, host_cu, b0, b1, B, r0, width, page, dev):
     else:
         def rows(rs, rebase_row):
             keep = [(b - b0, i, x - r0 if rebase_row else x) for b, i, x in rs if b0 <= b < b1]
-            return torch.tensor(keep, dtype=torch.int64, device=dev).reshape(-1, 3)
-        g_cu = torch.tensor([c - r0 for c in host_cu[b0:b1 + 1]], dtype=torch.int32, device=dev)
+            return host_ids(keep, torch.int64, dev).reshape(-1, 3)
+        g_cu = host_ids([c - r0 for c in host_cu[b0:b1 + 1]], torch.int32, dev)
         ex, se = ((rows(window.exact_rows, True), rows(window.sealed_rows, False)) if window is not None
                   else (no_rows, no_rows))
     nb = (b1 - b0) * width
