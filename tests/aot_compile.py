@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import time
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -88,11 +89,12 @@ def compile_recorded(shard: int = 0, shards: int = 1) -> int:
         if (len(seen) - 1) % shards != shard:
             continue
         mine += 1
+        t0 = time.perf_counter()
         ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                             options=opts)
         consts = {n: str(bound[n]) for n in fn.arg_names if fn.arg_names.index(n) in fn.constexprs}
         shared = ck.metadata.shared
-        print("compiled", fn.__name__, consts, opts, f"shared {shared} B")
+        print("compiled", fn.__name__, consts, opts, f"shared {shared} B", f"{time.perf_counter() - t0:.1f} s")
         if shared > SM90_SHARED_BYTES:
             raise SystemExit(f"{fn.__name__} {consts} {opts} needs {shared} B of shared memory, more than an "
                              f"sm_90 block has ({SM90_SHARED_BYTES})")
