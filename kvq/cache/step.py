@@ -252,19 +252,21 @@ def host_ids(values, dtype: torch.dtype, device: torch.device | str) -> torch.Te
     from pageable memory and then synchronizes the stream, i.e. waits for every launch queued before it
     (under asynchronous scheduling, the previous step's forward), which serializes the host's work for
     the step with the device's."""
-    t = torch.tensor(values, dtype=dtype)
-    dev = torch.device(device)
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+    return _no_wait_to(torch.tensor(values, dtype=dtype), torch.device(device))
+
+
+def _no_wait_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``; on CUDA pinned first, so the copy does not wait for the stream."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def each_to(device: torch.device | str):
     """A stager that copies each array on its own (pinned on CUDA): tests and one-off drivers.
     The engine's runner stages a step's arrays through one copy (kvq.engine.staging)."""
-    pin = torch.device(device).type == "cuda"
+    dev = torch.device(device)
 
     def stage(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        ts = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
-        return [t.pin_memory().to(device, non_blocking=True) if pin else t.to(device) for t in ts]
+        return [_no_wait_to(torch.from_numpy(np.ascontiguousarray(a)), dev) for a in arrays]
     return stage
 
 
