@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from kvq.cache.plan import KVCacheConfig
 from kvq.engine.llm_engine import EngineConfig, LLMEngine
 from kvq.engine.sampling_params import SamplingParams
 
@@ -69,7 +70,7 @@ def decode_steps(engine, n):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3-8b")
-    ap.add_argument("--kv-cache-dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16", help="a format spec: a name, windows or tiers")
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
@@ -87,7 +88,9 @@ def main():
                          "for the wave preempts) as in bench_engine's long runs")
     args = ap.parse_args()
     concs = [int(c) for c in args.concurrency.split(",")]
-    eng = LLMEngine(EngineConfig(model=args.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype,
+    # a format spec as bench_engine and kvq eval take it: a name, windows or tiers (fp8_e4m3>int4_kivi@256)
+    eng = LLMEngine(EngineConfig(model=args.model, load_format="dummy",
+                                 kv_cache=KVCacheConfig().with_spec(args.kv_cache_dtype),
                                  max_num_seqs=max(concs), max_num_batched_tokens=8192, progress=False,
                                  enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling))
     vocab = eng.model.config.vocab_size

@@ -111,7 +111,7 @@ def test_triton_decode_merges_the_tiers(ladder, kv):
     lens = [W * bs - 3, len(other) * bs, W * bs - bs]
     step = HostStep(slots=[0, 1, 2], tables=rows, seq_lens=lens, num_new=[1, 1, 1])
     meta, _ = stage_step(step, bs, each_to(DEV))
-    assert meta.has_tiers and meta.tiers is not None and len(meta.tiers.tiers) == (2 if "," in ladder[1] else 1)
+    assert not meta.prefill_tiers and meta.tiers is not None and len(meta.tiers.tiers) == (2 if "," in ladder[1] else 1)
     q = torch.randn(3, H * GROUP, D, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEV)
     want = reference.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5).float()
     got = triton_decode.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5,
@@ -241,6 +241,22 @@ def test_split_tiers_keeps_order_and_lengths():
     assert split_tiers(np.array([[-1, 4]], np.int32), [20], 16) is None
 
 
+def test_a_step_flags_tiers_on_each_side_of_its_rows():
+    """Decodes that hold demoted blocks beside a fresh prompt: the decodes split by tier, the prompt keeps
+    the prefill's direct path (its table holds none); and the other way round."""
+    from kvq.cache.pool import TIER_BASE
+
+    aged = [-1, 4, TIER_BASE + 2, 5]  # a decode row with a block in tier 1
+    fresh = [6, 7, 8, 0]  # a prompt of 40 tokens, all of it this step's
+    for rows, nd, tiers, prefill in [([aged, fresh], 1, True, False), ([fresh, aged], 1, False, True),
+                                     ([aged, aged], 2, True, False), ([fresh, fresh], 1, False, False)]:
+        lens = [60 if r is aged else 40 for r in rows]
+        new = [1] * nd + [lens[-1]] * (2 - nd)
+        step = HostStep(slots=list(range(sum(new))), tables=np.asarray(rows, np.int32), seq_lens=lens, num_new=new)
+        meta, _ = stage_step(step, 16, each_to("cpu"))
+        assert (meta.tiers is not None, meta.prefill_tiers) == (tiers, prefill), rows
+
+
 def _prefill(impl):
     """The prefill under test: the Triton kernel, or the library prefill (kvq.attention.split_prefill) over
     the torch library (FlashInfer's calls' definition; FlashInfer itself on a GPU that has it), its calls
@@ -289,7 +305,7 @@ def test_prefill_reads_each_page_in_its_tier(windowed, ladder, impl, kv):
     rows = np.asarray([table], np.int32)
     step = HostStep(slots=list(range(T)), tables=rows, seq_lens=[n], num_new=[T])
     meta, _ = stage_step(step, bs, each_to(DEV), policy=policy if windowed else None)
-    assert meta.has_tiers and meta.tiers is None  # no decode rows: the prefill reads the tags
+    assert meta.prefill_tiers and meta.tiers is None  # no decode rows: the prefill reads the tags
     if windowed:
         assert meta.window is not None and meta.window.sealed_rows  # hp block 5 is read quantized by some
     g = torch.Generator().manual_seed(2)

@@ -215,7 +215,7 @@ def attend(kernels, q: torch.Tensor, layer, meta: StepMetadata, scale: float,
         win.update(k_new=k[nd:], v_new=v[nd:])
     if meta.window is not None:
         win["window"] = meta.window
-    if meta.has_tiers:  # a tiered cache whose tables hold lower tiers' blocks (kvq.cache.tiers)
+    if meta.prefill_tiers:  # a tiered cache whose prefill rows' tables hold lower tiers' blocks (kvq.cache.tiers)
         win.update(tiered=True)
     if nd == 0:
         return kernels.paged_attention(q, layer, meta.cu_seqlens_q, meta.block_tables, meta.seq_lens, scale,
