@@ -187,19 +187,39 @@ def dequantize_pages(args: list, meta: dict, block_tables: torch.Tensor, seq_len
 
 def dequantize_rows(args: list, meta: dict, block_tables: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor,
                     rows: int, blocks: int, num_kv_heads: int, page: int, head_dim: int, num_warps: int = 4,
-                    dtype: torch.dtype = torch.float16):
+                    dtype: torch.dtype = torch.float16, entries: tuple[int, int] = ALL_ENTRIES, into=None):
     """-> (k, v) ``dtype`` ``[rows, H, D]``: token ``i`` of sequence ``b`` (its first ``blocks`` table
     entries, ``seq_lens[b]`` tokens) dequantized into row ``starts[b] + i`` (int32 [B], on the device).
-    A step of fresh prompts reads its keys this way, in the rows of its queries (a ragged library call)."""
-    k = torch.empty(rows, num_kv_heads, head_dim, dtype=dtype, device=seq_lens.device)
-    v = torch.empty_like(k)
+    A step of fresh prompts reads its keys this way, in the rows of its queries (a ragged library call).
+    ``entries`` and ``into`` as in :func:`dequantize_pages` (the rows of other entries left as they are)."""
+    if into is None:
+        k = torch.empty(rows, num_kv_heads, head_dim, dtype=dtype, device=seq_lens.device)
+        v = torch.empty_like(k)
+    else:
+        k, v = into
     B = seq_lens.shape[0]
     if B and blocks:
         _dequant_kernel[(B, blocks, num_kv_heads)](
             *args, block_tables, block_tables.stride(0), seq_lens, starts, k, v, 0, k.stride(1), k.stride(0), blocks,
-            *ALL_ENTRIES, D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
+            *entries, D=head_dim, PAGE=page, K_FMT=meta["k_fmt"], K_PER=meta["k_per"], V_FMT=meta["v_fmt"],
             V_PER=meta["v_per"], K_G=meta["k_g"], V_G=meta["v_g"], ROWS=True, num_warps=num_warps,
         )
+    return k, v
+
+
+def dequantize_layer_rows(layer, block_tables: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor, rows: int,
+                          blocks: int, dtype: torch.dtype = torch.float16, tiered: bool = False):
+    """:func:`dequantize_rows` of a layer's pages; ``tiered``: the tables hold lower tiers' tagged blocks
+    (elastic precision), each read through its own tier's format into the same rows (one launch a tier,
+    where the page scratch and a copy into rows took a launch more and a second pass)."""
+    H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
+    args, meta = layer_args(layer)
+    k, v = dequantize_rows(args, meta, block_tables, seq_lens, starts, rows, blocks, H, page, D, dtype=dtype,
+                           entries=(ALL_ENTRIES[0], TIER_BASE) if tiered else ALL_ENTRIES)
+    for t in range(1, len(layer.tiers) + 1 if tiered else 1):
+        targs, tmeta = layer_args(layer.tier(t))
+        dequantize_rows(targs, tmeta, block_tables, seq_lens, starts, rows, blocks, H, page, D,
+                        entries=(t * TIER_BASE, (t + 1) * TIER_BASE), into=(k, v))
     return k, v
 
 
