@@ -3,8 +3,12 @@
 Run as a script (the test runs it in a subprocess, outside the interpreter mode
 the rest of the suite uses): the launchers are called with CPU tensors while
 JITFunction.run is replaced by a recorder; each recorded launch is then
-compiled ahead of time for an H100/H200 target (front end, LLVM, PTX, ptxas).
-This catches code that only the GPU compiler rejects.  Prints one line per
+compiled ahead of time for an H100/H200 target (front end, LLVM, PTX), and each
+code path (a kernel, its argument types and its constexprs other than sizes:
+:data:`SIZES`) assembled once by ptxas, at its largest variant.  This catches
+code that only the GPU compiler rejects: Triton's passes and LLVM fail by code
+path and size, ptxas by instruction (a variant of another size emits the same
+kinds), so the other sizes' ptxas runs, 40% of a cold compile, are skipped.  Prints one line per
 compiled variant and exits non-zero on the first failure.  ``--shard I/N``
 compiles every N-th distinct launch from the I-th on, so N processes share the
 work (the test runs its shards as separate tests, spread over the pytest workers).
@@ -12,6 +16,7 @@ work (the test runs its shards as separate tests, spread over the pytest workers
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -73,11 +78,13 @@ def launch_signature(fn: JITFunction, bound: dict, hints: bool = False) -> tuple
     return sig, consts, attrs
 
 
-def compile_recorded(shard: int = 0, shards: int = 1) -> int:
-    """Compile every distinct recorded launch whose index among the distinct ones is ``shard``
-    modulo ``shards`` (shards run in parallel processes); -> how many this shard compiled."""
-    seen = set()
-    mine = 0
+#: constexprs that size a kernel's tiles, not its code path: the variants of one path differ only in them
+SIZES = frozenset({"D", "GROUP", "PAGE", "BLOCK_M", "BLOCK_N", "BLOCK", "CHUNK", "TB", "SINK_N"})
+
+
+def _variants() -> list[tuple[JITFunction, dict, dict, dict, tuple, int]]:
+    """The distinct recorded launches in order: (fn, signature, constexprs, options, code path, size)."""
+    seen, out = set(), []
     for fn, bound in recorded:
         sig, consts, _ = launch_signature(fn, bound)
         opts = {k: bound[k] for k in ("num_warps", "num_stages") if bound.get(k) is not None}
@@ -86,19 +93,67 @@ def compile_recorded(shard: int = 0, shards: int = 1) -> int:
         if key in seen:
             continue
         seen.add(key)
-        if (len(seen) - 1) % shards != shard:
+        named = {fn.arg_names[i[0]]: v for i, v in consts.items()}
+        path = (key[0], key[1], tuple(sorted((k, str(v)) for k, v in named.items() if k not in SIZES)), key[3])
+        size = 1
+        for k in SIZES & named.keys():
+            size *= int(named[k])
+        out.append((fn, sig, consts, opts, path, size))
+    return out
+
+
+class _PtxOnly:
+    """``triton.compile`` up to PTX: ptxas (the ``cubin`` stage) left out, the result cached apart (an
+    empty cubin must never be found by a real launch's compile of the same key)."""
+
+    def __enter__(self):
+        from triton import knobs
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        self._cls, self._add, self._dir = CUDABackend, CUDABackend.add_stages, knobs.cache.dir
+
+        def add_stages(backend, stages, options, language):
+            self._add(backend, stages, options, language)
+            stages["cubin"] = lambda src, metadata: b""
+        CUDABackend.add_stages = add_stages
+        knobs.cache.dir = os.path.join(self._dir, "aot-ptx-only")
+
+    def __exit__(self, *exc):
+        from triton import knobs
+
+        self._cls.add_stages = self._add
+        knobs.cache.dir = self._dir
+
+
+def compile_recorded(shard: int = 0, shards: int = 1) -> int:
+    """Compile every distinct recorded launch whose index among the distinct ones is ``shard``
+    modulo ``shards`` (shards run in parallel processes), assembling the largest variant of each code
+    path (the first of equal ones); -> how many this shard compiled."""
+    variants = _variants()
+    assemble = {}
+    for i, (*_, path, size) in enumerate(variants):
+        if path not in assemble or size > variants[assemble[path]][5]:
+            assemble[path] = i
+    assembled = set(assemble.values())
+    mine = 0
+    for i, (fn, sig, consts, opts, _, _) in enumerate(variants):
+        if i % shards != shard:
             continue
         mine += 1
         t0 = time.perf_counter()
-        ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                            options=opts)
-        consts = {n: str(bound[n]) for n in fn.arg_names if fn.arg_names.index(n) in fn.constexprs}
+        with contextlib.nullcontext() if i in assembled else _PtxOnly():
+            ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                target=GPUTarget("cuda", 90, 32), options=opts)
+        assert ck.asm["ptx"] and (i not in assembled or ck.asm["cubin"]), (fn.__name__, consts)
+        consts = {fn.arg_names[k[0]]: str(v) for k, v in consts.items()}
         shared = ck.metadata.shared
-        print("compiled", fn.__name__, consts, opts, f"shared {shared} B", f"{time.perf_counter() - t0:.1f} s")
+        print("compiled" if i in assembled else "compiled (to PTX)", fn.__name__, consts, opts, f"shared {shared} B",
+              f"{time.perf_counter() - t0:.1f} s")
         if shared > SM90_SHARED_BYTES:
             raise SystemExit(f"{fn.__name__} {consts} {opts} needs {shared} B of shared memory, more than an "
                              f"sm_90 block has ({SM90_SHARED_BYTES})")
-    print(f"shard {shard}/{shards}: {mine} of {len(seen)} distinct launches")
+    print(f"shard {shard}/{shards}: {mine} of {len(variants)} distinct launches, "
+          f"{len(assembled & set(range(shard, len(variants), shards)))} assembled by ptxas")
     return mine
 
 

@@ -35,6 +35,7 @@ def test_all_kernels_compile_for_sm90(shard):
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "aot_compile.py"), "--shard", f"{shard}/{SHARDS}",
                         *FORMATS], capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    m = re.search(r"shard \d+/\d+: (\d+) of (\d+) distinct launches", r.stdout)
+    m = re.search(r"shard \d+/\d+: (\d+) of (\d+) distinct launches, (\d+) assembled by ptxas", r.stdout)
     assert m and int(m[2]) >= SHARDS and int(m[1]) == len(range(shard, int(m[2]), SHARDS)), r.stdout[-3000:]
+    assert 1 <= int(m[3]) <= int(m[1]), r.stdout[-3000:]  # every code path once, at its largest size
     assert "kernel variants compiled for sm_90" in r.stdout
