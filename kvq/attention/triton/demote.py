@@ -1,8 +1,8 @@
 """Demotion in Triton: re-store whole blocks one tier down (elastic precision, kvq.cache.tiers).
 
-Twin of :func:`kvq.attention.reference.demote_pairs`: each (block, KV head) program reads a
-source block's ``[bs, D]`` K and V tiles dequantized to float32 (the prefill scratch's page
-reader), and quantizes them into the destination tier with the seal kernels' quantizer, so a
+Twin of :func:`kvq.attention.reference.demote_pairs`: each (block, KV head, role) program reads a
+source block's ``[bs, D]`` K or V tile dequantized to float32 (the prefill scratch's page
+reader), and quantizes it into the destination tier with the seal kernels' quantizer, so a
 demoted block holds exactly the codes a seal of the dequantized values would write.  One
 launch per layer for a batch of blocks between one ordered pair of tiers.
 
@@ -51,18 +51,22 @@ def _demote_kernel(
     DK_FMT: tl.constexpr, DK_PER: tl.constexpr, DK_G: tl.constexpr, DK_QMAX: tl.constexpr,
     DV_FMT: tl.constexpr, DV_PER: tl.constexpr, DV_G: tl.constexpr, DV_QMAX: tl.constexpr,
 ):
-    """One program per (pair, KV head): K, then V."""
+    """One program per (pair, KV head, role): K and V side by side, not one after the other (a block's
+    tile is small: a program is one chain of dependent loads, reductions and stores, and the launch
+    lasts about as long as its longest program)."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     dst = tl.load(pairs + i * s_pair + 1).to(tl.int64)
     if dst >= 0:
         src = tl.load(pairs + i * s_pair)
-        _demote_role(skd, sks, skz, skhp, skst, s_skdb, s_skdh, s_skdt, s_sksb, s_sksh, s_skst, s_skzb, s_hb, s_hh,
-                     s_ht, src, h, dkd, dks, dkz, dkst, s_dkdb, s_dkdh, s_dkdt, s_dksb, s_dksh, s_dkst, s_dkzb, dst,
-                     PAGE, D, SK_FMT, SK_PER, SK_G, DK_FMT, DK_PER, DK_G, DK_QMAX)
-        _demote_role(svd, svs, svz, svhp, svst, s_svdb, s_svdh, s_svdt, s_svsb, s_svsh, s_svst, s_svzb, s_hb, s_hh,
-                     s_ht, src, h, dvd, dvs, dvz, dvst, s_dvdb, s_dvdh, s_dvdt, s_dvsb, s_dvsh, s_dvst, s_dvzb, dst,
-                     PAGE, D, SV_FMT, SV_PER, SV_G, DV_FMT, DV_PER, DV_G, DV_QMAX)
+        if tl.program_id(2) == 0:
+            _demote_role(skd, sks, skz, skhp, skst, s_skdb, s_skdh, s_skdt, s_sksb, s_sksh, s_skst, s_skzb, s_hb,
+                         s_hh, s_ht, src, h, dkd, dks, dkz, dkst, s_dkdb, s_dkdh, s_dkdt, s_dksb, s_dksh, s_dkst,
+                         s_dkzb, dst, PAGE, D, SK_FMT, SK_PER, SK_G, DK_FMT, DK_PER, DK_G, DK_QMAX)
+        else:
+            _demote_role(svd, svs, svz, svhp, svst, s_svdb, s_svdh, s_svdt, s_svsb, s_svsh, s_svst, s_svzb, s_hb,
+                         s_hh, s_ht, src, h, dvd, dvs, dvz, dvst, s_dvdb, s_dvdh, s_dvdt, s_dvsb, s_dvsh, s_dvst,
+                         s_dvzb, dst, PAGE, D, SV_FMT, SV_PER, SV_G, DV_FMT, DV_PER, DV_G, DV_QMAX)
 
 
 def demote_pairs(layer: LayerKV, pairs: torch.Tensor, src_tier: int, dst_tier: int,
@@ -74,7 +78,7 @@ def demote_pairs(layer: LayerKV, pairs: torch.Tensor, src_tier: int, dst_tier: i
     args, sm = layer_args(src)
     kp, ks, km = _role_args(dst, "k")
     vp, vs, vm = _role_args(dst, "v")
-    _demote_kernel[(pairs.shape[0], layer.num_kv_heads)](
+    _demote_kernel[(pairs.shape[0], layer.num_kv_heads, 2)](
         pairs, pairs.stride(0), *args, kp[0], kp[1], kp[2], kp[4], vp[0], vp[1], vp[2], vp[4], *ks, *vs,
         PAGE=layer.block_size, D=layer.head_dim,
         SK_FMT=sm["k_fmt"], SK_PER=sm["k_per"], SK_G=sm["k_g"], SV_FMT=sm["v_fmt"], SV_PER=sm["v_per"], SV_G=sm["v_g"],
