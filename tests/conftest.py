@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 #: fixtures (moving one out of its module would build its fixture twice); a name not collected is ignored.
 LONG_FIRST = (
     "tests/test_tune.py::test_tune_end_to_end_on_the_default_model",
-    # six shards, 40-55 s each with a cold Triton cache (a fresh machine, as CI's), a few seconds warm
+    # four shards, about 50 s each with a cold Triton cache (a fresh machine, as CI's), a few seconds warm
     "tests/test_triton_compile.py::test_all_kernels_compile_for_sm90",
     "tests/test_soak.py::test_soak_drain_restart_preemption_and_host_faults",
     "tests/test_soak.py::test_soak_nixl_peer_death_and_tensor_parallel_rank_death",

@@ -24,7 +24,7 @@ FORMATS = [e.name for e in entries() if e.name not in ("auto", "float32", "float
            and not any(resolve_format(e.name, r).reference_only for r in ("k", "v"))]
 
 
-SHARDS = 6  # the distinct launches are split over this many tests, which the pytest workers share
+SHARDS = 4  # the distinct launches are split over this many tests, which the pytest workers share
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
