@@ -35,7 +35,6 @@ import torch
 from kvq.attention import paged_lib
 from kvq.attention.triton import dequant
 from kvq.attention.triton.band import band_attention
-from kvq.attention.triton.decode import layer_args
 from kvq.attention.triton.prefill import _dense_args, scratch_groups, window_scratch
 from kvq.cache.step import host_ids
 
@@ -180,7 +179,6 @@ class SplitPrefill:
         if tiered and not ragged:
             self._tiered(q, out, layer, cu_seqlens_q, block_tables, seq_lens, sm_scale, dtype, host)
             return out
-        args, meta = layer_args(layer)
         for gi, (b0, b1, width) in enumerate(scratch_groups(lens, H, P, D)):
             r0, r1 = cu[b0], cu[b1]
             if ragged:  # each request's keys (dequantized, or copied; a tiered page through its tier) into rows,
@@ -192,8 +190,8 @@ class SplitPrefill:
                     qo[b0:b1], Hq, H, D, dtype, sm_scale, q.device, kv_lens=lens[b0:b1]))
                 run = self.lib.run_ragged
             else:
-                k, v, ident = dequant.dequantize_pages(args, meta, block_tables[b0:b1, :width], seq_lens[b0:b1], width,
-                                                       H, P, D, dtype=dtype)
+                k, v, ident = dequant.dequantize_layer_pages(layer, block_tables[b0:b1, :width], seq_lens[b0:b1], width,
+                                                             dtype=dtype)
                 handle = self._plan(host, ("scratch", gi, dtype), lambda: self.lib.prepare(
                     paged_lib.make_plan(qo[b0:b1], lens[b0:b1], [0] * (b1 - b0), ident, P), Hq, H, D, dtype, sm_scale))
                 run = self.lib.run

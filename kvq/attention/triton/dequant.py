@@ -207,20 +207,27 @@ def dequantize_rows(args: list, meta: dict, block_tables: torch.Tensor, seq_lens
     return k, v
 
 
+def tier_reads(layer, tiered: bool) -> list[tuple[list, dict, tuple[int, int]]]:
+    """``(args, meta, entries)`` of each launch that reads a layer's table entries: one over all of them,
+    or (``tiered``: the tables hold lower tiers' tagged blocks) one a tier, each through its own format."""
+    args, meta = layer_args(layer)
+    if not tiered:
+        return [(args, meta, ALL_ENTRIES)]
+    return [(args, meta, (ALL_ENTRIES[0], TIER_BASE))] + [
+        (*layer_args(layer.tier(t)), (t * TIER_BASE, (t + 1) * TIER_BASE)) for t in range(1, len(layer.tiers) + 1)]
+
+
 def dequantize_layer_rows(layer, block_tables: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor, rows: int,
                           blocks: int, dtype: torch.dtype = torch.float16, tiered: bool = False):
-    """:func:`dequantize_rows` of a layer's pages; ``tiered``: the tables hold lower tiers' tagged blocks
-    (elastic precision), each read through its own tier's format into the same rows (one launch a tier,
-    where the page scratch and a copy into rows took a launch more and a second pass)."""
+    """:func:`dequantize_rows` of a layer's pages, each tier's through its own format (:func:`tier_reads`)
+    into the same rows (one launch a tier, where the page scratch and a copy into rows took a launch more
+    and a second pass)."""
     H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
-    args, meta = layer_args(layer)
-    k, v = dequantize_rows(args, meta, block_tables, seq_lens, starts, rows, blocks, H, page, D, dtype=dtype,
-                           entries=(ALL_ENTRIES[0], TIER_BASE) if tiered else ALL_ENTRIES)
-    for t in range(1, len(layer.tiers) + 1 if tiered else 1):
-        targs, tmeta = layer_args(layer.tier(t))
-        dequantize_rows(targs, tmeta, block_tables, seq_lens, starts, rows, blocks, H, page, D,
-                        entries=(t * TIER_BASE, (t + 1) * TIER_BASE), into=(k, v))
-    return k, v
+    into = None
+    for args, meta, entries in tier_reads(layer, tiered):
+        into = dequantize_rows(args, meta, block_tables, seq_lens, starts, rows, blocks, H, page, D, dtype=dtype,
+                               entries=entries, into=into)
+    return into
 
 
 def dequantize_layer_pages(layer, block_tables: torch.Tensor, seq_lens: torch.Tensor, blocks: int, extra: int = 0,
@@ -229,14 +236,9 @@ def dequantize_layer_pages(layer, block_tables: torch.Tensor, seq_lens: torch.Te
     """:func:`dequantize_pages` of a layer's pages; ``tiered``: the tables hold lower tiers' tagged
     blocks (elastic precision), each read through its own tier's format into the one scratch."""
     H, page, D = layer.num_kv_heads, layer.block_size, layer.head_dim
-    args, meta = layer_args(layer)
-    if not tiered:
-        return dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, page, D, extra=extra, dtype=dtype,
-                                table=table)
-    k, v, table = dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, page, D, extra=extra, dtype=dtype,
-                                   entries=(ALL_ENTRIES[0], TIER_BASE), table=table)
-    for t in range(1, len(layer.tiers) + 1):
-        targs, tmeta = layer_args(layer.tier(t))
-        dequantize_pages(targs, tmeta, block_tables, seq_lens, blocks, H, page, D, entries=(t * TIER_BASE,
-                         (t + 1) * TIER_BASE), into=(k, v))
+    into = None
+    for args, meta, entries in tier_reads(layer, tiered):
+        k, v, table = dequantize_pages(args, meta, block_tables, seq_lens, blocks, H, page, D, extra=extra,
+                                       dtype=dtype, entries=entries, into=into, table=table)
+        into = (k, v)
     return k, v, table
