@@ -404,8 +404,9 @@ def test_tiered_servers_on_both_sides_of_a_transfer():
     """Elastic precision on both servers (fp8_e4m3 aged into int4_kivi).  The decode server registers its
     arena with NIXL (tier 0's planes are strided views) and reads the prefill server's blocks into its
     resident tier; then its blocks age as a colocated server's do: greedy text equal, the same
-    demotions.  A prompt long enough to age while the prefill server prefills it in chunks is sent
-    as that server's attention reads it (its demoted blocks dequantized through their tier and cast
+    demotions.  A prompt whose blocks the prefill server holds demoted (it decoded that prompt once: a
+    prompt ages from its first decode, not while its chunks run, and its demoted blocks stay cached) is
+    sent as that server's attention reads it (its demoted blocks dequantized through their tier and cast
     into the decode server's fp8_e4m3): the request completes from the prefill server's first token.
     Nothing is left behind on either side."""
     pt, purl, _ = _start_with(KVRoleOptions(role="prefill"), max_num_batched_tokens=64, **TIERED)
@@ -422,8 +423,12 @@ def test_tiered_servers_on_both_sides_of_a_transfer():
             assert r.json()["choices"][0]["text"] == want
         assert _demotions(purl) == 0 and _demotions(durl) > 0 and _demotions(durl) == _demotions(curl)
         long = PROMPTS[1] * 3
-        first = _complete(purl, long, max_tokens=1).json()["choices"][0]["text"]
+        assert _complete(purl, long, max_tokens=1).status_code == 200
+        assert _demotions(purl) == 0  # its chunks aged nothing
+        assert _complete(purl, long, max_tokens=8).status_code == 200  # (a prefix hit; its decodes age it)
         assert _demotions(purl) > 0
+        assert httpx.get(purl + "/status").json()["kv_tiers"]["tiers"][1]["cached"] > 0  # kept for a prefix hit
+        first = _complete(purl, long, max_tokens=1).json()["choices"][0]["text"]  # over the demoted prefix
         text = _text(durl, long)
         assert text.startswith(first) and len(text) > len(first)
         st = _assert_clean(durl)["kv_transfer"]

@@ -390,13 +390,16 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
         free for it: kvq.cache.block_tiers)."""
         return self._plan_append(self._seq(seq_id), num_new_tokens)[4]
 
-    def append_slots(self, seq_id: SeqId, new_token_ids: Sequence[int]) -> list[Op]:
+    def append_slots(self, seq_id: SeqId, new_token_ids: Sequence[int], age: bool = True) -> list[Op]:
         """Extend a sequence by ``new_token_ids`` and return the data movement to do first.
 
         Declares every earlier token computed (registering full blocks for
         prefix reuse), seals blocks that left the window at the old length,
         copies a shared partial tail on write, and allocates blocks for the
         new tokens. See the module docstring for the ordering contract.
+        ``age=False`` (a prompt's chunk): the age policy (elastic precision) moves
+        none of its blocks now; the scheduler ages a prompt from its first decode on,
+        so that a prompt reads its own past in one format whatever its chunks.
         """
         seq = self._seq(seq_id)
         n_old, bs = len(seq.tokens), self.block_size
@@ -456,7 +459,7 @@ class BlockManager(PrefixMixin, LoadsMixin, SwapMixin, TiersMixin):
             seq.table.append(BlockRef(pool, self._alloc[pool].allocate()))
         seq.tokens.extend(new_token_ids)
         seq.num_settled = n_old
-        if self.tiers is not None:  # after every allocation: they take only what is left
+        if self.tiers is not None and age:  # after every allocation: they take only what is left
             ops += self._age(seq_id, seq, n_old)
         return ops
 

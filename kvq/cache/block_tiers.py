@@ -1,6 +1,7 @@
 """Elastic precision for :class:`~kvq.cache.block_manager.BlockManager`: sealed blocks move down the
-tiers of a :class:`~kvq.cache.tiers.TierRule` by age (at each append, like seals) and under
-pressure (:meth:`TiersMixin.make_room`, when the scheduler would preempt or cannot admit).
+tiers of a :class:`~kvq.cache.tiers.TierRule` by age (at each append, like seals; the scheduler's
+prompt chunks age nothing, so a prompt ages from its first decode on) and under pressure
+(:meth:`TiersMixin.make_room`, when the scheduler would preempt or cannot admit).
 
 Each move is a :class:`DemoteOp` (a new block of the lower tier, the table updated at once, the
 source released), which the engine runs like a seal: per layer, in the order they were made,
@@ -142,9 +143,10 @@ class TiersMixin:
     def age_due(self) -> list[DemoteOp]:
         """The age policy's demotions due now for every sequence, at its length now.  :meth:`_age` runs
         after an append's allocation, so a sequence whose next append cannot fit may hold blocks already
-        due (a chunked prompt ages only at its chunks' starts); each moved block frees a resident one.  The
-        scheduler runs these before pressure or preemption: without them an age-only ladder preempted
-        and, through the prefix cache, re-admitted the same prompt forever."""
+        due (a prompt in its chunks ages nothing until its first decode); each moved block frees a resident
+        one.  The scheduler runs these before pressure or preemption (a prompt short of memory ages then):
+        without them an age-only ladder preempted and, through the prefix cache, re-admitted the same prompt
+        forever."""
         rule = self.tiers
         if rule is None or not rule.ages:
             return []

@@ -291,12 +291,14 @@ class Scheduler(LoadsMixin, ChecksMixin, SwapFailuresMixin):
                                            table_len=len(table))
             return True
 
-        def grow(seq: Sequence, tokens: list[int]) -> bool:
+        def grow(seq: Sequence, tokens: list[int], decode: bool) -> bool:
             """Reserve ``tokens`` for ``seq``, demoting cold blocks (elastic precision) or else preempting
-            newer sequences (then itself) until they fit."""
+            newer sequences (then itself) until they fit.  A prompt's chunk ages none of its blocks: the
+            age policy starts at its first decode, so a prompt's logits do not depend on its chunks (nor
+            on the batch that cut them); only a step short of memory ages a prompt (``relieve``)."""
             while True:  # append_slots plans once and raises, the manager unchanged, when it cannot
                 try:
-                    ops.extend(bm.append_slots(seq.seq_id, tokens))
+                    ops.extend(bm.append_slots(seq.seq_id, tokens, age=decode))
                     return True
                 except NoFreeBlocksError:
                     need_q, need_hp = bm.append_need(seq.seq_id, len(tokens))
@@ -323,7 +325,7 @@ class Scheduler(LoadsMixin, ChecksMixin, SwapFailuresMixin):
                 continue
             assert budget >= 1, "max_num_batched_tokens >= max_num_seqs leaves every decode a token"
             token = seq.last_token_id if seq.num_pending == 0 else PENDING_TOKEN
-            if grow(seq, [token]):
+            if grow(seq, [token], decode=True):
                 take(seq, 1, is_prefill=False)
 
         stalled = False
@@ -342,7 +344,7 @@ class Scheduler(LoadsMixin, ChecksMixin, SwapFailuresMixin):
             if n == 0:
                 stalled = True
                 break
-            if grow(seq, seq.all_token_ids[start:start + n]):
+            if grow(seq, seq.all_token_ids[start:start + n], decode=False):
                 take(seq, n, is_prefill=True)
 
         while not preempted and not stalled and self._swapped and len(self._running) < cfg.max_num_seqs:  # 3a.
@@ -365,13 +367,13 @@ class Scheduler(LoadsMixin, ChecksMixin, SwapFailuresMixin):
                 if self._finishes_when_known(seq):
                     continue
                 token = seq.last_token_id if seq.num_pending == 0 else PENDING_TOKEN
-                if grow(seq, [token]):
+                if grow(seq, [token], decode=True):
                     take(seq, 1, is_prefill=False)
             elif reserved:
                 take(seq, n, is_prefill=True)
             else:
                 start = seq.num_scheduled_tokens
-                if grow(seq, seq.all_token_ids[start:start + n]):
+                if grow(seq, seq.all_token_ids[start:start + n], decode=False):
                     take(seq, n, is_prefill=True)
 
         remote_ops: list[RemoteLoadOp] = []
