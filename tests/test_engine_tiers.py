@@ -55,8 +55,8 @@ def score(model, backend, n=256, **kw) -> tuple[np.ndarray, list[int], list[int]
     cache session, whose appends age the blocks before each chunk (what a long generation's decodes
     find; the serving scheduler ages a prompt from its first decode on), then 6 greedy tokens; ->
     (logprobs, demotions per tier, tokens)."""
-    eng = engine(model, backend, max_num_batched_tokens=16, kv_cache_memory="2MiB", device=SCORE_DEVICE, **kw)
-    session = CacheSession(eng)
+    eng = engine(model, backend, max_num_batched_tokens=32, kv_cache_memory="2MiB", device=SCORE_DEVICE, **kw)
+    session = CacheSession(eng)  # (its chunks: the engine's step budget, as kvq eval sizes it)
     logits = session.prefill("long", LONG[:n], chunk=32, rows=range(n))
     logprobs = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(LONG[1:n], device=logits.device)[:, None])
     tokens = session.greedy("long", logits[-1], 6)
