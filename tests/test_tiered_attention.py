@@ -134,11 +134,13 @@ def test_cuda_decode_reads_a_tiers_view_of_the_arena(kv):
     assert "not contiguous" in decode8.unsupported_reason(bad, GROUP, torch.bfloat16)
 
 
-def test_cuda_backend_runs_each_tier_by_its_kernel_into_one_merge(kv, monkeypatch):
+@pytest.mark.parametrize("cuda_splits", [3, 1])
+def test_cuda_backend_runs_each_tier_by_its_kernel_into_one_merge(kv, monkeypatch, cuda_splits):
     """The cuda backend's tiered decode (kvq.attention.cuda.kernels), its dispatch checked on the CPU: the
     tiers the CUDA kernel reads go to it with their own split offsets into one set of partials (here a
-    stand-in writes them through the Triton kernel), a rotated codebook tier goes to Triton after them,
-    and the merge gives the reference's output."""
+    stand-in writes them through the Triton kernel), a rotated codebook tier goes to Triton, and the merge
+    gives the reference's output.  With several splits a tier, the tiers run in order and a reduce merges
+    them; with one, the last CUDA tier runs last and merges every other launch's partials itself."""
     from kvq.attention.cuda import decode8
     from kvq.attention.cuda import kernels as cuda_kernels
 
@@ -149,27 +151,41 @@ def test_cuda_backend_runs_each_tier_by_its_kernel_into_one_merge(kv, monkeypatc
                                   num_new=[1, 1]), bs, each_to(DEV))
     calls = []
 
-    def stand_in(q, lay, tab, ln, scale, max_seq_len=None, has_hp=None, num_splits=None, partials=None):
+    def stand_in(q, lay, tab, ln, scale, max_seq_len=None, has_hp=None, num_splits=None, partials=None,
+                 merge_into=None):
         po, plse, base = partials
-        calls.append((lay.fmt.k.name, base, num_splits))
+        calls.append((lay.fmt.k.name, base, num_splits, merge_into is not None))
         part = triton_decode.DecodePart(lay, tab, ln, max_seq_len, has_hp)
-        triton_decode.launch_part(q, part, po, plse, base, scale, num_splits, True)
+        if merge_into is None:
+            triton_decode.launch_part(q, part, po, plse, base, scale, num_splits, True)
+            return None
+        assert num_splits == 1 and base == po.shape[2]  # every other launch's partials are in
+        own_o, own_lse = triton_decode.partial_buffers(q, 1)
+        triton_decode.launch_part(q, part, own_o, own_lse, 0, scale, 1, True)
+        return triton_decode.merge_parts(torch.cat([po, own_o], 2), torch.cat([plse, own_lse], 2), merge_into)
 
-    monkeypatch.setattr(decode8, "splits_for", lambda q, lay, longest, *a: 3)
+    monkeypatch.setattr(decode8, "splits_for", lambda q, lay, longest, *a: cuda_splits)
     monkeypatch.setattr(decode8, "paged_decode", stand_in)
+    monkeypatch.setattr(triton_decode, "part_splits", lambda q, p, *a: 2)
     q = torch.randn(2, H * GROUP, D, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
     want = reference.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5).float()
     got = cuda_kernels.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5, max_seq_len=max(lens),
                                     tiers=meta.tiers).float()
-    assert calls == [("fp8_e4m3", 0, 3), ("int4_kivi", 3, 3)]
+    if cuda_splits == 3:
+        assert calls == [("fp8_e4m3", 0, 3, False), ("int4_kivi", 3, 3, False)]
+    else:  # int4_kivi last: after fp8_e4m3's split and the rotated tier's two (by Triton)
+        assert calls == [("fp8_e4m3", 0, 1, False), ("int4_kivi", 3, 1, True)]
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode needs a GPU")
+@pytest.mark.parametrize("one_split", [False, True])
 @pytest.mark.parametrize("ladder", [LADDER, ("bfloat16", "fp8_e4m3")])
-def test_cuda_decode_merges_the_tiers(ladder, kv):
+def test_cuda_decode_merges_the_tiers(ladder, kv, one_split, monkeypatch):
     """The cuda backend's decode over a tiered cache: CUDA launches for the tiers it reads (fp8_e4m3,
-    int4_kivi, through their arena views), Triton for the others, merged by log-sum-exp = the reference."""
+    int4_kivi, through their arena views), Triton for the others, merged by log-sum-exp = the reference;
+    ``one_split`` (a large batch's launch shape): the last CUDA launch merges the others in its epilogue,
+    which gives the reduce's output to float rounding."""
     from kvq.attention.cuda import decode8
     from kvq.attention.cuda import kernels as cuda_kernels
 
@@ -185,9 +201,30 @@ def test_cuda_decode_merges_the_tiers(ladder, kv):
     meta, _ = stage_step(HostStep(slots=[0, 1], tables=rows, seq_lens=lens, num_new=[1, 1]), bs, each_to(DEV))
     q = torch.randn(2, H * GROUP, D, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
     want = reference.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5).float()
+    if one_split:
+        merges = []
+        run = decode8.paged_decode
+        monkeypatch.setattr(decode8, "splits_for", lambda *a, **k: 1)
+        monkeypatch.setattr(triton_decode, "part_splits", lambda *a, **k: 1)
+        monkeypatch.setattr(decode8, "paged_decode", lambda *a, **k: merges.append(k.get("merge_into") is not None)
+                            or run(*a, **k))
+        monkeypatch.setattr(triton_decode, "merge_parts", None)  # no reduce launch
     got = cuda_kernels.paged_decode(q, layer, meta.block_tables, meta.seq_lens, D ** -0.5, max_seq_len=max(lens),
                                     tiers=meta.tiers).float()
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+    if one_split:
+        assert merges[-1] and not any(merges[:-1]), merges
+        monkeypatch.undo()
+        parts = triton_decode.decode_parts(layer, meta.block_tables, meta.seq_lens, max(lens), None, meta.tiers)
+        po, plse = triton_decode.partial_buffers(q, len(parts))
+        for i, part in enumerate(parts):  # the same launches, one split each, merged by the reduce
+            if decode8.routes(part.layer, GROUP, q.dtype):
+                decode8.paged_decode(q, part.layer, part.tables, part.lens, D ** -0.5, max_seq_len=part.longest,
+                                     has_hp=part.has_hp, num_splits=1, partials=(po, plse, i))
+            else:
+                triton_decode.launch_part(q, part, po, plse, i, D ** -0.5, 1, True)
+        reduced = triton_decode.merge_parts(po, plse, torch.empty_like(q)).float()
+        torch.testing.assert_close(got, reduced, rtol=2 ** -7, atol=1e-3)  # (a bf16 rounding apart)
 
 
 @pytest.mark.parametrize("ladder", [LADDER, ("bfloat16", "fp8_e4m3")])

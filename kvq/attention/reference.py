@@ -137,6 +137,12 @@ def demote_pairs(layer: LayerKV, pairs: torch.Tensor, src_tier: int, dst_tier: i
             fp8.index_copy_(dst.planes(role)[name], 0, dst_ids, val)
 
 
+def demote_layers(layers: list[LayerKV], pairs: torch.Tensor, src_tier: int, dst_tier: int) -> None:
+    """:func:`demote_pairs` in each of ``layers`` (one step's demotions: the same blocks in every layer)."""
+    for layer in layers:
+        demote_pairs(layer, pairs, src_tier, dst_tier)
+
+
 # -- read ----------------------------------------------------------------------------------------
 def gather_kv(layer: LayerKV, role: str, table: torch.Tensor, n: int, dtype=torch.float32) -> torch.Tensor:
     """Dequantized [H, n, D] of one sequence's first ``n`` tokens (``table`` [>= ceil(n/bs)] signed)."""

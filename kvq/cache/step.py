@@ -44,8 +44,9 @@ class StepMetadata:
                    block of a lower tier (elastic precision), else None
     prefill_tiers  a prefill row's table holds a lower tier's block (host bool): the prefill reads its
                    pages by tag; fresh prompts beside decodes that hold demoted blocks keep the direct path
-    demotes        ((src tier, dst tier, [S, 2] int64 (src block, dst block)), ...): blocks each layer
-                   re-stores one tier down before its seals and its K/V write, deepest source first
+    demotes        ((src tier, dst tier, [S, 2] int64 (src block, dst block)), ...): blocks re-stored one
+                   tier down in every layer (one launch a run) before the first layer's seals and K/V
+                   write, deepest source first
     """
 
     slots: torch.Tensor
@@ -344,8 +345,8 @@ def demote_runs(ops: Sequence[DemoteOp]) -> list[tuple[int, int, list[tuple[int,
 
 
 def layer_ops(ops: Sequence) -> tuple[list[tuple[int, int]], list] | None:
-    """The step's ops as each layer runs them just before writing its own K/V, when they are all
-    seals and demotions: ((hp block, q block) seal pairs (:attr:`StepMetadata.seals`), demotion runs
+    """The step's ops as the forward runs them (demotions, every layer's, before the first layer; seals,
+    each layer's just before it writes its own K/V), when they are all seals and demotions: ((hp block, q block) seal pairs (:attr:`StepMetadata.seals`), demotion runs
     (:func:`demote_runs`, :attr:`StepMetadata.demotes`)); every demotion runs before every seal,
     which is the manager's order where it matters (a demoted source may be sealed into; a block sealed
     in the step is never demoted in it).  None when a copy or a swap is among them and
@@ -385,9 +386,7 @@ def apply_ops(pool: KVPool, kernels, ops: Sequence, swap=None) -> None:
                 pool.copy_blocks(op.src.pool, src, dst)
         elif isinstance(run[0], DemoteOp):
             for s_, d_, pairs in demote_runs(run):
-                t = host_ids(pairs, torch.int64, pool.device)
-                for layer in pool.layers:
-                    kernels.demote_pairs(layer, t, s_, d_)
+                kernels.demote_layers(pool.layers, host_ids(pairs, torch.int64, pool.device), s_, d_)
         elif isinstance(run[0], WipeOp):
             idx = host_ids(sorted({s for op in run for s in op.slabs}), torch.int64, pool.device)
             for layer in pool.layers:  # (each layer's arena: num_slabs rows of its slab bytes)

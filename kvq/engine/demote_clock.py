@@ -1,8 +1,8 @@
 """Time spent demoting blocks (elastic precision, kvq.cache.tiers), counted apart from the step.
 
-Demotions run inside the forward, each layer's just before its seals and its K/V write, so a
-step's time does not show them.  :class:`DemoteClock` stands in for the kernels module during
-the forward of a tiered cache: every other kernel is the module's own, and ``demote_pairs`` is
+Demotions run inside the forward, every layer's before the first layer's seals and K/V write, so
+a step's time does not show them.  :class:`DemoteClock` stands in for the kernels module during
+the forward of a tiered cache: every other kernel is the module's own, and the demotions are
 timed (CUDA: an event pair around each launch on the current stream, summed once the events
 have completed, so nothing waits on the device; CPU: the wall time of the call).
 """
@@ -25,17 +25,23 @@ class DemoteClock:
         return getattr(self._kernels, name)
 
     def demote_pairs(self, layer, pairs, src_tier, dst_tier):
+        return self._timed(self._kernels.demote_pairs, layer, pairs, src_tier, dst_tier)
+
+    def demote_layers(self, layers, pairs, src_tier, dst_tier):
+        return self._timed(self._kernels.demote_layers, layers, pairs, src_tier, dst_tier)
+
+    def _timed(self, fn, *args):
         self.launches += 1
         if not self._cuda:
             t = time.perf_counter()
-            out = self._kernels.demote_pairs(layer, pairs, src_tier, dst_tier)
+            out = fn(*args)
             self._seconds += time.perf_counter() - t
             return out
         import torch
 
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = self._kernels.demote_pairs(layer, pairs, src_tier, dst_tier)
+        out = fn(*args)
         end.record()
         self._pending.append((start, end))
         return out

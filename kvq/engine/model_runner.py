@@ -82,7 +82,7 @@ class ModelRunner:
                 sample_ids.append(item.seq_id)
             if item.prompt_rows:  # rare (prompt_logprobs): no generator per item on the hot path
                 prompt_rows += (base + off for off in item.prompt_rows)
-        in_layers = layer_ops(sched.ops)  # seals and demotions, run by each layer before its write
+        in_layers = layer_ops(sched.ops)  # seals and demotions, run inside the forward
         if in_layers is None:
             self.apply_ops(sched.ops)
         seals, demotes = in_layers or ((), ())

@@ -548,6 +548,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     u16* __restrict__ out, i64 s_ob, i64 s_oh,                // [B, Hq, D] (ST == 1)
     float qk_scale, int H,
     int split_base, int ST,    // this launch's splits are [split_base, + gridDim.x) of ST partials a row
+    // MERGE (one split): po / plse hold ST partials a row from earlier launches (a tiered cache's other
+    // tiers); merge them with this launch's result by log-sum-exp and write out (no reduce launch)
+    int merge,
     // ROT: the rotated queries (float32 [B, Hq, D] contiguous), K's and V's levels (f16 [2^BITS]),
     // the rotation's signs (float32 [D]); unused otherwise
     const float* __restrict__ qr, const u16* __restrict__ klut, const u16* __restrict__ vlut,
@@ -1276,7 +1279,24 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         }
         const float o = L > 0.f ? O / L : 0.f;
         const int hq = h * GROUP + qq;
-        if (ST == 1) {
+        if (merge) {
+            const i64 row0 = ((i64)b * Hq + hq) * ST;
+            const float lse = L > 0.f ? M + __log2f(L) : NEG_INF;
+            float mm = lse;
+            for (int s = 0; s < ST; ++s) mm = fmaxf(mm, plse[row0 + s]);
+            float acc = 0.f, wsum = 0.f;
+            if (mm != NEG_INF) {
+                wsum = lse != NEG_INF ? ex2(lse - mm) : 0.f;
+                acc = o * wsum;
+                for (int s = 0; s < ST; ++s) {
+                    const float ls_ = plse[row0 + s];
+                    const float w = ls_ != NEG_INF ? ex2(ls_ - mm) : 0.f;
+                    acc += po[(row0 + s) * D + ch] * w;
+                    wsum += w;
+                }
+            }
+            out[(i64)b * s_ob + (i64)hq * s_oh + ch] = float_to_model(wsum > 0.f ? acc / wsum : 0.f);
+        } else if (ST == 1) {
             out[(i64)b * s_ob + (i64)hq * s_oh + ch] = float_to_model(o);
         } else {
             const i64 row = ((i64)b * Hq + hq) * ST + split_base + sp;

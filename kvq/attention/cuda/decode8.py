@@ -313,6 +313,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
                  num_splits: int | None = None, nwarps: int = NWARPS, nstages: int | None = None,
                  min_blocks: int | None = None, kivi_step32: bool | None = None,
                  partials: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                 merge_into: torch.Tensor | None = None,
                  defines: tuple[str, ...] = ()) -> torch.Tensor | None:
     """Same contract as :func:`kvq.attention.reference.paged_decode`.
 
@@ -324,7 +325,10 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     ``partials`` = (po [B, Hq, S, D] float32, plse [B, Hq, S] float32, base): write this launch's
     ``num_splits`` partial results (channels in natural order, log2-domain log-sum-exps) at splits
     ``base, ...`` of the S a row, for the caller to merge with other launches' (a tiered cache: one
-    launch a tier, kvq.attention.cuda.kernels); returns None.
+    launch a tier, kvq.attention.cuda.kernels); returns None.  With ``merge_into`` ([B, Hq, D], one split):
+    ``po`` / ``plse`` already hold every other launch's partials (all S of a row; ``base`` = S); this
+    launch merges them with its own result by log-sum-exp and writes ``merge_into``, which it returns
+    (a tiered decode's last launch: no reduce launch).
 
     ``defines``: ``NAME=VALUE`` compile-time switches of a kernel variant other than the default
     (``ROT_REG_LUT=0``: 3-bit rotated codes' levels from the shared table), for probes and tests."""
@@ -371,12 +375,20 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
     else:
         qr = klut = vlut = rsign = q
     out = torch.empty_like(q) if partials is None else q  # (with partials: unused by the kernel)
-    base, total = 0, num_splits
+    base, total, merge = 0, num_splits, merge_into is not None
     if partials is not None:
         po, plse, base = partials
         total = po.shape[2]
-        assert po.shape == (B, Hq, total, D) and plse.shape == (B, Hq, total) and base + num_splits <= total
-        assert po.is_contiguous() and plse.is_contiguous() and total > 1
+        assert po.shape == (B, Hq, total, D) and plse.shape == (B, Hq, total)
+        assert po.is_contiguous() and plse.is_contiguous()
+        if merge:
+            assert num_splits == 1 and base == total >= 1 and merge_into.shape == q.shape, (num_splits, base, total)
+            assert merge_into.dtype == q.dtype and merge_into.stride(2) == 1
+            out = merge_into
+        else:
+            assert base + num_splits <= total and total > 1
+    elif merge:
+        raise ValueError("merge_into merges other launches' partials: pass them")
     elif num_splits > 1:
         po = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
         plse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
@@ -392,11 +404,11 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
             _ptr(layer.k_hp), _ptr(layer.v_hp),
             _ptr(block_tables), np.int64(block_tables.stride(0)), _ptr(seq_lens),
             _ptr(po), _ptr(plse), _ptr(out), np.int64(out.stride(0)), np.int64(out.stride(1)),
-            np.float32(sm_scale * _LOG2E), np.int32(H), np.int32(base), np.int32(total),
+            np.float32(sm_scale * _LOG2E), np.int32(H), np.int32(base), np.int32(total), np.int32(merge),
             _ptr(qr), _ptr(klut), _ptr(vlut), _ptr(rsign),
         ), shared_mem=smem)
     if partials is not None:
-        return None
+        return out if merge else None
     if num_splits > 1:
         _decode_reduce_kernel[(B, Hq)](po, plse, out, out.stride(0), out.stride(1), num_splits, Hq,
                                        S_TILE=16, D=D, V_PER=1)

@@ -2,7 +2,8 @@
 
 Decode over layers stored in 8 bits or as KIVI runs the CUDA kernel of
 decode8.cu (a tiered cache's: one launch a tier, the CUDA kernel for the tiers
-it reads, merged with the others by log-sum-exp); decode over any other layer (bf16 skip layers, and what
+it reads; the last launch, a CUDA one of one split, merges the others' partial
+results by log-sum-exp in its epilogue, else a reduce launch does); decode over any other layer (bf16 skip layers, and what
 :func:`kvq.attention.cuda.decode8.routes` refuses, e.g. 3-bit rotated codes at head_dim 64) and
 prefill run the Triton kernels.  Block seals of KIVI and
 per-block-scaled layers (window seals in the decode step, a prefill chunk's whole
@@ -13,13 +14,15 @@ plan's choice is fixed when the backend is selected (backends.py reports it).
 
 from __future__ import annotations
 
+import torch
+
 from kvq.attention.cuda import decode8, seal
 from kvq.attention.triton import decode as triton_decode
-from kvq.attention.triton.demote import demote_pairs  # noqa: F401 (the Triton kernel serves every tier)
+from kvq.attention.triton.demote import demote_layers, demote_pairs  # noqa: F401 (Triton's serve every tier)
 from kvq.attention.triton import store
 from kvq.attention.triton.prefill import paged_attention
 
-__all__ = ["demote_pairs", "paged_attention", "paged_decode", "seal_blocks", "seal_pairs", "write_kv"]
+__all__ = ["demote_layers", "demote_pairs", "paged_attention", "paged_decode", "seal_blocks", "seal_pairs", "write_kv"]
 
 
 def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, has_hp=None, tiers=None):
@@ -38,14 +41,25 @@ def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, h
               for p, c in zip(parts, cuda)]
     by_cuda = {id(p) for p, c in zip(parts, cuda) if c}
 
-    def launch(p, po, plse, base, n):
+    def launch(p, po, plse, base, n, merge_into=None):
         if id(p) in by_cuda:
-            decode8.paged_decode(q, p.layer, p.tables, p.lens, sm_scale, max_seq_len=p.longest, has_hp=p.has_hp,
-                                 num_splits=n, partials=(po, plse, base))
-        else:
-            triton_decode.launch_part(q, p, po, plse, base, sm_scale, n, natural=True)
+            return decode8.paged_decode(q, p.layer, p.tables, p.lens, sm_scale, max_seq_len=p.longest,
+                                        has_hp=p.has_hp, num_splits=n, partials=(po, plse, base),
+                                        merge_into=merge_into)
+        triton_decode.launch_part(q, p, po, plse, base, sm_scale, n, natural=True)
 
-    return triton_decode.run_parts(q, parts, splits, launch)
+    # a CUDA part of one split runs last and merges the others' partials in its epilogue (no reduce
+    # launch); without one (a small batch over long contexts splits every part), a reduce merges them all
+    last = next((i for i in reversed(range(len(parts))) if cuda[i] and splits[i] == 1), None)
+    if last is None:
+        return triton_decode.run_parts(q, parts, splits, launch)
+    rest = [i for i in range(len(parts)) if i != last]
+    po, plse = triton_decode.partial_buffers(q, sum(splits[i] for i in rest))
+    base = 0
+    for i in rest:
+        launch(parts[i], po, plse, base, splits[i])
+        base += splits[i]
+    return launch(parts[last], po, plse, base, 1, merge_into=torch.empty_like(q))
 
 
 def seal_pairs(layer, pairs):

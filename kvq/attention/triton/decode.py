@@ -321,14 +321,20 @@ def run_parts(q: torch.Tensor, parts: list[DecodePart], splits: list[int], launc
     """One decode as launches into one set of partial results, merged by log-sum-exp: ``launch(part, po,
     plse, base, n)`` writes part ``i``'s ``n = splits[i]`` splits from split ``base`` on (each part by
     the kernel of its format: kvq.attention.cuda.kernels runs the CUDA one where it reads the part)."""
-    B, Hq, D = q.shape
-    po = torch.empty(B, Hq, sum(splits), D, dtype=torch.float32, device=q.device)
-    plse = torch.empty(B, Hq, sum(splits), dtype=torch.float32, device=q.device)
+    po, plse = partial_buffers(q, sum(splits))
     base = 0
     for part, n in zip(parts, splits):
         launch(part, po, plse, base, n)
         base += n
     return merge_parts(po, plse, torch.empty_like(q), v_per)
+
+
+def partial_buffers(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial results of ``splits`` splits a row for a decode of ``q`` [B, Hq, D]: outputs [B, Hq, S, D]
+    and log2-domain log-sum-exps [B, Hq, S], float32."""
+    B, Hq, D = q.shape
+    return (torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device),
+            torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device))
 
 
 def merge_parts(po: torch.Tensor, plse: torch.Tensor, out: torch.Tensor, v_per: int = 1) -> torch.Tensor:
