@@ -346,8 +346,9 @@ def demote_runs(ops: Sequence[DemoteOp]) -> list[tuple[int, int, list[tuple[int,
 
 def layer_ops(ops: Sequence) -> tuple[list[tuple[int, int]], list] | None:
     """The step's ops as the forward runs them (demotions, every layer's, before the first layer; seals,
-    each layer's just before it writes its own K/V), when they are all seals and demotions: ((hp block, q block) seal pairs (:attr:`StepMetadata.seals`), demotion runs
-    (:func:`demote_runs`, :attr:`StepMetadata.demotes`)); every demotion runs before every seal,
+    each layer's just before it writes its own K/V), when they are all seals and demotions: ((hp block,
+    q block) seal pairs (:attr:`StepMetadata.seals`), demotion runs (:func:`demote_runs`,
+    :attr:`StepMetadata.demotes`)); every demotion runs before every seal,
     which is the manager's order where it matters (a demoted source may be sealed into; a block sealed
     in the step is never demoted in it).  None when a copy or a swap is among them and
     :func:`apply_ops` must run the whole list first, in order."""

@@ -3,8 +3,9 @@
 Decode over layers stored in 8 bits or as KIVI runs the CUDA kernel of
 decode8.cu (a tiered cache's: one launch a tier, the CUDA kernel for the tiers
 it reads; the last launch, a CUDA one of one split, merges the others' partial
-results by log-sum-exp in its epilogue, else a reduce launch does); decode over any other layer (bf16 skip layers, and what
-:func:`kvq.attention.cuda.decode8.routes` refuses, e.g. 3-bit rotated codes at head_dim 64) and
+results by log-sum-exp in its epilogue, else a reduce launch does); decode over
+any other layer (bf16 skip layers, and what :func:`kvq.attention.cuda.decode8.routes`
+refuses, e.g. 3-bit rotated codes at head_dim 64) and
 prefill run the Triton kernels.  Block seals of KIVI and
 per-block-scaled layers (window seals in the decode step, a prefill chunk's whole
 blocks) run the CUDA kernel of seal.cu; token writes and every other seal run the
