@@ -199,6 +199,43 @@ def test_sensitivity_shards_merge_to_the_whole_measurement(tiny):
         S.check_candidates(shape, ["int4_kivi:g64"], "k", 32)
 
 
+def test_a_tensors_run_from_its_layer_gives_the_full_runs_losses(tiny, monkeypatch):
+    """Each measured tensor's run starts at its layer from the baseline's recorded inputs: the same KL to
+    the bit as running every layer (what the layers before it compute is the baseline's), the layers
+    before it not run; a resumed run whose calls differ from the recording's fails loudly."""
+    from kvq.calibration import layer_tap
+    from kvq.calibration import sensitivity as S
+    from kvq.models.source import model_shape
+
+    shape = model_shape(tiny)
+    space = S.Space(tiny, S.check_candidates(shape, ["int2_kivi"], "k", 32), (), 4, 32, 32, context=128,
+                    scored=32, passages=1)
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    windows = S.calibration_windows(ids, space)
+    kw = dict(device="cpu", threads=1, load_format="dummy", seed=3)
+    starts = []
+    enter = layer_tap.LayerTap.enter
+
+    def counted(self, input_ids, positions):
+        out = enter(self, input_ids, positions)
+        starts.append(out[0])
+        return out
+
+    monkeypatch.setattr(layer_tap.LayerTap, "enter", counted)
+    skipped = S.measure(space, windows, **kw)
+    assert set(starts) == {0, 1} and starts.count(1) == starts.count(0) // 2  # baseline and layer 0's from 0
+    monkeypatch.setattr(layer_tap.LayerTap, "enter", lambda self, i, p: (enter(self, i, p), (0, None, None))[1])
+    full = S.measure(space, windows, **kw)  # every run from the embedding (the calls still checked)
+    assert skipped.kl == full.kl and len(full.kl) == 2 and all(v > 0 for v in full.kl.values())
+    monkeypatch.undo()
+    tap = layer_tap.LayerTap()
+    tap.record()
+    tap.enter(torch.arange(4), torch.arange(4))
+    tap.resume(1)
+    with pytest.raises(RuntimeError, match="other tokens or positions"):
+        tap.enter(torch.arange(4), torch.arange(1, 5))
+
+
 @pytest.mark.slow
 def test_tune_solves_from_saved_sensitivities_and_keeps_uniform_when_the_plan_loses(tmp_path, monkeypatch, capsys):
     """From a sensitivity file (checked against the settings): layer 0's K, made very sensitive, is the

@@ -8,7 +8,9 @@ read exact, per query).  Each pass is :func:`kvq.eval.scoring.score_stream` at
 one bin: the context is prefilled in chunks, then ``scored`` positions are fed in
 block-sized chunks as decode would feed them, so the scored queries read the
 quantized past exactly as they would while serving.  One engine per measured
-tensor, the checkpoint loaded once.
+tensor, the checkpoint loaded once; a tensor's run starts at its layer, from the
+baseline's recorded inputs (:mod:`kvq.calibration.layer_tap`: the layers before it
+compute what the baseline did), about half the layers' work on average.
 
 A :class:`Space` names what is measured; :func:`measure` returns a
 :class:`Sensitivity` that :mod:`kvq.calibration.tune` turns into solver items
@@ -170,6 +172,7 @@ def measure(space: Space, windows: list[list[int]], *, device: str = "auto", dty
     import torch
 
     from kvq.cache.plan import KVCacheConfig
+    from kvq.calibration.layer_tap import LayerTap
     from kvq.engine.llm_engine import EngineConfig, LLMEngine
     from kvq.eval import metrics
     from kvq.eval.scoring import StreamSpec, score_stream
@@ -191,13 +194,24 @@ def measure(space: Space, windows: list[list[int]], *, device: str = "auto", dty
             progress=False, threads=threads))
 
     info = {}
+    tap = LayerTap()
 
-    def run(kv: KVCacheConfig) -> list:
+    def run(kv: KVCacheConfig, start: int | None = None) -> list:
+        """Score the windows; ``start``: from layer ``start`` on, the layers before it as the baseline
+        computed them (kvq.calibration.layer_tap), else recording the baseline."""
         eng = engine(kv)
         info.update(device=eng.info["device"], dtype=eng.info["dtype"],
                     attention_backend=eng.info["attention_backend"]["resolved"])
-        session = CacheSession(eng)
-        out = [score_stream(session, w, spec, space.block_size)[0] for w in windows]
+        model = eng.runner.model
+        tap.record() if start is None else tap.resume(start)
+        model.tap = tap
+        try:
+            session = CacheSession(eng)
+            out = [score_stream(session, w, spec, space.block_size)[0] for w in windows]
+        finally:
+            model.tap = None
+        if start is not None and tap.pending():
+            raise RuntimeError(f"a run from layer {start} made fewer forward calls than the baseline")
         eng.block_manager.check_integrity()
         return out
 
@@ -210,7 +224,7 @@ def measure(space: Space, windows: list[list[int]], *, device: str = "auto", dty
             pf = single_tensor_plan(shape, space, i, r, s)
             path = Path(tmp) / f"{pf.name}.json"
             pf.save(path)
-            got = run(KVCacheConfig(plan_file=str(path)))
+            got = run(KVCacheConfig(plan_file=str(path)), start=i)
             per_pos = torch.cat([metrics.kl_per_position(b.logprobs, g.logprobs) for b, g in zip(base, got)])
             kl[(i, r, s)] = float(per_pos.mean())
             err[(i, r, s)] = float(per_pos.std() / math.sqrt(per_pos.numel())) if per_pos.numel() > 1 else 0.0

@@ -362,6 +362,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.tap = None  # kvq tune's sensitivity runs: kvq.calibration.layer_tap.LayerTap
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, pool: KVPool, meta: StepMetadata, kernels,
@@ -370,11 +371,17 @@ class LlamaForCausalLM(nn.Module):
         head's dtype (the model's): a float32 copy would hold the same values, and its pass over
         [B, V] cost 0.2 ms a step at 512 rows of a 128K vocabulary on the H200; consumers that need
         float32 (log-softmax, the sampler's sort path) convert."""
-        x, residual = self.model.embed_tokens(input_ids), None
+        tap, start, x, residual = self.tap, 0, None, None
+        if tap is not None:  # record each layer's input, or start at a recorded one (kvq.calibration.layer_tap)
+            start, x, residual = tap.enter(input_ids, positions)
+        if start == 0:
+            x, residual = self.model.embed_tokens(input_ids), None
         for src, dst, pairs in meta.demotes:  # every layer's, in one launch: before a seal or a write reuses
             kernels.demote_layers(pool.layers, pairs, src, dst)  # a demoted block (elastic precision)
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, self.model.rotary_emb, pool, meta, kernels)
+        for i in range(start, len(self.model.layers)):
+            if tap is not None:
+                tap.layer_input(i, x, residual)
+            x, residual = self.model.layers[i](x, residual, positions, self.model.rotary_emb, pool, meta, kernels)
         x = x.index_select(0, logits_indices)
         x, _ = self.model.norm.add_norm(x, residual.index_select(0, logits_indices))
         logits = self.lm_head(x)
