@@ -227,6 +227,11 @@ def test_a_tensors_run_from_its_layer_gives_the_full_runs_losses(tiny, monkeypat
     monkeypatch.setattr(layer_tap.LayerTap, "enter", lambda self, i, p: (enter(self, i, p), (0, None, None))[1])
     full = S.measure(space, windows, **kw)  # every run from the embedding (the calls still checked)
     assert skipped.kl == full.kl and len(full.kl) == 2 and all(v > 0 for v in full.kl.values())
+    assert skipped.meta["from_own_layer"]
+    monkeypatch.undo()
+    monkeypatch.setattr(layer_tap, "MAX_BYTES", 1000)  # a recording too large to keep: every run from the start
+    dropped = S.measure(space, windows, **kw)
+    assert dropped.kl == full.kl and not dropped.meta["from_own_layer"]
     monkeypatch.undo()
     tap = layer_tap.LayerTap()
     tap.record()

@@ -203,14 +203,18 @@ def measure(space: Space, windows: list[list[int]], *, device: str = "auto", dty
         info.update(device=eng.info["device"], dtype=eng.info["dtype"],
                     attention_backend=eng.info["attention_backend"]["resolved"])
         model = eng.runner.model
-        tap.record() if start is None else tap.resume(start)
-        model.tap = tap
+        if start is None:
+            tap.record()
+            model.tap = tap
+        elif not tap.dropped:
+            tap.resume(start)
+            model.tap = tap
         try:
             session = CacheSession(eng)
             out = [score_stream(session, w, spec, space.block_size)[0] for w in windows]
         finally:
             model.tap = None
-        if start is not None and tap.pending():
+        if start is not None and not tap.dropped and tap.pending():
             raise RuntimeError(f"a run from layer {start} made fewer forward calls than the baseline")
         eng.block_manager.check_integrity()
         return out
@@ -231,5 +235,5 @@ def measure(space: Space, windows: list[list[int]], *, device: str = "auto", dty
             if progress:
                 progress(n + 1, len(jobs), (i, r, s), kl[(i, r, s)])
     meta = {"seconds": round(time.perf_counter() - t0, 1), **info, "positions": space.scored * len(windows),
-            "tensors_measured": len(jobs)}
+            "tensors_measured": len(jobs), "from_own_layer": not tap.dropped}
     return Sensitivity(space, kl, err, meta)
