@@ -15,8 +15,6 @@ plan's choice is fixed when the backend is selected (backends.py reports it).
 
 from __future__ import annotations
 
-import torch
-
 from kvq.attention.cuda import decode8, seal
 from kvq.attention.triton import decode as triton_decode
 from kvq.attention.triton.demote import demote_layers, demote_pairs  # noqa: F401 (Triton's serve every tier)
@@ -52,15 +50,7 @@ def paged_decode(q, layer, block_tables, seq_lens, sm_scale, max_seq_len=None, h
     # a CUDA part of one split runs last and merges the others' partials in its epilogue (no reduce
     # launch); without one (a small batch over long contexts splits every part), a reduce merges them all
     last = next((i for i in reversed(range(len(parts))) if cuda[i] and splits[i] == 1), None)
-    if last is None:
-        return triton_decode.run_parts(q, parts, splits, launch)
-    rest = [i for i in range(len(parts)) if i != last]
-    po, plse = triton_decode.partial_buffers(q, sum(splits[i] for i in rest))
-    base = 0
-    for i in rest:
-        launch(parts[i], po, plse, base, splits[i])
-        base += splits[i]
-    return launch(parts[last], po, plse, base, 1, merge_into=torch.empty_like(q))
+    return triton_decode.run_parts(q, parts, splits, launch, merger=last)
 
 
 def seal_pairs(layer, pairs):

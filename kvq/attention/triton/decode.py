@@ -317,15 +317,21 @@ def launch_part(q: torch.Tensor, part: DecodePart, po: torch.Tensor, plse: torch
     )
 
 
-def run_parts(q: torch.Tensor, parts: list[DecodePart], splits: list[int], launch, v_per: int = 1) -> torch.Tensor:
+def run_parts(q: torch.Tensor, parts: list[DecodePart], splits: list[int], launch, v_per: int = 1,
+              merger: int | None = None) -> torch.Tensor:
     """One decode as launches into one set of partial results, merged by log-sum-exp: ``launch(part, po,
     plse, base, n)`` writes part ``i``'s ``n = splits[i]`` splits from split ``base`` on (each part by
-    the kernel of its format: kvq.attention.cuda.kernels runs the CUDA one where it reads the part)."""
-    po, plse = partial_buffers(q, sum(splits))
+    the kernel of its format: kvq.attention.cuda.kernels runs the CUDA one where it reads the part).
+    ``merger``: the part (of one split) that runs last and merges every other's partials itself,
+    ``launch(part, po, plse, S, 1, merge_into=out)`` returning ``out``; else a reduce launch merges."""
+    order = [i for i in range(len(parts)) if i != merger]
+    po, plse = partial_buffers(q, sum(splits[i] for i in order))
     base = 0
-    for part, n in zip(parts, splits):
-        launch(part, po, plse, base, n)
-        base += n
+    for i in order:
+        launch(parts[i], po, plse, base, splits[i])
+        base += splits[i]
+    if merger is not None:
+        return launch(parts[merger], po, plse, base, 1, merge_into=torch.empty_like(q))
     return merge_parts(po, plse, torch.empty_like(q), v_per)
 
 

@@ -106,7 +106,7 @@ def _groups(layers: list[LayerKV], src_tier: int, dst_tier: int) -> list[list[La
     groups: list[list[LayerKV]] = []
     key = None
     for lay in layers:
-        k = lay
+        k = id(lay)  # (no arena: a launch of its own)
         if lay.arena is not None:  # (a tier's block stride: its planes' first stride)
             k = tuple((_tier(lay, t).fmt, _tier(lay, t).k["data"].stride(0)) for t in (src_tier, dst_tier))
         if groups and k == key:
