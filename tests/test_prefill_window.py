@@ -133,7 +133,9 @@ def test_a_group_of_three_query_heads_reads_each_querys_window_exact(backend):
     _check_windows("int4_kivi", 4, 32, backend, ({"a": 256, "b": 96}, {"a": 160, "b": 224}), group=3)
 
 
-@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+# (the band with its query heads one a program reads the chunks of a partial block as the packed band does:
+# its tiles are the other tests'; left out for time)
+@pytest.mark.parametrize("backend", [b for b in WINDOW_BACKENDS if not b.endswith("-unpacked")])
 @pytest.mark.parametrize("fmt,sink,res", [("int4_kivi", 4, 32), ("int2_kivi", 0, 0), ("fp8_per_block", 4, 0)])
 def test_chunks_off_block_boundaries_read_each_querys_window_exact(fmt, sink, res, backend):
     """Chunks that start and end inside blocks of a format sealed per block (the scheduler no longer
