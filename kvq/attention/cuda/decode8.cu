@@ -544,13 +544,14 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
     const u8* __restrict__ khp, const u8* __restrict__ vhp,   // [NHP, H, PAGE, D] model dtype
     const int* __restrict__ tables, i64 s_tb,                 // [B, max_blocks] signed block ids
     const int* __restrict__ seq_lens,                         // [B]
-    float* __restrict__ po, float* __restrict__ plse,         // [B, Hq, ST, D], [B, Hq, ST] (ST > 1)
-    u16* __restrict__ out, i64 s_ob, i64 s_oh,                // [B, Hq, D] (ST == 1)
+    float* __restrict__ po, float* __restrict__ plse,         // [B, Hq, ST, D], [B, Hq, ST] (MODE 1, 2)
+    u16* __restrict__ out, i64 s_ob, i64 s_oh,                // [B, Hq, D] (MODE 0, 2)
     float qk_scale, int H,
     int split_base, int ST,    // this launch's splits are [split_base, + gridDim.x) of ST partials a row
-    // MERGE (one split): po / plse hold ST partials a row from earlier launches (a tiered cache's other
-    // tiers); merge them with this launch's result by log-sum-exp and write out (no reduce launch)
-    int merge,
+    // MODE 0: one split, write out; 1: write this launch's partials into po / plse; 2 (one split): po / plse
+    // hold ST partials a row from earlier launches (a tiered cache's other tiers): merge them with this
+    // launch's result by log-sum-exp and write out (no reduce launch)
+    int mode,
     // ROT: the rotated queries (float32 [B, Hq, D] contiguous), K's and V's levels (f16 [2^BITS]),
     // the rotation's signs (float32 [D]); unused otherwise
     const float* __restrict__ qr, const u16* __restrict__ klut, const u16* __restrict__ vlut,
@@ -1279,7 +1280,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
         }
         const float o = L > 0.f ? O / L : 0.f;
         const int hq = h * GROUP + qq;
-        if (merge) {
+        if (mode == 2) {
             const i64 row0 = ((i64)b * Hq + hq) * ST;
             const float lse = L > 0.f ? M + __log2f(L) : NEG_INF;
             float mm = lse;
@@ -1296,7 +1297,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MIN_BLOCKS) kvq_decode
                 }
             }
             out[(i64)b * s_ob + (i64)hq * s_oh + ch] = float_to_model(wsum > 0.f ? acc / wsum : 0.f);
-        } else if (ST == 1) {
+        } else if (mode == 0) {
             out[(i64)b * s_ob + (i64)hq * s_oh + ch] = float_to_model(o);
         } else {
             const i64 row = ((i64)b * Hq + hq) * ST + split_base + sp;

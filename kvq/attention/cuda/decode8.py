@@ -386,7 +386,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
             assert merge_into.dtype == q.dtype and merge_into.stride(2) == 1
             out = merge_into
         else:
-            assert base + num_splits <= total and total > 1
+            assert base + num_splits <= total
     elif merge:
         raise ValueError("merge_into merges other launches' partials: pass them")
     elif num_splits > 1:
@@ -394,6 +394,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
         plse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     else:
         po = plse = out  # unused by the kernel
+    mode = 2 if merge else 1 if total > 1 or partials is not None else 0  # the kernel's MODE: merge, partials, out
     planes = (layer.k["data"], layer.v["data"], ks, vs, kz, vz)
     blocked = [np.int64(block_stride(t) if t.dim() > 1 else 0) for t in planes]  # (static scales: [H])
     stream = _cupy_stream(torch.cuda.current_stream(q.device).cuda_stream)
@@ -404,7 +405,7 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
             _ptr(layer.k_hp), _ptr(layer.v_hp),
             _ptr(block_tables), np.int64(block_tables.stride(0)), _ptr(seq_lens),
             _ptr(po), _ptr(plse), _ptr(out), np.int64(out.stride(0)), np.int64(out.stride(1)),
-            np.float32(sm_scale * _LOG2E), np.int32(H), np.int32(base), np.int32(total), np.int32(merge),
+            np.float32(sm_scale * _LOG2E), np.int32(H), np.int32(base), np.int32(total), np.int32(mode),
             _ptr(qr), _ptr(klut), _ptr(vlut), _ptr(rsign),
         ), shared_mem=smem)
     if partials is not None:

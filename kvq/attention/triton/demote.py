@@ -24,6 +24,7 @@ from kvq.attention.triton.decode import layer_args
 from kvq.attention.triton.dequant import _page_tile
 from kvq.attention.triton.store import _quant_store, _role_args, _warps
 from kvq.cache.pool import LayerKV
+from kvq.cache.step import host_ids
 
 
 @triton.jit
@@ -143,7 +144,7 @@ def _deltas(layers: list[LayerKV], src_tier: int, dst_tier: int) -> torch.Tensor
     out = _DELTAS.get(key)
     if out is None:
         d = np.asarray(rows, np.int64) - np.asarray(rows[0], np.int64)
-        out = _DELTAS[key] = torch.from_numpy(d).to(layers[0].k_hp.device)
+        out = _DELTAS[key] = host_ids(d.tolist(), torch.int64, layers[0].k_hp.device)  # (no stream sync)
     return out
 
 
