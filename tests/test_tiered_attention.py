@@ -178,6 +178,28 @@ def test_cuda_backend_runs_each_tier_by_its_kernel_into_one_merge(kv, monkeypatc
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
 
 
+def test_cuda_launch_outputs_of_each_write_mode():
+    """Where a CUDA decode launch writes (decode8.launch_outputs, the kernel's MODE), on the CPU: a
+    non-merging launch before the merging one may be its only partial (fp8_e4m3>int4_kivi at a large batch,
+    both tiers by CUDA, one split each; session 42's H100 run stopped on that case's assertion)."""
+    from kvq.attention.cuda.decode8 import launch_outputs
+
+    q = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
+    po, plse = triton_decode.partial_buffers(q, 1)
+    got = launch_outputs(q, 1, (po, plse, 0), None)
+    assert got[0] is po and got[1] is plse and got[3:] == (0, 1, 1)  # the only partial before the merge
+    into = torch.empty_like(q)
+    got = launch_outputs(q, 1, (po, plse, 1), into)
+    assert got[2] is into and got[3:] == (1, 1, 2)  # the merging launch after it
+    assert launch_outputs(q, 1, None, None)[3:] == (0, 1, 0)  # alone, one split: straight to out
+    own = launch_outputs(q, 3, None, None)  # alone, split: its own partials, reduced after
+    assert own[0].shape == (2, 4, 3, 8) and own[3:] == (0, 3, 1)
+    with pytest.raises(ValueError, match="pass them"):
+        launch_outputs(q, 1, None, into)
+    with pytest.raises(AssertionError):
+        launch_outputs(q, 1, (po, plse, 0), into)  # a merge must come after every other partial
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA decode needs a GPU")
 @pytest.mark.parametrize("one_split", [False, True])
 # (fp8_e4m3 > int4_kivi: both tiers by CUDA, so the merging launch follows one CUDA launch of one split)

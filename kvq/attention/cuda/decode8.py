@@ -308,6 +308,39 @@ def splits_for(q: torch.Tensor, layer: LayerKV, max_seq_len: int, nwarps: int = 
                          nwarps=nwarps)
 
 
+
+def launch_outputs(q: torch.Tensor, num_splits: int, partials: tuple[torch.Tensor, torch.Tensor, int] | None,
+                   merge_into: torch.Tensor | None):
+    """Where one launch of :func:`paged_decode` writes: -> (po, plse, out, base, total, mode), ``mode`` the
+    kernel's MODE: 0 one split written to ``out``; 1 partials written at splits ``base, ...`` of ``total``
+    a row (the caller's ``partials``, or this launch's own buffers when it splits); 2 ``merge_into``: one
+    split merged with the ``total`` partials earlier launches left in ``partials`` (``base == total``).  A
+    non-merging launch with ``partials`` writes them even when it is the only one before the merge
+    (total 1: two tiers read by CUDA, one split each)."""
+    B, Hq, D = q.shape
+    out = torch.empty_like(q) if partials is None else q  # (with partials: unused by the kernel)
+    base, total, merge = 0, num_splits, merge_into is not None
+    if partials is not None:
+        po, plse, base = partials
+        total = po.shape[2]
+        assert po.shape == (B, Hq, total, D) and plse.shape == (B, Hq, total)
+        assert po.is_contiguous() and plse.is_contiguous()
+        if merge:
+            assert num_splits == 1 and base == total >= 1 and merge_into.shape == q.shape, (num_splits, base, total)
+            assert merge_into.dtype == q.dtype and merge_into.stride(2) == 1
+            out = merge_into
+        else:
+            assert base + num_splits <= total, (base, num_splits, total)
+    elif merge:
+        raise ValueError("merge_into merges other launches' partials: pass them")
+    elif num_splits > 1:
+        po = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+        plse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused by the kernel
+    mode = 2 if merge else 1 if partials is not None or num_splits > 1 else 0
+    return po, plse, out, base, total, mode
+
 def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  sm_scale: float, max_seq_len: int | None = None, has_hp: bool | None = None,
                  num_splits: int | None = None, nwarps: int = NWARPS, nstages: int | None = None,
@@ -374,27 +407,8 @@ def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, se
         qr = q if k8 else q.float() @ rmat
     else:
         qr = klut = vlut = rsign = q
-    out = torch.empty_like(q) if partials is None else q  # (with partials: unused by the kernel)
-    base, total, merge = 0, num_splits, merge_into is not None
-    if partials is not None:
-        po, plse, base = partials
-        total = po.shape[2]
-        assert po.shape == (B, Hq, total, D) and plse.shape == (B, Hq, total)
-        assert po.is_contiguous() and plse.is_contiguous()
-        if merge:
-            assert num_splits == 1 and base == total >= 1 and merge_into.shape == q.shape, (num_splits, base, total)
-            assert merge_into.dtype == q.dtype and merge_into.stride(2) == 1
-            out = merge_into
-        else:
-            assert base + num_splits <= total
-    elif merge:
-        raise ValueError("merge_into merges other launches' partials: pass them")
-    elif num_splits > 1:
-        po = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
-        plse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        po = plse = out  # unused by the kernel
-    mode = 2 if merge else 1 if total > 1 or partials is not None else 0  # the kernel's MODE: merge, partials, out
+    po, plse, out, base, total, mode = launch_outputs(q, num_splits, partials, merge_into)
+    merge = mode == 2
     planes = (layer.k["data"], layer.v["data"], ks, vs, kz, vz)
     blocked = [np.int64(block_stride(t) if t.dim() > 1 else 0) for t in planes]  # (static scales: [H])
     stream = _cupy_stream(torch.cuda.current_stream(q.device).cuda_stream)
