@@ -119,13 +119,13 @@ bench-pressure:
 	python3 scripts/capacity_report.py --json $(PRESSURE_OUT)
 
 # elastic precision (issue 45), one process per configuration: fp8_e4m3 with an int4_kivi tier (pressure alone, and
-# with blocks 256 tokens behind the head aged too) at 768 requests beside fp8_e4m3 and int4_kivi alone; bf16 with an
+# with blocks 768 or 256 tokens behind the head aged too) at 768 requests beside fp8_e4m3 and int4_kivi alone; bf16 with an
 # fp8_e4m3 tier at 512 beside bf16 alone.  Each takes more than 130 s on the H200 (session 23), so a device call
 # takes a few.  An H100 holds about half the H200's pool: 384 and 256 stand for 768 and 512 there (sessions 37-39):
 #   make bench-elastic ELASTIC_768="fp8_e4m3 'fp8_e4m3>int4_kivi'" ELASTIC_512=
 #   make bench-elastic ELASTIC_C768=384 ELASTIC_C512=256 ELASTIC_OUT=docs/results/bench_engine_elastic_h100.json
 ELASTIC_OUT ?= docs/results/bench_engine_elastic_h200.json
-ELASTIC_768 ?= fp8_e4m3 'fp8_e4m3>int4_kivi' 'fp8_e4m3>int4_kivi@256+pressure' int4_kivi
+ELASTIC_768 ?= fp8_e4m3 'fp8_e4m3>int4_kivi' 'fp8_e4m3>int4_kivi@768+pressure' 'fp8_e4m3>int4_kivi@256+pressure' int4_kivi
 ELASTIC_512 ?= bfloat16 'bfloat16>fp8_e4m3' 'bfloat16>fp8_e4m3@256+pressure'
 ELASTIC_C768 ?= 768
 ELASTIC_C512 ?= 512
