@@ -74,6 +74,13 @@ def test_converted_copy_is_the_gguf_load_exactly(tmp_path, monkeypatch):
     chat = [{"role": "user", "content": "Hi there"}]
     assert ta.apply_chat_template(chat, tokenize=False) == tb.apply_chat_template(chat, tokenize=False)
     assert (ta.eos_token_id, ta.bos_token_id) == (tb.eos_token_id, tb.bos_token_id)
+    # kvq's own builds read the entry's safetensors directly: transformers' tensors and config
+    from kvq.models.builder import read_converted
+    from kvq.models.llama import LlamaConfig
+
+    cfg, state, tok = read_converted(src, folder)
+    assert cfg == LlamaConfig.from_hf(again.model.config) and tok.encode("Hi there") == tb.encode("Hi there")
+    assert set(b) - set(state) == {"lm_head.weight"} and all(torch.equal(state[k], b[k]) for k in state)
 
     manifest = folder / cc.MANIFEST
     meta = json.loads(manifest.read_text())

@@ -110,10 +110,38 @@ def _load_checkpoint(src: ModelSource, progress: bool):
     if _last_checkpoint is not None and _last_checkpoint[0] == src:
         return _last_checkpoint[1]
     _last_checkpoint = None  # the previous model's tensors are freed before the next is read
+    from kvq.models.checkpoint_cache import cached_folder
     from kvq.models.loader import load_hf_model
 
+    folder = cached_folder(src) if src.gguf_file else None
+    if folder is not None:
+        _last_checkpoint = (src, read_converted(src, folder))
+        return _last_checkpoint[1]
     loaded = load_hf_model(src, dtype=torch.float32, device="cpu", progress=progress)
     cfg = LlamaConfig.from_hf(loaded.model.config)
     state = {k: v.detach() for k, v in loaded.model.state_dict().items()}
     _last_checkpoint = (src, (cfg, state, loaded.tokenizer))
     return _last_checkpoint[1]
+
+
+def read_converted(src: ModelSource, folder) -> tuple:
+    """(config, float32 state dict, tokenizer) of a GGUF checkpoint's converted copy
+    (kvq.models.checkpoint_cache), its weights read straight from the safetensors file the conversion
+    wrote: the same tensors as transformers' model built from that folder (tests/test_model_loader.py)
+    without building it (about 1.5 s of each process that loads the default model: servers, ranks,
+    workers).  A tied output head is absent from the file, as kvq's model expects."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from kvq.models.loader import load_tokenizer, named_errors
+
+    tok = load_tokenizer(src)
+    files = sorted(folder.glob("*.safetensors"))  # (one file, or the shards of a large model)
+    if not files:
+        raise ModelFileError(f"{folder}: the converted copy of {src.path} holds no safetensors weights")
+    state = {}
+    with named_errors(src, "weights"):
+        hf_cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        for f in files:
+            state.update(load_file(str(f)))
+    return LlamaConfig.from_hf(hf_cfg), state, tok

@@ -45,14 +45,14 @@ def load_tokenizer(model: str | ModelSource):
 
     src = resolve_model(model) if isinstance(model, str) else model
     folder = cached_folder(src) if src.gguf_file else None
-    with _named_errors(src, "tokenizer"):
+    with named_errors(src, "tokenizer"):
         if folder is not None:
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         return AutoTokenizer.from_pretrained(str(src.folder), **_kwargs(src))
 
 
 @contextlib.contextmanager
-def _named_errors(src: ModelSource, what: str):
+def named_errors(src: ModelSource, what: str):
     """A checkpoint transformers cannot read (truncated safetensors, garbled GGUF tensors, missing
     files) -> one ModelFileError naming the file and the loader's complaint, not a traceback."""
     try:
@@ -80,7 +80,7 @@ def load_hf_model(model: str | ModelSource = "default", dtype: torch.dtype = tor
         tok = load_tokenizer(src)
         bar.update()
         bar.set_postfix_str("weights" if folder is None else "weights (converted copy)")
-        with _named_errors(src, "weights"):
+        with named_errors(src, "weights"):
             if folder is not None:
                 lm = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
             else:
