@@ -308,7 +308,6 @@ def splits_for(q: torch.Tensor, layer: LayerKV, max_seq_len: int, nwarps: int = 
                          nwarps=nwarps)
 
 
-
 def launch_outputs(q: torch.Tensor, num_splits: int, partials: tuple[torch.Tensor, torch.Tensor, int] | None,
                    merge_into: torch.Tensor | None):
     """Where one launch of :func:`paged_decode` writes: -> (po, plse, out, base, total, mode), ``mode`` the
@@ -340,6 +339,7 @@ def launch_outputs(q: torch.Tensor, num_splits: int, partials: tuple[torch.Tenso
         po = plse = out  # unused by the kernel
     mode = 2 if merge else 1 if partials is not None or num_splits > 1 else 0
     return po, plse, out, base, total, mode
+
 
 def paged_decode(q: torch.Tensor, layer: LayerKV, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  sm_scale: float, max_seq_len: int | None = None, has_hp: bool | None = None,
